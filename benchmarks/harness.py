@@ -1,0 +1,99 @@
+"""The one timing harness for benchmarks and demos: warm-up, median of many runs, environment record.
+
+On CUDA, each run is timed with CUDA events and the L2 cache is flushed before it (a 256 MiB write,
+larger than the H100's 50 MB and H200's 60 MB L2), so that inputs are read from HBM as in a real model.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["Timing", "measure", "environment", "write_result", "timing_dict", "RESULTS_DIR"]
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+_L2_FLUSH_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    runs: int
+
+
+def measure(fn: Callable[[], Any], *, warmup: int = 3, runs: int = 20, device: str | None = None) -> Timing:
+    """Median wall time of ``fn()`` in milliseconds, synchronised on CUDA."""
+    on_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    for _ in range(warmup):
+        fn()
+    if on_cuda:
+        torch.cuda.synchronize()
+    times = [_time_cuda(fn) if on_cuda else _time_host(fn) for _ in range(runs)]
+    return Timing(statistics.median(times), min(times), max(times), runs)
+
+
+def _time_host(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+_flush_buffer: torch.Tensor | None = None
+
+
+def _time_cuda(fn: Callable[[], Any]) -> float:
+    global _flush_buffer
+    if _flush_buffer is None:
+        _flush_buffer = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    _flush_buffer.zero_()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def environment() -> dict[str, Any]:
+    """Device, versions, date and command: recorded with every result."""
+    env = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["cuda"] = torch.version.cuda
+        env["cudnn"] = torch.backends.cudnn.version()
+    return env
+
+
+def write_result(name: str, payload: dict[str, Any], directory: Path = RESULTS_DIR) -> Path:
+    """``results/<name>.json`` holding ``payload`` and the environment."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps({"environment": environment(), **payload}, indent=2, default=str) + "\n")
+    return path
+
+
+def timing_dict(timing: Timing) -> dict[str, float]:
+    return asdict(timing)

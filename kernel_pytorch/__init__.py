@@ -1,0 +1,29 @@
+"""kernel_pytorch: ``model = kernel_pytorch.optimize(model)`` rewrites a PyTorch model for the hardware found."""
+
+from __future__ import annotations
+
+from kernel_pytorch.api import optimize, report_of
+from kernel_pytorch.backends import Backend, get_backend
+from kernel_pytorch.config import OptimizeConfig, Tolerance
+from kernel_pytorch.errors import HardwareUnavailableError, KernelPytorchError, PassError, UnknownPassError
+from kernel_pytorch.hardware import HardwareInfo, detect_hardware
+from kernel_pytorch.report import OptimizationReport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "optimize",
+    "report_of",
+    "OptimizeConfig",
+    "Tolerance",
+    "detect_hardware",
+    "HardwareInfo",
+    "get_backend",
+    "Backend",
+    "OptimizationReport",
+    "KernelPytorchError",
+    "HardwareUnavailableError",
+    "PassError",
+    "UnknownPassError",
+    "__version__",
+]

@@ -1,0 +1,151 @@
+"""``optimize(model)``: detect -> backend -> prepare_model -> verify -> the optimized module."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import time
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from kernel_pytorch.backends import OptimizationState, get_backend
+from kernel_pytorch.config import OptimizeConfig
+from kernel_pytorch.errors import KernelPytorchError
+from kernel_pytorch.hardware import detect_hardware
+from kernel_pytorch.report import OptimizationReport, VerificationRecord
+from kernel_pytorch.verify import compare, run_reference
+
+__all__ = ["optimize", "report_of"]
+
+
+def optimize(
+    model: nn.Module,
+    config: OptimizeConfig | None = None,
+    *,
+    example_inputs: Any = None,
+    **overrides: Any,
+) -> nn.Module:
+    """Optimize ``model`` for the hardware found, in place, and return it.
+
+    The model keeps its parameters (no copies) and ``state_dict`` keys; its forward is compiled through
+    TorchDynamo with kernel_pytorch's passes. ``example_inputs`` (a tensor, a tuple of positional
+    arguments, or a dict of keyword arguments) makes capture, the passes and verification run now, so
+    that :func:`report_of` is complete on return; without it they run at the first call.
+    ``overrides`` are :class:`OptimizeConfig` fields.
+
+    Example::
+
+        model = kernel_pytorch.optimize(model, example_inputs=(tokens,), compile="max-autotune")
+        kernel_pytorch.report_of(model).print()
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize() takes a torch.nn.Module, got {type(model).__name__}")
+    config = _config_with(config, overrides)
+    state = getattr(model, "_kernel_pytorch", None)
+    if isinstance(state, OptimizationState):
+        state.report.notes.append("optimize() called again on an optimized model: left as it was")
+        return model
+    hardware = detect_hardware(config.device)
+    backend = get_backend(hardware)
+    args, kwargs = _as_call(example_inputs)
+    verify = config.verify is True or (config.verify == "auto" and example_inputs is not None)
+    training = config.mode == "training" or (config.mode == "auto" and model.training)
+    wrt = _gradient_targets(model, args, kwargs) if training else None
+    reference = None
+    if verify and example_inputs is not None:
+        with _preserved_buffers(model):
+            reference = run_reference(model, args, kwargs, wrt)
+    model, report = backend.prepare_model(model, config, example_inputs)
+    if example_inputs is not None:
+        started = time.perf_counter()
+        with _preserved_buffers(model), _our_errors_unwrapped():
+            optimized = run_reference(model, args, kwargs, wrt)
+        report.add_time("first call (capture, passes, compile)", time.perf_counter() - started)
+        if reference is not None:
+            _check_end_to_end(model, reference, optimized, config)
+    return model
+
+
+def report_of(model: nn.Module) -> OptimizationReport:
+    """The :class:`OptimizationReport` of a model returned by :func:`optimize` (updated as graphs are captured)."""
+    state = getattr(model, "_kernel_pytorch", None)
+    if not isinstance(state, OptimizationState):
+        raise ValueError(f"{type(model).__name__} was not optimized by kernel_pytorch.optimize()")
+    return state.report
+
+
+def _config_with(config: OptimizeConfig | None, overrides: dict[str, Any]) -> OptimizeConfig:
+    if config is not None and not isinstance(config, OptimizeConfig):
+        raise TypeError(f"config must be an OptimizeConfig, got {type(config).__name__}")
+    fields = OptimizeConfig.model_fields
+    for name in overrides:
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise TypeError(f"optimize() got an unknown option '{name}'{hint} (options: {', '.join(fields)})")
+    base = config.model_dump() if config is not None else {}
+    return OptimizeConfig.model_validate({**base, **overrides}) if overrides or config is None else config
+
+
+def _as_call(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if example_inputs is None:
+        return (), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def _gradient_targets(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+    targets = {f"parameter {n}": p for n, p in model.named_parameters() if p.requires_grad}
+    for index, value in enumerate((*args, *kwargs.values())):
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            targets[f"input {index}"] = value
+    return targets
+
+
+@contextlib.contextmanager
+def _our_errors_unwrapped():
+    """Dynamo wraps what a backend raises in ``BackendCompilerFailed``; ours are re-raised as they are."""
+    try:
+        yield
+    except torch._dynamo.exc.BackendCompilerFailed as error:
+        inner = getattr(error, "inner_exception", None)
+        if isinstance(inner, KernelPytorchError):
+            raise inner from None
+        raise
+
+
+class _preserved_buffers:
+    """Restores buffers after a verification run, so that ``optimize`` leaves ``state_dict`` as it found
+    it (a training-mode BatchNorm would otherwise update its running statistics)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.saved = {name: b.detach().clone() for name, b in self.model.named_buffers()}
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for name, buffer in self.model.named_buffers():
+                if name in self.saved:
+                    buffer.copy_(self.saved[name])
+
+
+def _check_end_to_end(model: nn.Module, reference, optimized, config: OptimizeConfig) -> None:
+    state: OptimizationState = model._kernel_pytorch
+    report = state.report
+    if state.graph_optimizer.draws_random_numbers:
+        report.notes.append("end-to-end check skipped: the model draws random numbers (e.g. dropout in "
+                            "training), which the compiler samples differently; each graph was verified instead")
+        return
+    comparison = compare(optimized, reference, config)
+    report.verification = VerificationRecord(passed=comparison.ok, worst=comparison.worst, error=comparison.error,
+                                             tolerance=comparison.tolerance,
+                                             compared_gradients=reference.gradients is not None)
+    if not comparison.ok:
+        state.roll_back_everything(model, f"end-to-end check failed: {comparison.describe()}")

@@ -1,0 +1,23 @@
+"""AMD ROCm GPUs: Triton kernels, SDPA, FP8 in the fnuz formats on MI300, Inductor."""
+
+from __future__ import annotations
+
+from kernel_pytorch.backends.base import Backend, Kernel
+from kernel_pytorch.backends.kernels import flash_attn_kernel, sdpa_kernel, triton_kernel
+
+__all__ = ["AmdBackend"]
+
+
+class AmdBackend(Backend):
+    vendor = "amd"
+    compiler = "inductor"
+    compile_by_default = True
+    kernels = (
+        triton_kernel,
+        sdpa_kernel,
+        Kernel("flex-attention", "FlexAttention block-sparse kernels (Triton)",
+               lambda hw: None if hw.triton_usable else "needs Triton"),
+        Kernel("fp8-scaled-mm", "FP8 matmuls through torch._scaled_mm (fnuz formats on MI300)",
+               lambda hw: None if hw.fp8 else f"no FP8 matrix cores on {hw.gfx_arch or 'this GPU'}"),
+        flash_attn_kernel,
+    )

@@ -1,0 +1,15 @@
+"""Google TPUs through torch_xla: no Triton, XLA-lowerable ops only, the openxla compiler."""
+
+from __future__ import annotations
+
+from kernel_pytorch.backends.base import Backend
+from kernel_pytorch.backends.kernels import sdpa_kernel
+
+__all__ = ["TpuBackend"]
+
+
+class TpuBackend(Backend):
+    vendor = "tpu"
+    compiler = "openxla"
+    compile_by_default = True
+    kernels = (sdpa_kernel,)

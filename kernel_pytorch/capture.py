@@ -1,0 +1,255 @@
+"""How graphs are obtained and optimized: a TorchDynamo backend of ours.
+
+``optimize`` routes the model's ``__call__`` through TorchDynamo in place (:func:`install`, which keeps
+``state_dict`` keys) with a :class:`GraphOptimizer` as the dynamo backend. Dynamo hands it each captured torch-level graph (one per
+graph break, and again for new shapes or modes) with real example inputs; it runs the passes, checks
+each rewritten graph against the captured one on those inputs, rolls back the passes that break
+tolerance, and hands the result to the hardware's compiler (or runs it eagerly).
+
+DESIGN.md gives the measurement behind this choice: ``torch.fx.symbolic_trace`` fails on Llama, GPT-2
+and BERT; dynamo captures them.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from kernel_pytorch.config import OptimizeConfig
+from kernel_pytorch.errors import PassError
+from kernel_pytorch.hardware import HardwareInfo
+from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
+from kernel_pytorch.passes.graph_utils import clone_graph_module
+from kernel_pytorch.passes.manager import PassManager
+from kernel_pytorch.report import OptimizationReport, RewriteRecord, RollbackRecord, SkipRecord
+from kernel_pytorch.verify import Run, compare, run_reference
+
+__all__ = ["GraphOptimizer", "CompilerChoice", "draws_random_numbers", "install"]
+
+# Ops whose results depend on the RNG stream: an end-to-end comparison cannot match them when the
+# compiler draws random numbers differently from eager PyTorch (Inductor does).
+_RANDOM_OPS = frozenset({
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+    "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm",
+    "bernoulli", "multinomial", "normal", "poisson", "uniform_", "normal_", "bernoulli_",
+})
+
+
+def _call_module(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module._call_impl(*args, **kwargs)
+
+
+def install(model: torch.nn.Module, backend: Callable[..., Any], dynamic: bool | None) -> None:
+    """Make ``model(...)`` run through TorchDynamo with ``backend``, in place.
+
+    Not ``model.compile()``: that compiles ``Module._call_impl``, a frame in torch's own files, which
+    dynamo skips when it is the top frame, so a model made only of ``torch.nn`` modules (an
+    ``nn.Sequential``, an ``nn.TransformerEncoderLayer``) was never captured (measured: zero graphs on
+    torch 2.13). The entry here is a function of ours, and each model gets its own copy of its code
+    object: dynamo keeps its cache per code object, and a shared one would hit the recompile limit (8)
+    after eight optimized models.
+    """
+    code = _call_module.__code__.replace()
+    entry = types.FunctionType(code, _call_module.__globals__, f"kernel_pytorch_call_{type(model).__name__}")
+    compiled = torch.compile(entry, backend=backend, dynamic=dynamic)
+    model._compiled_call_impl = functools.partial(compiled, model)
+
+
+@dataclass(frozen=True)
+class CompilerChoice:
+    """The compiler graphs go to after the passes: ``"inductor"``, ``"openxla"`` or ``"eager"``."""
+
+    name: str
+    mode: str = "default"
+
+    def describe(self) -> str:
+        return "eager (rewritten graphs run by PyTorch)" if self.name == "eager" else f"{self.name} ({self.mode})"
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        if self.name == "eager":
+            return gm.forward
+        if self.name == "inductor":
+            from torch._inductor import list_mode_options
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, list(example_inputs), config_patches=list_mode_options(self.mode))
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend(self.name)(gm, list(example_inputs))
+
+
+def draws_random_numbers(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph samples from the RNG (dropout in training, rand*, bernoulli...)."""
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", node.target) if node.op != "placeholder" else ""
+        if name not in _RANDOM_OPS:
+            continue
+        if "dropout" in str(name) and not _dropout_active(node):
+            continue
+        return True
+    return False
+
+
+def _dropout_active(node: torch.fx.Node) -> bool:
+    # F.dropout(x, p=0.5, training=True, inplace=False); torch.dropout(x, p, train)
+    p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+    training = node.kwargs.get("training", node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True))
+    return not (training is False or p == 0)
+
+
+class GraphOptimizer:
+    """The dynamo backend: ``GraphOptimizer(...)(gm, example_inputs) -> callable``.
+
+    Passes that fail verification on a graph are rolled back for that graph (the report says which,
+    with the measured error). With ``config.strict`` a pass that raises propagates as ``PassError``;
+    otherwise it is skipped for that graph with a report line.
+    """
+
+    def __init__(
+        self,
+        *,
+        passes: Sequence[GraphPass],
+        hardware: HardwareInfo,
+        config: OptimizeConfig,
+        training: bool,
+        compiler: CompilerChoice,
+        verify: bool,
+        report: OptimizationReport,
+    ):
+        self.passes = tuple(passes)
+        self.hardware = hardware
+        self.config = config
+        self.training = training
+        self.compiler = compiler
+        self.verify = verify
+        self.report = report
+        self.draws_random_numbers = False
+
+    def __repr__(self) -> str:
+        return f"kernel_pytorch.GraphOptimizer({self.hardware.vendor}, compiler={self.compiler.name})"
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        name = f"graph {self.report.graphs}"
+        self.report.graphs += 1
+        self.draws_random_numbers |= draws_random_numbers(gm)
+        ctx = PassContext(hardware=self.hardware, config=self.config, training=self.training, graph_name=name)
+        started = time.perf_counter()
+        candidate, results = self._apply(gm, self.passes, ctx)
+        self.report.add_time("passes", time.perf_counter() - started)
+        if self.verify and any(result.changed for _, result in results):
+            started = time.perf_counter()
+            candidate, results = self._verified(gm, candidate, results, example_inputs, ctx)
+            self.report.add_time("verify", time.perf_counter() - started)
+        self._record(results, name)
+        started = time.perf_counter()
+        compiled = self._compile(candidate, example_inputs, name)
+        self.report.add_time("compile", time.perf_counter() - started)
+        return compiled
+
+    def _apply(
+        self, gm: torch.fx.GraphModule, passes: Sequence[GraphPass], ctx: PassContext
+    ) -> tuple[torch.fx.GraphModule, list[tuple[GraphPass, PassResult]]]:
+        """Run ``passes`` on a copy of ``gm``; a pass that raises leaves the copy as it was before it."""
+        current = clone_graph_module(gm)
+        results = []
+        for graph_pass in passes:
+            trial = clone_graph_module(current)
+            try:
+                result = PassManager.run_one(graph_pass, trial, ctx)
+            except PassError as error:
+                if self.config.strict:
+                    raise
+                self.report.skipped.append(SkipRecord(pass_name=graph_pass.name, location="(whole graph)",
+                                                      reason=f"the pass raised; skipped: {error}", graph=ctx.graph_name))
+                continue
+            current = trial
+            results.append((graph_pass, result))
+        return current, results
+
+    def _verified(self, gm, candidate, results, example_inputs, ctx):
+        """``candidate`` if it matches ``gm`` on the example inputs; else the passes re-applied one at a
+        time, each kept only if the graph still matches."""
+        inputs = _VerificationInputs(gm, example_inputs, self.training)
+        if inputs.unusable_reason:
+            self.report.notes.append(f"{ctx.graph_name}: not verified ({inputs.unusable_reason})")
+            return candidate, results
+        reference = inputs.run(gm)
+        comparison = compare(inputs.run(candidate), reference, self.config)
+        if comparison.ok:
+            return candidate, results
+        current, kept = clone_graph_module(gm), []
+        for graph_pass, _ in results:
+            trial, trial_results = self._apply(current, [graph_pass], ctx)
+            if not trial_results:
+                continue
+            result = trial_results[0][1]
+            comparison = compare(inputs.run(trial), reference, self.config) if result.changed else None
+            if comparison is None or comparison.ok:
+                current = trial
+                kept.append((graph_pass, result))
+            else:
+                self.report.rollbacks.append(RollbackRecord(
+                    pass_name=graph_pass.name, graph=ctx.graph_name,
+                    reason=f"rolled back: {comparison.describe()}"))
+        return current, kept
+
+    def _record(self, results: list[tuple[GraphPass, PassResult]], graph: str) -> None:
+        for graph_pass, result in results:
+            self.report.rewrites += [RewriteRecord(pass_name=graph_pass.name, location=r.location,
+                                                   replacement=r.replacement, graph=graph) for r in result.rewrites]
+            self.report.skipped += [SkipRecord(pass_name=graph_pass.name, location=s.location,
+                                               reason=s.reason, graph=graph) for s in result.skipped]
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str) -> Callable[..., Any]:
+        try:
+            return self.compiler.compile(gm, example_inputs)
+        except Exception as error:
+            if self.config.strict:
+                raise
+            self.report.notes.append(
+                f"{name}: compiler {self.compiler.name} failed ({type(error).__name__}: {error}); running it eagerly")
+            return gm.forward
+
+
+class _VerificationInputs:
+    """Fresh copies of a graph's example inputs for each verification run.
+
+    Tensors other than parameters are cloned per run, because a graph may update its inputs in place
+    (BatchNorm statistics, KV caches) and each run must start from the same values. Symbolic sizes are
+    replaced by the sizes of this call.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], training: bool):
+        self.names = [node.name for node in gm.graph.nodes if node.op == "placeholder"]
+        self.values: list[Any] = []
+        self.unusable_reason = ""
+        for value in example_inputs:
+            if isinstance(value, torch.SymInt):
+                hint = value.node.hint
+                if hint is None:
+                    self.unusable_reason = "an input size is symbolic with no concrete value"
+                value = hint
+            self.values.append(value)
+        self.grad = training and torch.is_grad_enabled() and any(
+            isinstance(v, torch.Tensor) and v.requires_grad for v in self.values)
+
+    def run(self, gm: torch.fx.GraphModule) -> Run:
+        args = [_fresh(v) for v in self.values]
+        wrt = None
+        if self.grad:
+            wrt = {name: a for name, a in zip(self.names, args)
+                   if isinstance(a, torch.Tensor) and a.requires_grad}
+        return run_reference(gm, args, None, wrt)
+
+
+def _fresh(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    return value

@@ -1,0 +1,117 @@
+"""``OptimizeConfig``: every knob of :func:`kernel_pytorch.optimize`, validated by pydantic.
+
+Unknown fields are errors (``extra="forbid"``), so a misspelt option never passes silently.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator
+
+__all__ = ["OptimizeConfig", "Tolerance", "DEFAULT_TOLERANCES", "Vendor", "DEVICE_ALIASES", "CompileMode"]
+
+Vendor = Literal["nvidia", "amd", "tpu", "intel", "cpu"]
+
+# Spellings users reach for, mapped to the vendor names used everywhere else.
+DEVICE_ALIASES: dict[str, str] = {
+    "cuda": "nvidia",
+    "rocm": "amd",
+    "hip": "amd",
+    "xla": "tpu",
+    "xpu": "intel",
+}
+
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+
+class Tolerance(BaseModel):
+    """Largest accepted relative error ``||optimized - reference|| / ||reference||`` for one dtype."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    outputs: PositiveFloat
+    gradients: PositiveFloat
+
+
+# Relative-norm errors. float32: the fused kernels reorder reductions, which costs ~1e-7 relative;
+# 1e-5 leaves room for long reductions while still catching any wrong rewrite (those land >1e-3).
+# bf16/fp16: one rounding step is 2^-8 / 2^-11 relative per element; a chain of fused ops differs
+# from the eager chain by a few of those.
+DEFAULT_TOLERANCES: dict[str, Tolerance] = {
+    "float64": Tolerance(outputs=1e-10, gradients=1e-9),
+    "float32": Tolerance(outputs=1e-5, gradients=1e-4),
+    "float16": Tolerance(outputs=5e-3, gradients=1e-2),
+    "bfloat16": Tolerance(outputs=2e-2, gradients=4e-2),
+}
+
+
+class OptimizeConfig(BaseModel):
+    """Options of :func:`kernel_pytorch.optimize`.
+
+    Example::
+
+        config = OptimizeConfig(compile="max-autotune", disable_passes=("normalize",))
+        model = kernel_pytorch.optimize(model, config, example_inputs=(tokens,))
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: Union[Literal["auto"], Vendor] = Field(
+        "auto", description="Which hardware to target; 'auto' probes (KERNEL_PYTORCH_DEVICE overrides 'auto')."
+    )
+    mode: Literal["auto", "inference", "training"] = Field(
+        "auto", description="'auto' follows model.training at optimize time."
+    )
+    compile: Union[bool, Literal["auto"], CompileMode] = Field(
+        "auto",
+        description="Hand the rewritten graphs to the hardware's compiler. 'auto': on where the backend's "
+        "compiler is the fast default (GPUs), off on CPU (compile time rarely pays back there).",
+    )
+    dynamic: Union[bool, None] = Field(
+        None, description="TorchDynamo's dynamic-shape setting (None: specialize first, generalize on change)."
+    )
+    verify: Union[bool, Literal["auto"]] = Field(
+        "auto", description="Compare against the original and roll back what breaks tolerance; 'auto': on "
+        "when example_inputs are given."
+    )
+    tolerances: dict[str, Tolerance] = Field(default_factory=lambda: dict(DEFAULT_TOLERANCES))
+    disable_passes: tuple[str, ...] = Field((), description="Registered pass names not to run.")
+    extra_passes: tuple[str, ...] = Field((), description="Registered pass names to run after the backend's own.")
+    strict: bool = Field(
+        False, description="Raise when a pass fails instead of skipping it with a report line (for development)."
+    )
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device_alias(cls, value: object) -> object:
+        if isinstance(value, str):
+            lowered = value.strip().lower()
+            return DEVICE_ALIASES.get(lowered, lowered)
+        return value
+
+    @field_validator("tolerances", mode="before")
+    @classmethod
+    def _merge_tolerances(cls, value: object) -> object:
+        if not isinstance(value, dict):
+            return value
+        unknown = [name for name in value if not isinstance(getattr(torch, str(name), None), torch.dtype)]
+        if unknown:
+            raise ValueError(f"tolerances: {unknown} are not torch dtype names (e.g. 'float32', 'bfloat16')")
+        return {**DEFAULT_TOLERANCES, **value}
+
+    @field_validator("disable_passes", "extra_passes")
+    @classmethod
+    def _known_passes(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        from kernel_pytorch.passes.registry import registered_pass_names
+
+        known = registered_pass_names()
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise ValueError(f"unknown pass name(s) {unknown}; registered passes: {sorted(known)}")
+        return names
+
+    def tolerance_for(self, dtype: torch.dtype) -> Tolerance | None:
+        """The tolerance for ``dtype``; ``None`` (exact match required) for dtypes without an entry."""
+        return self.tolerances.get(str(dtype).removeprefix("torch."))

@@ -1,0 +1,29 @@
+"""The exceptions kernel_pytorch raises; each names what went wrong and what to do."""
+
+from __future__ import annotations
+
+__all__ = ["KernelPytorchError", "HardwareUnavailableError", "PassError", "UnknownPassError"]
+
+
+class KernelPytorchError(Exception):
+    """Base class of the errors this library raises on purpose."""
+
+
+class HardwareUnavailableError(KernelPytorchError, RuntimeError):
+    """A device was asked for (config ``device=`` or ``KERNEL_PYTORCH_DEVICE``) but its probe failed."""
+
+
+class PassError(KernelPytorchError, RuntimeError):
+    """A graph or module pass raised; the message names the pass and the graph it ran on."""
+
+    def __init__(self, pass_name: str, where: str, cause: BaseException):
+        self.pass_name = pass_name
+        self.where = where
+        super().__init__(f"pass '{pass_name}' failed on {where}: {type(cause).__name__}: {cause}")
+
+
+class UnknownPassError(KernelPytorchError, KeyError):
+    """A pass name in the config is not registered."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0])

@@ -1,0 +1,93 @@
+"""What a pass is: a graph pass rewrites a captured FX graph, a module pass swaps modules in place.
+
+Both return a :class:`PassResult` saying what they rewrote and what they skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, ClassVar
+
+import torch.fx
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from kernel_pytorch.config import OptimizeConfig
+    from kernel_pytorch.hardware import HardwareInfo
+
+__all__ = ["GraphPass", "ModulePass", "PassContext", "PassResult", "Rewrite", "Skip"]
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """One subgraph or module replaced: where (module path) and by what."""
+
+    location: str
+    replacement: str
+
+
+@dataclass(frozen=True)
+class Skip:
+    """One candidate a pass looked at and left alone, with the reason."""
+
+    location: str
+    reason: str
+
+
+@dataclass
+class PassResult:
+    """What one run of one pass did. ``changed`` counts nodes touched, rewrites included."""
+
+    rewrites: list[Rewrite] = field(default_factory=list)
+    skipped: list[Skip] = field(default_factory=list)
+    changed: int = 0
+    # Module passes record how to put each swapped module back, newest last.
+    undo: list[Callable[[], None]] = field(default_factory=list)
+
+    def rewrite(self, location: str, replacement: str) -> None:
+        self.rewrites.append(Rewrite(location, replacement))
+        self.changed += 1
+
+    def skip(self, location: str, reason: str) -> None:
+        self.skipped.append(Skip(location, reason))
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """What a pass may consult: the target hardware, the config and whether the model trains."""
+
+    hardware: HardwareInfo
+    config: OptimizeConfig
+    training: bool
+    graph_name: str = "graph"
+
+
+class _Pass(abc.ABC):
+    name: ClassVar[str]
+    description: ClassVar[str]
+
+    def unavailable_reason(self, hardware: HardwareInfo) -> str | None:
+        """Why this pass cannot run on ``hardware`` (``None``: it can). Shown by ``kernel-pytorch info``."""
+        return None
+
+
+class GraphPass(_Pass):
+    """A rewrite of a torch-level FX graph, as TorchDynamo captured it and :mod:`normalize` spelled it.
+
+    ``run`` edits ``gm.graph`` in place; the manager lints and recompiles afterwards.
+    """
+
+    @abc.abstractmethod
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult: ...
+
+
+class ModulePass(_Pass):
+    """An in-place module swap that needs no graph (e.g. ``nn.Linear`` -> FP8 linear).
+
+    Every swap appends to ``PassResult.undo`` the call that restores the original module, so a
+    failed verification can roll it back.
+    """
+
+    @abc.abstractmethod
+    def run(self, model: nn.Module, ctx: PassContext) -> PassResult: ...

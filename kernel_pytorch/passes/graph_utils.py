@@ -1,0 +1,47 @@
+"""Small helpers shared by the graph passes and the capture backend."""
+
+from __future__ import annotations
+
+import re
+
+import torch.fx
+
+__all__ = ["clone_graph_module", "module_path_of", "count_calls"]
+
+# Dynamo records module paths as "L['self'].layers.0.attn" (the root is the forward's first argument).
+_ROOT_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
+
+
+def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy whose graph can be rewritten without touching ``gm``.
+
+    Nodes are copied, not deep-copied: ``meta`` (with its FakeTensors) is shared shallowly, and
+    attributes (constants, submodules) are shared with ``gm``, so the copy costs no tensor memory.
+    """
+    graph = torch.fx.Graph()
+    graph._codegen = gm.graph._codegen
+    value_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    output = graph.graph_copy(gm.graph, value_map)
+    graph.output(output)
+    copy = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    copy.meta = dict(getattr(gm, "meta", {}))
+    return copy
+
+
+def module_path_of(node: torch.fx.Node, default: str = "") -> str:
+    """The path of the module ``node`` was traced in (e.g. ``"layers.0.attn"``), from dynamo's metadata.
+
+    Graphs from ``symbolic_trace`` carry no stack; there a ``call_module`` node's target is its path.
+    """
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path, _module_type = list(stack.values())[-1]
+        return _ROOT_PREFIX.sub("", str(path)) or default
+    if node.op == "call_module":
+        return str(node.target)
+    return default
+
+
+def count_calls(gm: torch.fx.GraphModule) -> int:
+    """Operator nodes in the graph (calls of functions, methods and modules)."""
+    return sum(node.op in ("call_function", "call_method", "call_module") for node in gm.graph.nodes)

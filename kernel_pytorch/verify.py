@@ -1,0 +1,160 @@
+"""Numerical comparison of an optimized computation against its reference.
+
+Used twice: per captured graph (each pass's rewrite against the graph as dynamo captured it) and end to
+end (the optimized model against the original, on the example inputs). Errors are relative norms,
+``||actual - expected|| / ||expected||``, judged against the per-dtype tolerance of the config; in
+training, gradients of a fixed random projection of the outputs are compared too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch.utils import _pytree as pytree
+
+from kernel_pytorch.config import OptimizeConfig
+
+__all__ = ["Comparison", "Run", "relative_error", "compare", "run_reference", "flatten_tensors"]
+
+# Below this RMS the reference counts as zero: errors are then measured against it, as absolute
+# errors, so that noise on an all-zero gradient (e.g. 1e-12 after reordering) does not fail.
+_RMS_FLOOR = 1e-6
+
+
+@dataclass(frozen=True)
+class Comparison:
+    ok: bool
+    worst: str  # which output or gradient came closest to (or went over) its tolerance
+    error: float
+    tolerance: float
+
+    def describe(self) -> str:
+        verdict = "within" if self.ok else "exceeds"
+        return f"{self.worst}: relative error {self.error:.2e} {verdict} tolerance {self.tolerance:.0e}"
+
+
+@dataclass
+class Run:
+    """Flattened outputs (path -> value) and gradients (name -> tensor or None) of one run."""
+
+    outputs: dict[str, Any]
+    gradients: dict[str, torch.Tensor | None] | None
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / max(||expected||, floor)`` in float64; inf on shape or NaN/inf mismatch."""
+    if actual.shape != expected.shape:
+        return math.inf
+    if not expected.is_floating_point() and not expected.is_complex():
+        return 0.0 if torch.equal(actual.to(expected.dtype), expected) else math.inf
+    a = actual.detach().to(torch.float64)
+    e = expected.detach().to(torch.float64)
+    finite = torch.isfinite(e)
+    if not torch.equal(finite, torch.isfinite(a)) or not torch.equal(a[~finite].nan_to_num(), e[~finite].nan_to_num()):
+        return math.inf  # NaN and inf must sit in the same places with the same values
+    a, e = a[finite], e[finite]
+    if e.numel() == 0:
+        return 0.0
+    floor = _RMS_FLOOR * math.sqrt(e.numel())
+    return float(torch.linalg.vector_norm(a - e) / max(float(torch.linalg.vector_norm(e)), floor))
+
+
+def flatten_tensors(tree: Any) -> dict[str, Any]:
+    """Leaves of a (possibly nested) output, keyed by their path; dataclass outputs are opened too."""
+    leaves, _ = pytree.tree_flatten_with_path(tree)
+    flat: dict[str, Any] = {}
+    for path, leaf in leaves:
+        key = pytree.keystr(path) or "output"
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            for name, value in flatten_tensors(dataclasses.asdict(leaf)).items():
+                flat[f"{key}{name}"] = value
+        else:
+            flat[key] = leaf
+    return flat
+
+
+def compare(actual: Run, expected: Run, config: OptimizeConfig) -> Comparison:
+    """The worst output or gradient, by error over its dtype's tolerance."""
+    worst = Comparison(True, "nothing compared", 0.0, 1.0)
+    pairs: list[tuple[str, Any, Any, Literal["outputs", "gradients"]]] = []
+    if actual.outputs.keys() != expected.outputs.keys():
+        return Comparison(False, f"output structure {sorted(actual.outputs)} vs {sorted(expected.outputs)}",
+                          math.inf, 0.0)
+    pairs += [(f"output {k}", actual.outputs[k], expected.outputs[k], "outputs") for k in expected.outputs]
+    if expected.gradients is not None and actual.gradients is not None:
+        pairs += [(f"gradient of {k}", actual.gradients[k], expected.gradients[k], "gradients")
+                  for k in expected.gradients]
+    for name, a, e, kind in pairs:
+        comparison = _compare_leaf(name, a, e, kind, config)
+        if _badness(comparison) > _badness(worst):
+            worst = comparison
+    return worst
+
+
+def _compare_leaf(name: str, a: Any, e: Any, kind: str, config: OptimizeConfig) -> Comparison:
+    if isinstance(e, torch.Tensor) or isinstance(a, torch.Tensor):
+        if a is None or e is None:  # an unused input's gradient is None on one side: compare to zeros
+            a = torch.zeros_like(e) if a is None else a
+            e = torch.zeros_like(a) if e is None else e
+        if not isinstance(a, torch.Tensor) or not isinstance(e, torch.Tensor):
+            return Comparison(False, f"{name} (tensor vs {type(a).__name__})", math.inf, 0.0)
+        tolerance = config.tolerance_for(e.dtype)
+        limit = getattr(tolerance, kind) if tolerance is not None else 0.0
+        error = relative_error(a, e)
+        return Comparison(error <= limit, name, error, limit)
+    equal = bool(a == e) if isinstance(e, (int, float, bool, str, type(None))) else True
+    return Comparison(equal, name, 0.0 if equal else math.inf, 0.0)
+
+
+def _badness(c: Comparison) -> float:
+    if not c.ok:
+        return math.inf if c.tolerance == 0 else 1.0 + c.error / c.tolerance
+    return c.error / c.tolerance if c.tolerance else 0.0
+
+
+def run_reference(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None,
+    wrt: dict[str, torch.Tensor] | None,
+    seed: int = 0,
+) -> Run:
+    """Run ``fn`` with the random number generators seeded by ``seed`` (and the caller's RNG state
+    restored after); with ``wrt``, also differentiate a random projection of the outputs w.r.t. it.
+
+    The projection weights come from generators seeded per output, so two runs (reference and
+    candidate) weigh their outputs identically.
+    """
+    kwargs = kwargs or {}
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        with torch.enable_grad() if wrt else torch.no_grad():
+            out = fn(*args, **kwargs)
+        outputs = flatten_tensors(out)
+        gradients = _gradients(outputs, wrt, seed) if wrt else None
+    return Run({k: _detached(v) for k, v in outputs.items()}, gradients)
+
+
+def _gradients(outputs: dict[str, Any], wrt: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor | None]:
+    loss = None
+    for index, value in enumerate(outputs.values()):
+        if isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point():
+            generator = torch.Generator(device=value.device).manual_seed(seed + index)
+            weight = torch.randn(value.shape, generator=generator, device=value.device, dtype=torch.float32)
+            term = (value.float() * weight).sum()
+            loss = term if loss is None else loss + term
+    if loss is None:
+        return {name: None for name in wrt}
+    grads = torch.autograd.grad(loss, list(wrt.values()), allow_unused=True)
+    return dict(zip(wrt.keys(), grads))
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value

@@ -1,0 +1,216 @@
+"""The pass manager, pass registry, per-graph verification and rollback."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx
+import torch.nn as nn
+
+from kernel_pytorch import OptimizeConfig, PassError, UnknownPassError, optimize, report_of
+from kernel_pytorch.capture import CompilerChoice
+from kernel_pytorch.hardware import detect_hardware
+from kernel_pytorch.passes import GraphPass, PassContext, PassManager, PassResult, get_pass, register_pass
+from kernel_pytorch.passes.graph_utils import module_path_of
+
+from .conftest import rel_err, twin
+
+
+def _targets(gm, target):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+@register_pass
+class ReluToSigmoid(GraphPass):
+    """Deliberately wrong: changes what the model computes."""
+
+    name = "test_relu_to_sigmoid"
+    description = "a wrong rewrite, for tests"
+
+    def run(self, gm, ctx):
+        result = PassResult()
+        for node in _targets(gm, torch.relu):
+            node.target = torch.sigmoid
+            result.rewrite(module_path_of(node, "(model)"), "torch.sigmoid (wrong on purpose)")
+        return result
+
+
+@register_pass
+class DoubleToAdd(GraphPass):
+    """Correct: x * 2 -> x + x, exactly equal."""
+
+    name = "test_double_to_add"
+    description = "x * 2 -> x + x, for tests"
+
+    def run(self, gm, ctx):
+        result = PassResult()
+        for node in _targets(gm, operator.mul):
+            if len(node.args) == 2 and node.args[1] == 2:
+                node.args = (node.args[0], node.args[0])
+                node.target = operator.add
+                result.rewrite(module_path_of(node, "(model)"), "x + x")
+        return result
+
+
+@register_pass
+class Explodes(GraphPass):
+    name = "test_explodes"
+    description = "raises, for tests"
+
+    def run(self, gm, ctx):
+        raise RuntimeError("boom")
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return torch.relu(self.inner(x)) * 2
+
+
+def _ctx():
+    return PassContext(hardware=detect_hardware("cpu"), config=OptimizeConfig(), training=False, graph_name="g0")
+
+
+def test_manager_error_names_the_failing_pass():
+    gm = torch.fx.symbolic_trace(Tiny())
+    with pytest.raises(PassError, match="pass 'test_explodes' failed on g0: RuntimeError: boom"):
+        PassManager([get_pass("normalize"), get_pass("test_explodes")]).run(gm, _ctx())
+
+
+def test_manager_rejects_a_pass_that_breaks_the_graph():
+    @register_pass
+    class Dangling(GraphPass):
+        name = "test_dangling"
+        description = "erases a used node"
+
+        def run(self, gm, ctx):
+            node = next(n for n in gm.graph.nodes if n.op == "call_module")
+            node.args = (node,)  # a node that uses itself fails lint
+            return PassResult(changed=1)
+
+    with pytest.raises(PassError, match="test_dangling"):
+        PassManager([get_pass("test_dangling")]).run(torch.fx.symbolic_trace(Tiny()), _ctx())
+
+
+def test_manager_runs_passes_in_order_and_recompiles():
+    gm = torch.fx.symbolic_trace(Tiny())
+    results = PassManager([get_pass("normalize"), get_pass("test_double_to_add")]).run(gm, _ctx())
+    assert [p.name for p, _ in results] == ["normalize", "test_double_to_add"]
+    assert len(results[1][1].rewrites) == 1
+    assert "relu + relu" in gm.code
+
+
+def test_wrong_pass_is_rolled_back_under_verify():
+    torch.manual_seed(0)
+    model = Tiny()
+    reference = twin(model)
+    optimize(model, example_inputs=(torch.randn(3, 6),),
+             extra_passes=("test_relu_to_sigmoid", "test_double_to_add"))
+    report = report_of(model)
+    rolled = [r for r in report.rollbacks if r.pass_name == "test_relu_to_sigmoid"]
+    assert len(rolled) == 1 and "relative error" in rolled[0].reason
+    assert [r.pass_name for r in report.rewrites if r.pass_name.startswith("test_")] == ["test_double_to_add"]
+    x = torch.randn(5, 6)
+    assert rel_err(model(x), reference(x)) < 1e-6
+
+
+def test_without_verify_the_wrong_pass_stays():
+    torch.manual_seed(0)
+    model = Tiny()
+    reference = twin(model)
+    optimize(model, example_inputs=(torch.randn(3, 6),), extra_passes=("test_relu_to_sigmoid",), verify=False)
+    x = torch.randn(5, 6)
+    assert rel_err(model(x), reference(x)) > 1e-2, "the test pass must really be wrong"
+    assert report_of(model).rollbacks == []
+
+
+def test_wrong_pass_is_rolled_back_in_training_by_gradients_too():
+    @register_pass
+    class ScaleGradOnly(GraphPass):
+        """Forward-exact, backward-wrong: x -> x.detach() * 2 - x.detach() + (x - x.detach()) * 0.5."""
+
+        name = "test_wrong_gradient"
+        description = "right values, wrong gradients"
+
+        def run(self, gm, ctx):
+            result = PassResult()
+            for node in _targets(gm, torch.relu):
+                with gm.graph.inserting_after(node):
+                    detached = gm.graph.call_method("detach", (node,))
+                with gm.graph.inserting_after(detached):
+                    diff = gm.graph.call_function(operator.sub, (node, detached))
+                with gm.graph.inserting_after(diff):
+                    half = gm.graph.call_function(operator.mul, (diff, 0.5))
+                with gm.graph.inserting_after(half):
+                    out = gm.graph.call_function(operator.add, (detached, half))
+                node.replace_all_uses_with(out, delete_user_cb=lambda user: user not in (detached, diff))
+                result.rewrite("(model)", "halved gradient")
+            return result
+
+    torch.manual_seed(0)
+    model = Tiny().train()
+    reference = twin(model)
+    optimize(model, example_inputs=(torch.randn(3, 6),), extra_passes=("test_wrong_gradient",))
+    assert [r.pass_name for r in report_of(model).rollbacks] == ["test_wrong_gradient"]
+    assert "gradient" in report_of(model).rollbacks[0].reason
+    x = torch.randn(4, 6)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    assert rel_err(model.inner.weight.grad, reference.inner.weight.grad) < 1e-5
+
+
+def test_a_raising_pass_is_skipped_with_a_report_line_and_strict_raises():
+    torch.manual_seed(0)
+    model = Tiny()
+    reference = twin(model)
+    optimize(model, example_inputs=(torch.randn(3, 6),), extra_passes=("test_explodes",))
+    skipped = [s for s in report_of(model).skipped if s.pass_name == "test_explodes"]
+    assert skipped and "boom" in skipped[0].reason
+    x = torch.randn(2, 6)
+    assert rel_err(model(x), reference(x)) < 1e-6
+
+    torch._dynamo.reset()
+    with pytest.raises(PassError, match="test_explodes"):
+        optimize(Tiny(), example_inputs=(torch.randn(3, 6),), extra_passes=("test_explodes",), strict=True)
+
+
+def test_end_to_end_failure_rolls_back_everything(monkeypatch):
+    def wrong_compiler(self, gm, example_inputs):
+        return lambda *args: [out * 1.5 for out in gm(*args)]
+
+    monkeypatch.setattr(CompilerChoice, "compile", wrong_compiler)
+    torch.manual_seed(0)
+    model = Tiny()
+    reference = twin(model)
+    optimize(model, example_inputs=(torch.randn(3, 6),))
+    report = report_of(model)
+    assert report.verification is not None and not report.verification.passed
+    assert any("rolled back" in note for note in report.notes)
+    x = torch.randn(2, 6)
+    assert rel_err(model(x), reference(x)) < 1e-6
+
+
+def test_disable_passes_and_unknown_pass_names():
+    model = Tiny()
+    optimize(model, example_inputs=(torch.randn(3, 6),), disable_passes=("normalize",))
+    assert any(s.pass_name == "normalize" and "disabled" in s.reason for s in report_of(model).skipped)
+    with pytest.raises(ValueError, match="unknown pass name"):
+        OptimizeConfig(extra_passes=("no_such_pass",))
+    with pytest.raises(UnknownPassError, match="no pass named"):
+        get_pass("no_such_pass")
+
+
+def test_registering_a_second_pass_under_a_taken_name_fails():
+    with pytest.raises(ValueError, match="already registered"):
+        @register_pass
+        class Impostor(GraphPass):
+            name = "normalize"
+            description = "clash"
+
+            def run(self, gm, ctx):
+                return PassResult()
