@@ -34,7 +34,7 @@ def _info(device: str, as_json: bool) -> int:
         config = OptimizeConfig(device=device)
         hardware = detect_hardware(config.device)
     except (HardwareUnavailableError, ValueError) as error:
-        console.print(f"[red]error:[/red] {error}")
+        console.print(f"[red]error:[/red] {error}", soft_wrap=True)
         return 2
     backend = get_backend(hardware)
     plan = backend.plan(config)

@@ -17,34 +17,14 @@ import kernel_pytorch.hardware as hardware
 from kernel_pytorch.errors import HardwareUnavailableError
 from kernel_pytorch.hardware import HardwareInfo, detect_hardware
 
-GiB = 2**30
+from .simulated_hardware import GiB, amd_props, install_fake_torch_xla, nvidia_props, simulate_cuda_api, simulate_intel_xpu
+
 
 
 @pytest.fixture(autouse=True)
 def _no_env_override(monkeypatch):
     # A developer's shell may set it; every test starts from "auto".
     monkeypatch.delenv(hardware.ENV_DEVICE, raising=False)
-
-
-def _simulate_cuda_api(monkeypatch, props, *, count=1, bf16=True, cuda="13.0", hip=None, cudnn=91900):
-    """Make this CPU build of torch look like a CUDA (or, with hip=..., ROCm) build with GPUs."""
-    monkeypatch.setattr(torch.version, "cuda", cuda)
-    monkeypatch.setattr(torch.version, "hip", hip)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
-    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: cudnn is not None)
-    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: cudnn)
-
-
-def _nvidia(name, major, minor, memory):
-    return SimpleNamespace(name=name, major=major, minor=minor, total_memory=memory, multi_processor_count=132)
-
-
-def _amd(name, gcn_arch, memory=192 * GiB):
-    # ROCm builds report a CUDA-like major/minor too (9.4 for gfx942); the probe must not use it.
-    return SimpleNamespace(name=name, major=9, minor=4, total_memory=memory, gcnArchName=gcn_arch)
 
 
 # ------------------------------------------------------------------------------------ this machine (CPU)
@@ -125,7 +105,7 @@ def test_distributed_backends_empty_without_torch_distributed(monkeypatch):
 
 
 def test_simulated_h100(monkeypatch):
-    _simulate_cuda_api(monkeypatch, _nvidia("NVIDIA H100 80GB HBM3", 9, 0, 80 * GiB), count=8)
+    simulate_cuda_api(monkeypatch, nvidia_props("NVIDIA H100 80GB HBM3", 9, 0, 80 * GiB), count=8)
     info = detect_hardware()
     assert info.vendor == "nvidia"
     assert info.device_name == "NVIDIA H100 80GB HBM3" and info.device_count == 8
@@ -142,7 +122,7 @@ def test_simulated_h100(monkeypatch):
 
 
 def test_simulated_a100_has_no_fp8_but_cudnn_attention(monkeypatch):
-    _simulate_cuda_api(monkeypatch, _nvidia("NVIDIA A100-SXM4-80GB", 8, 0, 80 * GiB))
+    simulate_cuda_api(monkeypatch, nvidia_props("NVIDIA A100-SXM4-80GB", 8, 0, 80 * GiB))
     info = detect_hardware("nvidia")
     assert info.compute_capability == (8, 0)
     assert not info.fp8 and info.fp8_formats == ()
@@ -150,7 +130,7 @@ def test_simulated_a100_has_no_fp8_but_cudnn_attention(monkeypatch):
 
 
 def test_simulated_t4_has_no_fp8_bf16_or_cudnn_attention(monkeypatch):
-    _simulate_cuda_api(monkeypatch, _nvidia("Tesla T4", 7, 5, 15 * GiB), bf16=False)
+    simulate_cuda_api(monkeypatch, nvidia_props("Tesla T4", 7, 5, 15 * GiB), bf16=False)
     info = detect_hardware("cuda")
     assert info.compute_capability == (7, 5)
     assert not info.fp8 and not info.bf16
@@ -160,25 +140,25 @@ def test_simulated_t4_has_no_fp8_bf16_or_cudnn_attention(monkeypatch):
 
 def test_bf16_asks_for_native_support_not_emulation(monkeypatch):
     # torch.cuda.is_bf16_supported() defaults to including_emulation=True, which is True on a T4.
-    _simulate_cuda_api(monkeypatch, _nvidia("Tesla T4", 7, 5, 15 * GiB))
+    simulate_cuda_api(monkeypatch, nvidia_props("Tesla T4", 7, 5, 15 * GiB))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert detect_hardware().bf16 is False
 
 
 def test_cudnn_8_gives_no_cudnn_attention(monkeypatch):
-    _simulate_cuda_api(monkeypatch, _nvidia("NVIDIA H100 80GB HBM3", 9, 0, 80 * GiB), cudnn=8902)
+    simulate_cuda_api(monkeypatch, nvidia_props("NVIDIA H100 80GB HBM3", 9, 0, 80 * GiB), cudnn=8902)
     info = detect_hardware()
     assert info.cudnn_version == 8902 and not info.cudnn_attention
 
 
 def test_no_cudnn_gives_no_cudnn_attention(monkeypatch):
-    _simulate_cuda_api(monkeypatch, _nvidia("NVIDIA H100 80GB HBM3", 9, 0, 80 * GiB), cudnn=None)
+    simulate_cuda_api(monkeypatch, nvidia_props("NVIDIA H100 80GB HBM3", 9, 0, 80 * GiB), cudnn=None)
     info = detect_hardware()
     assert info.cudnn_version is None and not info.cudnn_attention
 
 
 def test_cuda_build_without_gpu_falls_back_to_cpu(monkeypatch):
-    _simulate_cuda_api(monkeypatch, _nvidia("unused", 9, 0, GiB))
+    simulate_cuda_api(monkeypatch, nvidia_props("unused", 9, 0, GiB))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     info = detect_hardware()
     assert info.vendor == "cpu"
@@ -189,8 +169,8 @@ def test_cuda_build_without_gpu_falls_back_to_cpu(monkeypatch):
 
 
 def test_simulated_mi300x(monkeypatch):
-    props = _amd("AMD Instinct MI300X", "gfx942:sramecc+:xnack-")
-    _simulate_cuda_api(monkeypatch, props, count=8, cuda=None, hip="6.2")
+    props = amd_props("AMD Instinct MI300X", "gfx942:sramecc+:xnack-")
+    simulate_cuda_api(monkeypatch, props, count=8, cuda=None, hip="6.2")
     info = detect_hardware()
     assert info.vendor == "amd"
     assert info.device_name == "AMD Instinct MI300X" and info.device_count == 8
@@ -213,7 +193,7 @@ def test_simulated_mi300x(monkeypatch):
     ],
 )
 def test_amd_arch_table(monkeypatch, gcn_arch, fp8_formats, tensor_cores):
-    _simulate_cuda_api(monkeypatch, _amd("AMD GPU", gcn_arch), cuda=None, hip="6.4")
+    simulate_cuda_api(monkeypatch, amd_props("AMD GPU", gcn_arch), cuda=None, hip="6.4")
     info = detect_hardware("rocm")
     assert info.gfx_arch == gcn_arch.split(":")[0]
     assert info.fp8_formats == fp8_formats and info.fp8 == bool(fp8_formats)
@@ -221,7 +201,7 @@ def test_amd_arch_table(monkeypatch, gcn_arch, fp8_formats, tensor_cores):
 
 
 def test_forced_nvidia_on_rocm_build_names_the_rocm_build(monkeypatch):
-    _simulate_cuda_api(monkeypatch, _amd("AMD Instinct MI300X", "gfx942"), cuda=None, hip="6.2")
+    simulate_cuda_api(monkeypatch, amd_props("AMD Instinct MI300X", "gfx942"), cuda=None, hip="6.2")
     with pytest.raises(HardwareUnavailableError, match=r"torch.version.cuda is None \(ROCm build"):
         detect_hardware("nvidia")
 
@@ -230,13 +210,7 @@ def test_forced_nvidia_on_rocm_build_names_the_rocm_build(monkeypatch):
 
 
 def test_simulated_intel_xpu(monkeypatch):
-    props = SimpleNamespace(
-        name="Intel(R) Data Center GPU Max 1550", total_memory=64 * GiB, has_bfloat16_conversions=True
-    )
-    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
-    monkeypatch.setattr(torch.xpu, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.xpu, "get_device_properties", lambda device=None: props)
-    monkeypatch.setattr(torch.xpu, "is_bf16_supported", lambda including_emulation=True: True)
+    simulate_intel_xpu(monkeypatch)
     info = detect_hardware()
     assert info.vendor == "intel"
     assert info.device_name == "Intel(R) Data Center GPU Max 1550" and info.device_count == 2
@@ -248,25 +222,8 @@ def test_simulated_intel_xpu(monkeypatch):
 # ------------------------------------------------------------------------------------------- TPU (simulated)
 
 
-def _install_fake_torch_xla(monkeypatch, *, device_type="TPU", xla_device=None, extras=True):
-    """A fake torch_xla with the parts the probe reads: runtime.device_type(), xla_model.xla_device()."""
-    modules = {}
-    for name in ("torch_xla", "torch_xla.core", "torch_xla.core.xla_model", "torch_xla.runtime"):
-        module = types.ModuleType(name)
-        module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)  # importlib.util.find_spec reads it
-        modules[name] = module
-        monkeypatch.setitem(sys.modules, name, module)
-    runtime, xla_model = modules["torch_xla.runtime"], modules["torch_xla.core.xla_model"]
-    runtime.device_type = lambda: device_type
-    xla_model.xla_device = xla_device or (lambda: torch.device("cpu"))
-    if extras:
-        runtime.addressable_runtime_device_count = lambda: 4
-        xla_model.xla_device_kind = lambda device=None: "TPU v5 lite"
-        xla_model.get_memory_info = lambda device=None: {"bytes_used": 0, "bytes_limit": 16 * GiB}
-
-
 def test_simulated_tpu(monkeypatch):
-    _install_fake_torch_xla(monkeypatch)
+    install_fake_torch_xla(monkeypatch)
     info = detect_hardware()
     assert info.vendor == "tpu"
     assert info.device_name == "TPU v5 lite" and info.device_count == 4 and info.memory_bytes == 16 * GiB
@@ -276,7 +233,7 @@ def test_simulated_tpu(monkeypatch):
 
 
 def test_simulated_tpu_of_an_older_torch_xla(monkeypatch):
-    _install_fake_torch_xla(monkeypatch, extras=False)  # no device kind, count or memory functions
+    install_fake_torch_xla(monkeypatch, extras=False)  # no device kind, count or memory functions
     info = detect_hardware("xla")
     assert info.vendor == "tpu" and info.device_name == "TPU" and info.device_count == 1
     assert info.memory_bytes is None
@@ -286,7 +243,7 @@ def test_torch_xla_on_a_cpu_host_is_not_a_tpu(monkeypatch):
     def must_not_start_runtime():
         raise AssertionError("the XLA runtime was started on a non-TPU host")
 
-    _install_fake_torch_xla(monkeypatch, device_type="CPU", xla_device=must_not_start_runtime)
+    install_fake_torch_xla(monkeypatch, device_type="CPU", xla_device=must_not_start_runtime)
     info = detect_hardware()
     assert info.vendor == "cpu"
     assert info.probes["tpu"] == "unavailable: torch_xla.runtime.device_type() is 'CPU', not 'TPU' (PJRT_DEVICE)"
@@ -296,7 +253,7 @@ def test_torch_xla_that_raises_falls_back_to_cpu(monkeypatch):
     def broken_device():
         raise RuntimeError("Failed to get TPU metadata")
 
-    _install_fake_torch_xla(monkeypatch, xla_device=broken_device)
+    install_fake_torch_xla(monkeypatch, xla_device=broken_device)
     info = detect_hardware()
     assert info.vendor == "cpu"
     assert info.probes["tpu"] == "unavailable: RuntimeError: Failed to get TPU metadata"
@@ -309,7 +266,7 @@ def test_a_raising_probe_falls_through_and_records_why(monkeypatch):
     def broken(index=None):
         raise RuntimeError("HIP error: invalid device ordinal")
 
-    _simulate_cuda_api(monkeypatch, None, cuda=None, hip="6.2")
+    simulate_cuda_api(monkeypatch, None, cuda=None, hip="6.2")
     monkeypatch.setattr(torch.cuda, "get_device_properties", broken)
     info = detect_hardware()
     assert info.vendor == "cpu"
@@ -318,7 +275,7 @@ def test_a_raising_probe_falls_through_and_records_why(monkeypatch):
 
 
 def test_zero_devices_is_unavailable(monkeypatch):
-    _simulate_cuda_api(monkeypatch, _nvidia("unused", 9, 0, GiB), count=0)
+    simulate_cuda_api(monkeypatch, nvidia_props("unused", 9, 0, GiB), count=0)
     info = detect_hardware()
     assert info.vendor == "cpu" and info.probes["cuda"] == "unavailable: torch.cuda.device_count() is 0"
 
@@ -327,13 +284,13 @@ def test_zero_devices_is_unavailable(monkeypatch):
 
 
 def test_forced_cpu_runs_only_the_cpu_probe_even_on_a_gpu_machine(monkeypatch):
-    _simulate_cuda_api(monkeypatch, _nvidia("NVIDIA H100 80GB HBM3", 9, 0, 80 * GiB))
+    simulate_cuda_api(monkeypatch, nvidia_props("NVIDIA H100 80GB HBM3", 9, 0, 80 * GiB))
     info = detect_hardware("cpu")
     assert info.vendor == "cpu" and list(info.probes) == ["cpu"]
 
 
 def test_env_variable_overrides_auto(monkeypatch):
-    _simulate_cuda_api(monkeypatch, _nvidia("NVIDIA H100 80GB HBM3", 9, 0, 80 * GiB))
+    simulate_cuda_api(monkeypatch, nvidia_props("NVIDIA H100 80GB HBM3", 9, 0, 80 * GiB))
     monkeypatch.setenv(hardware.ENV_DEVICE, "cpu")
     assert detect_hardware().vendor == "cpu"
     assert detect_hardware("nvidia").vendor == "nvidia"  # an explicit argument beats the environment
@@ -398,7 +355,7 @@ def test_triton_usable_only_with_a_gpu(monkeypatch):
     monkeypatch.setattr(hardware, "_triton_version", lambda: "3.6.0")
     on_cpu = detect_hardware()
     assert on_cpu.triton_version == "3.6.0" and not on_cpu.triton_usable
-    _simulate_cuda_api(monkeypatch, _nvidia("NVIDIA H100 80GB HBM3", 9, 0, 80 * GiB))
+    simulate_cuda_api(monkeypatch, nvidia_props("NVIDIA H100 80GB HBM3", 9, 0, 80 * GiB))
     assert detect_hardware().triton_usable
     monkeypatch.setattr(hardware, "_triton_version", lambda: None)
     assert not detect_hardware().triton_usable  # a GPU but no Triton

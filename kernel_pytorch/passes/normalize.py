@@ -623,8 +623,8 @@ def _canonical(node: Node, gm: torch.fx.GraphModule) -> Optional[_Call]:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Structural equality that tells 1, 1.0 and True apart and compares nodes by identity."""
-    if isinstance(a, Node) or isinstance(b, Node):
+    """Structural equality that tells 1, 1.0 and True apart and compares nodes and tensors by identity."""
+    if isinstance(a, (Node, torch.Tensor)) or isinstance(b, (Node, torch.Tensor)):
         return a is b
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return (isinstance(a, list) == isinstance(b, list)) and len(a) == len(b) and all(map(_same, a, b))
