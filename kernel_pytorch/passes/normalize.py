@@ -31,6 +31,15 @@ dropout                   ``F.dropout(x, p, training, False)``
 view / reshape / expand   ``call_method`` with unpacked sizes: ``x.view(a, b)``; ``contiguous`` stays
 ========================  ============================================================================
 
+Left as written on purpose: ``x.t()`` and ``x.T`` when no metadata (``example_value``, ``val``,
+``tensor_meta``) says ``x`` is 2-D; ``x.mH`` / ``x.H`` (conjugate); ``x.__rtruediv__(tensor)`` (it is
+``x.reciprocal() * other``, which rounds differently from a division); ``torch.add(x, 2, y)`` (the
+deprecated ``x + 2 * y``); ``.to`` with a device, another tensor, or ``copy=``/``non_blocking=``/
+``memory_format=``; ``.type("torch.FloatTensor")``; ``x.permute(n)`` with one runtime value;
+``F.dropout1d/2d/3d`` and alpha dropout. ``nn.Dropout`` in a ``symbolic_trace`` graph becomes
+``F.dropout`` with the module's ``training`` flag of the moment, as Dynamo records it; a later
+``gm.train()`` / ``gm.eval()`` no longer reaches that node.
+
 Example, a Dynamo-captured attention score and a symbolic-traced projection::
 
     # before                                         # after
