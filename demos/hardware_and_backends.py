@@ -18,9 +18,10 @@ def run(args) -> DemoResult:
         return DemoResult("failed", notes=["kernel-pytorch info failed"])
     plan = backend.plan()
     applies = [item.name for item in plan if item.applies and item.kind == "kernel"]
-    missing = [f"{item.name}: {item.reason}" for item in plan if not item.applies]
+    missing = [item.name for item in plan if not item.applies]
     Console().print(f"backend {backend.name}: kernels {', '.join(applies) or '-'}")
-    return DemoResult("ok", notes=[hardware.summary(), *missing[:3]])
+    return DemoResult("ok", notes=[f"{hardware.vendor}: {hardware.device_name}",
+                                   f"not available: {', '.join(missing) or '-'}"])
 
 
 if __name__ == "__main__":
