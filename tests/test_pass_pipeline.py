@@ -12,7 +12,8 @@ import torch.nn as nn
 from kernel_pytorch import OptimizeConfig, PassError, UnknownPassError, optimize, report_of
 from kernel_pytorch.capture import CompilerChoice
 from kernel_pytorch.hardware import detect_hardware
-from kernel_pytorch.passes import GraphPass, PassContext, PassManager, PassResult, get_pass, register_pass
+from kernel_pytorch.passes import (GraphPass, ModulePass, PassContext, PassManager, PassResult, get_pass, register_pass,
+                                   replace_module)
 from kernel_pytorch.passes.graph_utils import module_path_of
 
 from .conftest import rel_err, twin
@@ -214,3 +215,55 @@ def test_registering_a_second_pass_under_a_taken_name_fails():
 
             def run(self, gm, ctx):
                 return PassResult()
+
+
+class TanhViaSigmoid(nn.Module):
+    def forward(self, x):
+        return 2 * torch.sigmoid(2 * x) - 1
+
+
+@register_pass
+class SwapTanh(ModulePass):
+    name = "test_swap_tanh"
+    description = "nn.Tanh -> 2 sigmoid(2x) - 1, for tests"
+
+    def run(self, model, ctx):
+        result = PassResult()
+        for path, module in list(model.named_modules()):
+            if isinstance(module, nn.Tanh):
+                replace_module(model, path, TanhViaSigmoid(), result, "TanhViaSigmoid")
+        return result
+
+
+def _tanh_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Sequential(nn.Linear(5, 5), nn.Tanh()))
+
+
+def test_module_pass_swaps_in_place_and_composes_with_the_graph_path():
+    model = _tanh_model()
+    reference = twin(model)
+    keys = list(model.state_dict())
+    optimize(model, example_inputs=(torch.randn(2, 5),), extra_passes=("test_swap_tanh",))
+    assert isinstance(model[1], TanhViaSigmoid) and isinstance(model[2][1], TanhViaSigmoid)
+    swaps = [r for r in report_of(model).rewrites if r.pass_name == "test_swap_tanh"]
+    assert sorted(r.location for r in swaps) == ["1", "2.1"]
+    assert list(model.state_dict()) == keys
+    assert report_of(model).graphs == 1 and report_of(model).verification.passed
+    x = torch.randn(4, 5)
+    assert rel_err(model(x), reference(x)) < 1e-6
+
+
+def test_module_swaps_are_undone_when_the_end_to_end_check_fails(monkeypatch):
+    monkeypatch.setattr(CompilerChoice, "compile", lambda self, gm, inputs: lambda *a: [o + 1 for o in gm(*a)])
+    model = _tanh_model()
+    optimize(model, example_inputs=(torch.randn(2, 5),), extra_passes=("test_swap_tanh",))
+    assert isinstance(model[1], nn.Tanh) and isinstance(model[2][1], nn.Tanh)
+    assert not report_of(model).verification.passed
+
+
+def test_pass_result_counts():
+    result = PassResult()
+    result.rewrite("a", "x")
+    result.skip("b", "why")
+    assert (result.matched, result.changed, len(result.rewrites)) == (2, 1, 1)

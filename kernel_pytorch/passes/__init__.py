@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from kernel_pytorch.passes import normalize  # noqa: F401  (registers "normalize")
-from kernel_pytorch.passes.base import GraphPass, ModulePass, PassContext, PassResult, Rewrite, Skip
+from kernel_pytorch.passes.base import GraphPass, ModulePass, PassContext, PassResult, Rewrite, Skip, replace_module
 from kernel_pytorch.passes.manager import PassManager
 from kernel_pytorch.passes.registry import get_pass, register_pass, registered_pass_names
 
 __all__ = ["GraphPass", "ModulePass", "PassContext", "PassResult", "Rewrite", "Skip", "PassManager",
-           "get_pass", "register_pass", "registered_pass_names"]
+           "get_pass", "register_pass", "registered_pass_names", "replace_module"]

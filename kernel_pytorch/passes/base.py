@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from kernel_pytorch.config import OptimizeConfig
     from kernel_pytorch.hardware import HardwareInfo
 
-__all__ = ["GraphPass", "ModulePass", "PassContext", "PassResult", "Rewrite", "Skip"]
+__all__ = ["GraphPass", "ModulePass", "PassContext", "PassResult", "Rewrite", "Skip", "replace_module"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,11 @@ class PassResult:
     changed: int = 0
     # Module passes record how to put each swapped module back, newest last.
     undo: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def matched(self) -> int:
+        """Candidates the pass found: those it rewrote and those it skipped."""
+        return len(self.rewrites) + len(self.skipped)
 
     def rewrite(self, location: str, replacement: str) -> None:
         self.rewrites.append(Rewrite(location, replacement))
@@ -85,9 +90,23 @@ class GraphPass(_Pass):
 class ModulePass(_Pass):
     """An in-place module swap that needs no graph (e.g. ``nn.Linear`` -> FP8 linear).
 
-    Every swap appends to ``PassResult.undo`` the call that restores the original module, so a
-    failed verification can roll it back.
+    Swap with :func:`replace_module`, which records in ``result`` how to put the original back, so
+    that a failed verification can roll the swap back.
     """
 
     @abc.abstractmethod
     def run(self, model: nn.Module, ctx: PassContext) -> PassResult: ...
+
+
+def replace_module(model: nn.Module, path: str, new: nn.Module, result: PassResult, replacement: str) -> None:
+    """Put ``new`` at ``path`` (e.g. ``"layers.0.mlp.act"``) in ``model``; record the rewrite and its undo.
+
+    ``new`` should hold the original's parameters (not copies) under the same names, so that
+    ``state_dict`` keys and values stay as they were.
+    """
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    old = getattr(parent, name)
+    setattr(parent, name, new)
+    result.undo.append(lambda: setattr(parent, name, old))
+    result.rewrite(path, replacement)
