@@ -267,3 +267,18 @@ def test_pass_result_counts():
     result.rewrite("a", "x")
     result.skip("b", "why")
     assert (result.matched, result.changed, len(result.rewrites)) == (2, 1, 1)
+
+
+def test_without_dropout_zeroes_every_dropout_probability():
+    from kernel_pytorch.capture import without_dropout
+
+    class Drops(nn.Module):
+        def forward(self, x):
+            y = torch.nn.functional.dropout(x, 0.5, True)
+            return torch.nn.functional.dropout(y, p=0.3, training=True)
+
+    gm = torch.fx.symbolic_trace(Drops())
+    x = torch.randn(50, 50)
+    assert not torch.equal(gm(x), x)
+    assert torch.equal(without_dropout(gm)(x), x)
+    assert not torch.equal(gm(x), x), "the original graph is left as it was"
