@@ -23,6 +23,7 @@ from _common import RESULT_PREFIX
 
 DEMOS = (
     ("hardware and backends", "hardware_and_backends.py"),
+    ("attention rewriting", "attention_rewrite.py"),
     ("optimize a transformer LM", "optimize_transformer.py"),
 )
 HERE = Path(__file__).resolve().parent

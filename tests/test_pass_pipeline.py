@@ -282,3 +282,15 @@ def test_without_dropout_zeroes_every_dropout_probability():
     assert not torch.equal(gm(x), x)
     assert torch.equal(without_dropout(gm)(x), x)
     assert not torch.equal(gm(x), x), "the original graph is left as it was"
+
+
+def test_a_gradient_that_is_zero_in_exact_arithmetic_is_judged_against_the_others_scale():
+    from kernel_pytorch.verify import Run, compare
+
+    big = torch.randn(1000)
+    noise = torch.randn(48) * 1e-12
+    expected = Run({"out": big}, {"w": big, "bias": noise})
+    actual = Run({"out": big}, {"w": big * (1 + 1e-7), "bias": -noise})
+    assert compare(actual, expected, OptimizeConfig()).ok
+    wrong = Run({"out": big}, {"w": big, "bias": torch.ones(48) * 0.1})
+    assert not compare(wrong, expected, OptimizeConfig()).ok

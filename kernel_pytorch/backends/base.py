@@ -75,7 +75,8 @@ class Backend:
     vendor: ClassVar[Vendor]
     compiler: ClassVar[str]  # "inductor" | "openxla" | "eager"
     compile_by_default: ClassVar[bool]
-    graph_passes: ClassVar[tuple[str, ...]] = ("normalize",)
+    # Every backend runs these; the attention pass's kernel choice is per backend (attention/dispatch.py).
+    graph_passes: ClassVar[tuple[str, ...]] = ("normalize", "attention")
     module_passes: ClassVar[tuple[str, ...]] = ()
     kernels: ClassVar[tuple[Kernel, ...]] = ()
 

@@ -1,0 +1,146 @@
+"""Attention benchmark: hand-written attention after ``optimize`` vs eager, torch.compile and each SDPA kernel.
+
+    python benchmarks/attention.py [--quick] [--out DIR]
+
+bf16, head dim 64 and 128, L from 1k to 16k with batch x L = 16384 tokens and 2048 model width,
+causal and not, forward and forward+backward. FLOPs: forward 4·B·H·L²·D (halved when causal),
+backward 2.5x forward. Writes attention.json and attention.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.harness import RESULTS_DIR, measure, write_result  # noqa: E402
+from kernel_pytorch import optimize, report_of  # noqa: E402
+
+SDPA_BACKENDS = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION,
+                 "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+class HandWrittenAttention(nn.Module):
+    """What model code writes: scores, an additive causal mask built in the graph, fp32 softmax, ·V."""
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q, k, v):
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if self.causal:
+            length = q.shape[-2]
+            mask = torch.full((length, length), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
+            scores = scores + mask
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return probs @ v
+
+
+def _flops(batch, heads, length, head_dim, causal, backward):
+    forward = 4 * batch * heads * length * length * head_dim / (2 if causal else 1)
+    return forward * (3.5 if backward else 1.0)
+
+
+def _step(fn, q, k, v, backward):
+    def run():
+        out = fn(q, k, v)
+        if backward:
+            out.backward(torch.ones_like(out))
+    return run
+
+
+def _providers(causal, training, q, k, v, compiled):
+    hand = HandWrittenAttention(causal).train(training)
+    optimized = optimize(HandWrittenAttention(causal).train(training), example_inputs=(q, k, v), compile=False)
+    report = report_of(optimized)
+    providers = {"eager (hand-written)": hand, "torch.compile (hand-written)": compiled,
+                 "kernel_pytorch.optimize": optimized}
+    for name, backend in SDPA_BACKENDS.items():
+        def sdpa(q, k, v, backend=backend):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        providers[name] = sdpa
+    return providers, report
+
+
+def run_case(head_dim, length, causal, backward, compiled, runs):
+    heads = 2048 // head_dim
+    batch = max(1, 16384 // length)
+    make = lambda: torch.randn(batch, heads, length, head_dim, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=backward)
+    q, k, v = make(), make(), make()
+    providers, report = _providers(causal, backward, q, k, v, compiled[(causal, backward, head_dim)])
+    rewrite = next((r.replacement for r in report.rewrites if r.pass_name == "attention"), "not rewritten")
+    row = {"head_dim": head_dim, "length": length, "batch": batch, "heads": heads, "causal": causal,
+           "backward": backward, "rewrite": rewrite, "tflops": {}, "ms": {}}
+    flops = _flops(batch, heads, length, head_dim, causal, backward)
+    for name, fn in providers.items():
+        if name.startswith("eager") and length > 8192:
+            continue  # eager materializes B·H·L² fp32 scores: 16 GB at 16k, minutes of runs
+        try:
+            timing = measure(_step(fn, q, k, v, backward), warmup=3, runs=runs)
+        except RuntimeError as error:  # a kernel that does not take this shape
+            row["ms"][name] = f"error: {str(error).splitlines()[0][:100]}"
+            continue
+        row["ms"][name] = round(timing.median_ms, 4)
+        row["tflops"][name] = round(flops / timing.median_ms / 1e9, 1)
+    fused = [t for n, t in row["tflops"].items() if n.startswith("sdpa-")]
+    if fused and "kernel_pytorch.optimize" in row["tflops"]:
+        row["fraction_of_fastest_kernel"] = round(row["tflops"]["kernel_pytorch.optimize"] / max(fused), 3)
+    return row
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["head_dim"], r["causal"], r["backward"]) for r in rows})
+    fig, axes = plt.subplots(2, (len(keys) + 1) // 2, figsize=(5 * ((len(keys) + 1) // 2), 8), squeeze=False)
+    for ax, (head_dim, causal, backward) in zip(axes.flat, keys):
+        subset = [r for r in rows if (r["head_dim"], r["causal"], r["backward"]) == (head_dim, causal, backward)]
+        for name in subset[0]["tflops"]:
+            points = [(r["length"], r["tflops"][name]) for r in subset if name in r["tflops"]]
+            ax.plot(*zip(*points), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"hd{head_dim} {'causal' if causal else 'full'} {'fwd+bwd' if backward else 'fwd'}")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"attention, bf16, {torch.cuda.get_device_name()}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args()
+    lengths = (1024, 4096) if args.quick else (1024, 2048, 4096, 8192, 16384)
+    head_dims = (128,) if args.quick else (64, 128)
+    compiled = {(c, b, d): torch.compile(HandWrittenAttention(c).train(b), dynamic=True)
+                for c in (False, True) for b in (False, True) for d in head_dims}
+    rows = []
+    for head_dim in head_dims:
+        for causal in (False, True):
+            for backward in (False, True):
+                for length in lengths:
+                    rows.append(run_case(head_dim, length, causal, backward, compiled, runs=5 if args.quick else 10))
+                    print(rows[-1], flush=True)
+    name = "attention" + ("_quick" if args.quick else "")
+    path = write_result(name, {"rows": rows}, args.out)
+    plot(rows, args.out / f"{name}.png")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,367 @@
+"""Fused attention: ``attention(q, k, v, ...)`` has exactly the semantics of
+``F.scaled_dot_product_attention``, with the implementation named by ``kernel=``.
+
+``"sdpa"`` calls ``F.scaled_dot_product_attention`` (PyTorch chooses; autograd through PyTorch). The other
+kernels call one of PyTorch's private fused attention kernels directly, forward and backward, wrapped as
+two ``torch.library`` custom ops so rewritten graphs train and trace under ``torch.compile(fullgraph=True)``:
+
+* ``kernel_pytorch::attention_fwd`` returns the output and what the backward needs (logsumexp, the RNG
+  state of dropout); its autograd formula calls
+* ``kernel_pytorch::attention_bwd``, the matching aten backward kernel (no recompute).
+
+Both fake implementations are the real implementations run on fake tensors: every step is an aten call
+with a registered meta kernel, so the fake shapes and strides (the efficient kernel's logsumexp padded to
+a multiple of 32, its BLHE-strided output, ...) are the kernels' own, not hand-written rules.
+
+What each kernel supports (the dispatcher chooses; anything unsupported raises, nothing is computed
+differently from SDPA). Seen on torch 2.11 (H100) and 2.13 (CPU):
+
+=============  ======  ===========  ==========  ===========  ===========  =============================
+kernel         device  native GQA   attn_mask   mask grad    dropout      dtypes
+=============  ======  ===========  ==========  ===========  ===========  =============================
+``cudnn``      cuda    yes          yes         no (raises)  yes          fp16, bf16 (fp32 raises here:
+                                                                          the aten kernel returns wrong
+                                                                          numbers for it on 2.11)
+``flash``      cuda    yes          no (raises) --           yes          fp16, bf16 (aten raises)
+``efficient``  cuda    no (expand)  yes         yes          yes          fp16, bf16, fp32
+``cpu_flash``  cpu     yes          yes         no (raises)  no (aten     fp16, bf16, fp32, fp64
+                                                             raises)
+=============  ======  ===========  ==========  ===========  ===========  =============================
+
+``flash`` also refuses ``is_causal`` with ``Lq != Lk``: FlashAttention-2 aligns the causal mask to the
+bottom right, SDPA to the top left (SDPA never picks flash then either). Dropout inside a fused kernel
+draws from the kernel's own Philox stream, so its mask differs from eager ``F.dropout``'s (and from the
+math backend's) for the same seed; it equals what SDPA gives when PyTorch picks the same kernel.
+
+Head-dim and sequence-length limits are the dispatcher's business: the aten kernel raises on them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["attention", "ATTENTION_KERNELS", "kernel_device"]
+
+ATTENTION_KERNELS = ("sdpa", "cudnn", "flash", "efficient", "cpu_flash")
+
+_DEVICE = {"sdpa": "any", "cudnn": "cuda", "flash": "cuda", "efficient": "cuda", "cpu_flash": "cpu"}
+
+# Kernels whose aten forward and backward take Hk != Hq (K/V head h serving query heads h*G .. h*G+G-1),
+# each checked against the float64 reference, forward and gradients: flash and cudnn on torch 2.11 (H100,
+# cuDNN 9.19), cpu_flash on 2.11 and 2.13. efficient raises "Expected query.size(2) == key.size(2)".
+_NATIVE_GQA = frozenset({"flash", "cudnn", "cpu_flash"})
+_TAKES_MASK = frozenset({"cudnn", "efficient", "cpu_flash"})
+# Only the efficient backward returns a gradient for the additive mask (grad_input_mask[3]).
+_MASK_GRAD = frozenset({"efficient"})
+# cuDNN's aten kernel accepts float32 but returns wrong numbers for it (rel. error ~1 on torch 2.11, H100).
+_CUDNN_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def kernel_device(kernel: str) -> str:
+    """The device type a kernel runs on: ``"cuda"`` (also ROCm), ``"cpu"``, or ``"any"`` (``"sdpa"``)."""
+    _check_kernel_name(kernel)
+    return _DEVICE[kernel]
+
+
+def _check_kernel_name(kernel: str) -> None:
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; valid kernels: {', '.join(ATTENTION_KERNELS)}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The custom ops. Inputs are 4-D (B, H, L, E); masks are additive, 4-D, already in the layout the kernel
+# needs (see _prepare_mask); K/V have Hk heads (expanded here for kernels without native GQA).
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_supported(kernel: str, q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool) -> None:
+    """Refuse what a kernel would compute differently from SDPA (or not at all) with a clear message."""
+    _check_kernel_name(kernel)
+    if kernel == "sdpa":
+        raise ValueError("kernel 'sdpa' does not go through the custom ops; call attention(..., kernel='sdpa')")
+    if attn_mask is not None and kernel not in _TAKES_MASK:
+        raise ValueError(f"attention kernel {kernel!r} takes no attn_mask; use one of "
+                         f"{', '.join(sorted(_TAKES_MASK))} or 'sdpa'")
+    if kernel == "flash" and is_causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError("attention kernel 'flash' aligns is_causal to the bottom right when Lq != Lk, SDPA to "
+                         f"the top left (got Lq={q.shape[-2]}, Lk={k.shape[-2]}); use another kernel")
+    if kernel == "cudnn" and q.dtype not in _CUDNN_DTYPES:
+        raise ValueError(f"attention kernel 'cudnn' supports float16 and bfloat16, got {q.dtype}")
+    # Last, so the refusals above also show on CPU tensors. "meta" tensors (shape propagation) reach the
+    # fake implementation, which aten's meta kernels answer for any kernel.
+    if q.device.type not in (_DEVICE[kernel], "meta"):
+        raise ValueError(f"attention kernel {kernel!r} runs on {_DEVICE[kernel]} tensors, got {q.device.type}")
+
+
+def _expand_kv(kernel: str, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """K/V with Hq heads for kernels without native GQA (SDPA's repeat_interleave on the head dim)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1 or kernel in _NATIVE_GQA:
+        return k, v
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
+def _reduce_kv_grad(grad: Tensor, heads_kv: int) -> Tensor:
+    """Sum the gradient of repeat_interleave'd K or V back over each group of query heads."""
+    if grad.shape[1] == heads_kv:
+        return grad
+    return grad.unflatten(1, (heads_kv, grad.shape[1] // heads_kv)).sum(2)
+
+
+def _rng_outputs(q: Tensor, seed: Optional[Tensor], offset: Optional[Tensor], dropout_p: float):
+    """The dropout RNG state, passed on to the backward kernel as the forward kernel returned it.
+
+    With dropout: flash returns (rng_state uint64[2], unused uint64[]) and cuDNN (philox_seed,
+    philox_offset) as GPU tensors; efficient returns (philox_seed, philox_offset) as CPU tensors outside
+    CUDA-graph capture, which its backward dereferences on the host (a GPU copy segfaults it), so they
+    stay where they are (see _attention_fwd_fake). Without dropout no backward reads them (checked with
+    empty ones for each kernel), so return empty placeholders rather than the efficient kernel's CPU ones.
+    """
+    if dropout_p == 0.0 or seed is None or offset is None:
+        empty = torch.empty(0, dtype=torch.int64, device=q.device)
+        return empty, empty.clone()  # two tensors: custom-op outputs may not alias each other
+    return seed, offset
+
+
+def _attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Optional[Tensor],
+    dropout_p: float,
+    is_causal: bool,
+    scale: Optional[float],
+    kernel: str,
+    compute_log_sumexp: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(output, logsumexp, rng_state_a, rng_state_b) of the aten forward kernel named by ``kernel``."""
+    _check_supported(kernel, q, k, attn_mask, is_causal)
+    k, v = _expand_kv(kernel, q, k, v)
+    aten = torch.ops.aten
+    seed = offset = None
+    if kernel == "cpu_flash":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    elif kernel == "flash":
+        # -> (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_attn_mask);
+        # cum_seq_* are None for dense (non-nested) inputs.
+        out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p, is_causal, False,  # return_debug_mask
+            scale=scale)
+    elif kernel == "cudnn":
+        out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, attn_mask, compute_log_sumexp, dropout_p, is_causal, False,  # return_debug_mask
+            scale=scale)
+    else:  # efficient; logsumexp comes padded to a multiple of 32 queries (empty without compute_log_sumexp)
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+            q, k, v, attn_mask, compute_log_sumexp, dropout_p, is_causal, scale=scale)
+    return (out, lse, *_rng_outputs(q, seed, offset, dropout_p))
+
+
+def _attention_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    rng_a: Tensor,
+    rng_b: Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    scale: Optional[float],
+    kernel: str,
+    mask_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad_q, grad_k, grad_v, grad_mask) from the aten backward kernel; grad_mask is empty unless
+    ``mask_grad`` (efficient only). ``k``/``v`` are the unexpanded inputs of attention_fwd."""
+    _check_supported(kernel, q, k, attn_mask, is_causal)
+    if mask_grad and kernel not in _MASK_GRAD:
+        raise ValueError(f"attention kernel {kernel!r} cannot return a gradient for attn_mask")
+    heads_kv = k.shape[1]
+    k, v = _expand_kv(kernel, q, k, v)  # again, rather than saving Hq/Hk times more K/V in the forward
+    aten = torch.ops.aten
+    max_q, max_k = q.shape[2], k.shape[2]  # the padded-batch sequence lengths; dense inputs: the lengths
+    grad_mask = None
+    if kernel == "cpu_flash":
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    elif kernel == "flash":
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse,
+            None, None,  # cum_seq_q, cum_seq_k: undefined selects the dense (non-varlen) kernel
+            max_q, max_k, dropout_p, is_causal,
+            rng_a, rng_b,  # "philox_seed, philox_offset": the forward's (rng_state, unused)
+            scale=scale)
+    elif kernel == "cudnn":
+        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out, q, k, v, out, lse, rng_a, rng_b,
+            attn_mask,  # declared `Tensor attn_bias` (not optional); None passes an undefined tensor
+            None, None,  # cum_seq_q, cum_seq_k, as for flash
+            max_q, max_k, dropout_p, is_causal, scale=scale)
+    else:
+        dq, dk, dv, grad_mask = aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k, v,
+            attn_mask,  # `Tensor attn_bias` here too; None when there is no mask
+            out, lse, rng_a, rng_b, dropout_p,
+            [True, True, True, mask_grad],  # grad_input_mask: which of q, k, v, attn_bias to differentiate
+            is_causal, scale=scale)
+    if grad_mask is None:
+        grad_mask = q.new_empty(0)  # a custom op returns tensors only; the autograd formula maps it to None
+    return dq, _reduce_kv_grad(dk, heads_kv), _reduce_kv_grad(dv, heads_kv), grad_mask
+
+
+
+attention_fwd = torch.library.custom_op("kernel_pytorch::attention_fwd", _attention_fwd, mutates_args=())
+attention_bwd = torch.library.custom_op("kernel_pytorch::attention_bwd", _attention_bwd, mutates_args=())
+
+
+def _attention_fwd_fake(q, k, v, attn_mask, dropout_p, is_causal, scale, kernel, compute_log_sumexp):
+    """The real implementation on fake tensors: every step is an aten call with a meta kernel (or plain
+    tensor code), so this gives the kernels' own output shapes, strides and dtypes. One correction: aten's
+    meta kernel puts the efficient kernel's dropout seed/offset on the GPU, the kernel on the CPU (outside
+    CUDA-graph capture; PyTorch's own fake-tensor cross-checks exempt exactly these outputs)."""
+    out, lse, rng_a, rng_b = _attention_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, kernel,
+                                            compute_log_sumexp)
+    if kernel == "efficient" and dropout_p != 0.0:
+        rng_a, rng_b = rng_a.to("cpu"), rng_b.to("cpu")
+    return out, lse, rng_a, rng_b
+
+
+attention_fwd.register_fake(_attention_fwd_fake)
+attention_bwd.register_fake(_attention_bwd)  # as above: the real implementation on fake tensors
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, attn_mask, dropout_p, is_causal, scale, kernel, _ = inputs
+    out, lse, rng_a, rng_b = output
+    ctx.save_for_backward(q, k, v, attn_mask, out, lse, rng_a, rng_b)
+    ctx.params = (dropout_p, is_causal, scale, kernel)
+
+
+def _backward(ctx, grad_out, _grad_lse, _grad_rng_a, _grad_rng_b):
+    q, k, v, attn_mask, out, lse, rng_a, rng_b = ctx.saved_tensors
+    dropout_p, is_causal, scale, kernel = ctx.params
+    mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, grad_mask = attention_bwd(
+        grad_out, q, k, v, attn_mask, out, lse, rng_a, rng_b, dropout_p, is_causal, scale, kernel, mask_grad)
+    return dq, dk, dv, (grad_mask if mask_grad else None), None, None, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The public function: SDPA's argument conventions -> what the kernels take.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    kernel: str = "sdpa",
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` computed by the fused kernel ``kernel``.
+
+    Arguments are SDPA's: ``q`` (..., Hq, Lq, E), ``k`` (..., Hk, Lk, E), ``v`` (..., Hk, Lk, Ev);
+    ``attn_mask`` bool (True = attend) or float (added to the scores), broadcastable to (..., Hq, Lq, Lk);
+    ``is_causal`` masks top-left aligned (query i sees keys 0..i); ``scale=None`` is 1/sqrt(E);
+    ``enable_gqa`` lets Hq be a multiple of Hk. ``kernel`` is one of :data:`ATTENTION_KERNELS`; a kernel
+    that cannot compute the call as SDPA would (see the module docstring) raises ``ValueError``, and an
+    ``attn_mask`` that requires grad is refused by every kernel but ``"efficient"`` and ``"sdpa"``.
+
+    Example::
+
+        q = torch.randn(2, 8, 128, 64)
+        k = v = torch.randn(2, 2, 128, 64)
+        out = attention(q, k, v, is_causal=True, enable_gqa=True, kernel="cpu_flash")  # (2, 8, 128, 64)
+    """
+    _check_kernel_name(kernel)
+    if kernel == "sdpa":
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    _check_shapes(q, k, v, enable_gqa)
+    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled() and kernel not in _MASK_GRAD:
+        raise ValueError(f"attention kernel {kernel!r} cannot return a gradient for attn_mask, which requires "
+                         f"grad; use one of {', '.join(sorted(_MASK_GRAD))} or 'sdpa', or detach the mask")
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    mask = _prepare_mask(attn_mask, q, k, kernel)
+    q, k, v = _to_4d(q), _to_4d(k), _to_4d(v)
+    head_dim, value_dim = q.shape[-1], v.shape[-1]
+    if kernel == "flash" and head_dim % 8:
+        # As SDPA does: FlashAttention-2 needs E % 8 == 0, zero columns change no score; the scale stays
+        # that of the real head dim. Done out here so autograd handles the pad and the slice.
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        q, k, v = (F.pad(t, (0, 8 - head_dim % 8)) for t in (q, k, v))
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, mask))
+    out = attention_fwd(q, k, v, mask, dropout_p, is_causal, scale, kernel, needs_grad)[0]
+    return out[..., :value_dim].reshape(out_shape)
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None:
+    if not q.dim() == k.dim() == v.dim() >= 2:
+        raise ValueError(f"q, k, v must have the same number of dims (>= 2), got {q.dim()}, {k.dim()}, {v.dim()}")
+    if q.dim() >= 3 and not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
+        raise ValueError("the fused attention kernels need equal batch dims in q, k, v (no broadcasting), got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}; use kernel='sdpa'")
+    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"q/k head dims or k/v lengths differ: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dim() >= 3:
+        heads_q, heads_k = q.shape[-3], k.shape[-3]
+        if heads_k != v.shape[-3]:
+            raise ValueError(f"k and v have different head counts: {heads_k}, {v.shape[-3]}")
+        if heads_q != heads_k and not (enable_gqa and heads_q % heads_k == 0):
+            raise ValueError(f"Hq={heads_q} and Hk={heads_k} differ; that needs enable_gqa=True and Hq % Hk == 0")
+
+
+def _to_4d(t: Tensor) -> Tensor:
+    """(B, H, L, E): 2-D/3-D get leading size-1 dims (dim -3 stays the head dim, as SDPA's GQA has it);
+    more than 4 dims are flattened into the batch."""
+    if t.dim() <= 4:
+        return t[(None,) * (4 - t.dim())]
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def _prepare_mask(attn_mask: Optional[Tensor], q: Tensor, k: Tensor, kernel: str) -> Optional[Tensor]:
+    """SDPA's mask, as the kernel takes it: additive, 4-D like ``_to_4d(q)``, broadcast dims of size 1."""
+    if attn_mask is None:
+        return None
+    full = (*q.shape[:-1], k.shape[-2])  # (..., Hq, Lq, Lk)
+    if attn_mask.dim() > len(full) or any(m != 1 and m != f for m, f in zip(reversed(attn_mask.shape), reversed(full))):
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {full}")
+    if attn_mask.dtype == torch.bool:
+        # SDPA's convert_boolean_attn_mask. (SDPA gives cuDNN -65504 instead of -inf, which lets a fully
+        # masked row attend uniformly; cuDNN takes -inf and gives that row 0, as SDPA's math does.)
+        attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(q.dtype)
+    if len(full) > 4:
+        attn_mask = attn_mask.expand(full).reshape(-1, *full[-3:])
+    else:
+        attn_mask = attn_mask[(None,) * (4 - attn_mask.dim())]
+    if kernel == "efficient":
+        attn_mask = _efficient_mask(attn_mask, _to_4d(q).shape[:3], k.shape[-2])
+    return attn_mask
+
+
+def _efficient_mask(attn_mask: Tensor, bhl: tuple, seq_k: int) -> Tensor:
+    """SDPA's preprocess_mask: the efficient kernel wants the bias expanded to (B, H, Lq, Lk) with every
+    stride but the last a multiple of 8 (it raises "attn_bias is not correctly aligned" otherwise), so copy
+    it into a buffer whose rows are padded to 8 elements and slice that. Autograd sees pad/slice/expand,
+    so a mask gradient is reduced back to the mask's own shape."""
+    aligned = attn_mask.stride(-1) == 1 and all(s % 8 == 0 for s in attn_mask.stride()[:-1])
+    if not aligned:
+        attn_mask = F.pad(attn_mask, (0, 8 - seq_k % 8))[..., :seq_k]
+    return attn_mask.expand(*bhl, seq_k)

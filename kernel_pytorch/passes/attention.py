@@ -1,0 +1,322 @@
+"""Hand-written attention -> one fused attention call, matched by meaning rather than by one template.
+
+Every ``torch.softmax`` of a normalized graph (see :mod:`kernel_pytorch.passes.normalize`) is a
+candidate. The matcher (:mod:`kernel_pytorch.passes.attention_match`) walks back from it through casts,
+masks, biases and scale factors to a Q·Kᵀ product, and forward through casts and dropout to a ·V
+product, and proves each step; what it cannot prove is skipped, with the reason in the report.
+
+Before and after (a Llama layer as Dynamo captures it, after normalization)::
+
+    # before                                          # after
+    k_rep = k[:, :, None].expand(...).reshape(...)    o = attention(q, k, v, None, dropout_p=0.0,
+    s = operator.matmul(q, transpose(k_rep, 2, 3))        is_causal=True, scale=0.25,
+    s = operator.mul(s, 0.25)                             enable_gqa=True, kernel="sdpa")
+    s = operator.add(s, causal_mask)
+    p = torch.softmax(s, -1, dtype=torch.float32)
+    p = p.to(torch.float32)
+    p = F.dropout(p, 0.0, False, False)
+    o = operator.matmul(p, v_rep)
+
+What is matched, and how each part is decided:
+
+* **Products**: ``@`` (``operator.matmul``), ``torch.bmm`` on 3-D ``(B*H, L, E)`` tensors (SDPA takes
+  them as they are), ``einsum`` (``"bhqd,bhkd->bhqk"`` then ``"bhqk,bhkd->bhqd"``, any letters, operands in
+  other layouts permuted; other equations are skipped with the equation in the reason). Kᵀ by
+  ``transpose``/``permute``/``.mT`` (all ``transpose``/``permute`` after normalization); a Kᵀ that
+  comes from elsewhere is transposed back.
+* **Scale**: the product of every constant factor between Q·Kᵀ and the softmax (``* c``, ``/ c``)
+  and on Q or K before the product (``q * d ** -0.5``), as the exact Python float; ``1.0`` when there is
+  none (T5). A factor that is a tensor must evaluate to a one-element constant from shape-only ops;
+  anything else (a parameter, an input) is skipped: "scale cannot be determined".
+* **Masks**: additive float masks and biases (``scores + m``, ``scores - alibi``), ``masked_fill`` and
+  ``torch.where`` with bool masks and ``-inf`` or ``finfo.min`` fills (other fills are skipped: a fused
+  kernel would differ on fully masked rows). A single ``-inf`` fill becomes SDPA's bool mask (True =
+  attend); a ``finfo.min`` fill becomes an additive ``where(masked, fill, 0)`` (``x + finfo.min`` rounds
+  to ``finfo.min``, so fully masked rows stay uniform as in eager); several terms are summed into one
+  additive mask, cast to Q's dtype.
+* **Causal**: a single mask term built only from shape-only ops (``full``/``arange``/``triu``/
+  comparisons/``where``/``expand``...) with static sizes is evaluated concretely; if it is exactly
+  top-left causal and ``Lq == Lk``, the call gets ``is_causal=True`` and no mask. A mask with symbolic
+  sizes, one that depends on an input (padding: HF BERT/Llama with ``attention_mask``), or ``Lq != Lk``
+  is passed as a tensor. A mask held in a **buffer** is passed as a tensor too, never ``is_causal``:
+  the buffer's value can change (``load_state_dict``, in-place edits) without Dynamo recompiling; the
+  report gets a skip-like line saying so.
+* **Softmax**: over the last axis only (``-1`` or ``ndim - 1``), computed in float32 (``dtype=`` or an
+  upcast) and cast back: fused kernels accumulate in float32.
+* **Dropout** on the probabilities: ``dropout_p`` is ``p`` when the graph trains, ``0.0`` otherwise.
+* **GQA/MQA**: K and V repeated per head (``repeat_kv``: ``[:, :, None].expand().reshape()``, or
+  ``repeat_interleave(n, dim=heads)``) are used un-repeated with ``enable_gqa=True`` (same
+  group-contiguous order); cross-attention with ``Lq != Lk`` is fine.
+* **Output layout**: the ·V product is replaced in place, so the ``transpose`` + ``reshape`` after it stay.
+
+Not attention, skipped with the reason: softmax over another axis, probabilities modified or used
+before or beside ·V (returned attention weights), scores used elsewhere, a non-constant scale.
+``relu`` attention has no softmax, so it is not a candidate at all.
+
+Example::
+
+    from kernel_pytorch.passes.attention import AttentionPass
+    result = AttentionPass().run(gm, ctx)   # after Normalize
+    for rewrite in result.rewrites: print(rewrite.location, rewrite.replacement)
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch.fx import Node
+
+from kernel_pytorch.ops.attention import attention
+from kernel_pytorch.passes.attention_match import (AttentionMatch, ConstantEvaluator, MaskTerm, NotAttention, Operand,
+                                                   example_value, match_attention)
+from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
+from kernel_pytorch.passes.graph_utils import module_path_of
+from kernel_pytorch.passes.normalize import is_call
+from kernel_pytorch.passes.registry import register_pass
+
+__all__ = ["AttentionPass"]
+
+
+def _attention_op() -> Callable[..., Any]:
+    """The fused op the rewrite calls (SDPA's signature plus keyword-only ``kernel``)."""
+    return attention
+
+
+def _choose_kernel(q, k, v, mask, *, is_causal, dropout_p, enable_gqa, ctx: PassContext) -> tuple[str, str]:
+    from kernel_pytorch.attention.dispatch import choose_kernel
+
+    if any(not isinstance(t, torch.Tensor) for t in (q, k, v)) or any(
+            not isinstance(s, int) for t in (q, k, v, mask) if isinstance(t, torch.Tensor) for s in t.shape):
+        return "sdpa", "PyTorch's SDPA dispatch (symbolic or unknown shapes: no kernel measured)"
+    try:
+        return choose_kernel(q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
+                             hardware=ctx.hardware, training=ctx.training)
+    except Exception as error:  # the rewrite stands on its own; SDPA's dispatch is always correct
+        return "sdpa", f"the kernel dispatcher failed ({type(error).__name__}: {error}); PyTorch's SDPA dispatch"
+
+
+def _fake(target: Any, args: tuple, kwargs: Optional[dict] = None, method: bool = False) -> Any:
+    """The example value of a new node, computed on the FakeTensors of its inputs (None if that fails)."""
+    from torch._guards import detect_fake_mode
+
+    values: list[Any] = []
+    fake_args = torch.fx.node.map_arg(args, lambda n: values.append(example_value(n)) or example_value(n))
+    fake_kwargs = torch.fx.node.map_arg(kwargs or {}, lambda n: values.append(example_value(n)) or example_value(n))
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    mode = detect_fake_mode(tensors)
+    if mode is None or any(v is None for v in values):
+        return None
+    try:
+        with mode:
+            if method:
+                return getattr(fake_args[0], target)(*fake_args[1:], **fake_kwargs)
+            return target(*fake_args, **fake_kwargs)
+    except Exception:
+        return None
+
+
+class _Builder:
+    """Adds nodes before the ·V product, each with metadata (example value, module stack)."""
+
+    def __init__(self, graph: torch.fx.Graph, anchor: Node):
+        self.graph = graph
+        self.anchor = anchor
+        self.carried = {k: v for k, v in anchor.meta.items() if k in ("nn_module_stack", "stack_trace")}
+
+    def function(self, target: Any, *args: Any, **kwargs: Any) -> Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args, kwargs)
+        self._meta(node, _fake(target, args, kwargs))
+        return node
+
+    def method(self, name: str, *args: Any) -> Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_method(name, args)
+        self._meta(node, _fake(name, args, method=True))
+        return node
+
+    def _meta(self, node: Node, value: Any) -> None:
+        node.meta.update(self.carried)
+        if value is not None:
+            node.meta["example_value"] = value
+
+    def operand(self, operand: Operand) -> Node:
+        return operand.node if operand.dims is None else self.function(torch.permute, operand.node, operand.dims)
+
+    def cast(self, node: Node, dtype: torch.dtype) -> Node:
+        value = example_value(node)
+        return node if isinstance(value, torch.Tensor) and value.dtype == dtype else self.method("to", node, dtype)
+
+
+class _MaskPlan:
+    """What the attention call gets for its mask: nothing, ``is_causal``, a bool or an additive tensor."""
+
+    def __init__(self) -> None:
+        self.is_causal = False
+        self.description = "no mask"
+        self.notes: list[str] = []  # skip-like report lines (the rewrite still happens)
+        self.dead_when_causal: list[Node] = []
+
+
+def _causal_check(term: MaskTerm, match: AttentionMatch, constants: ConstantEvaluator, plan: _MaskPlan) -> bool:
+    """Whether the single mask ``term`` is provably SDPA's top-left causal mask (see the module docstring)."""
+    shape = match.scores_shape
+    lq, lk = shape[-2], shape[-1]
+    if not (isinstance(lq, int) and isinstance(lk, int)):
+        plan.description += " (symbolic sizes: causality not checked)"
+        return False
+    if lq != lk:
+        return False
+    evaluation = constants.evaluate(term.node)
+    if evaluation.value is None:
+        if evaluation.kind == "buffer":
+            plan.notes.append(f"is_causal not used: the mask is {evaluation.reason}; a buffer's value can change "
+                              "(load_state_dict, in-place edits) without dynamo recompiling, so it is passed as a "
+                              "mask tensor")
+            plan.description += " (from a buffer)"
+        elif evaluation.kind == "symbolic":
+            plan.description += " (symbolic sizes: causality not checked)"
+        return False
+    value = evaluation.value
+    if value.dim() < 2 or value.dim() > len(shape) or tuple(value.shape[-2:]) != (lq, lk):
+        return False
+    allowed = torch.ones(lq, lk, dtype=torch.bool).tril().expand(value.shape)
+    if term.kind == "fill":
+        if value.dtype != torch.bool or not term.blocking:
+            return False
+        masked = value if term.masked_value else ~value
+        return bool(torch.equal(masked, ~allowed))
+    if not value.is_floating_point():
+        return False
+    value = value * term.multiplier if term.multiplier != 1.0 else value
+    blocked = value[~allowed]
+    exact_min = term.multiplier == 1.0
+    blocking = (blocked == -math.inf) | ((blocked <= torch.finfo(value.dtype).min) if exact_min else False)
+    return bool((value[allowed] == 0).all() and blocking.all())
+
+
+def _negated(mask: Node, builder: _Builder, match: AttentionMatch) -> Node:
+    """``~mask``; ``x`` itself when ``mask`` is ``~x`` read only here (``masked_fill(s, ~allowed, -inf)``)."""
+    if is_call(mask, operator.invert, torch.logical_not, torch.bitwise_not) and len(mask.users) == 1 and \
+            isinstance(mask.args[0], Node) and example_value(mask.args[0]) is not None and \
+            example_value(mask.args[0]).dtype == torch.bool:
+        match.removable.append(mask)
+        return mask.args[0]
+    return builder.function(torch.logical_not, mask)
+
+
+def _mask_node(match: AttentionMatch, builder: _Builder, q_dtype: torch.dtype, constants: ConstantEvaluator,
+               plan: _MaskPlan) -> Optional[Node]:
+    terms = match.terms
+    if not terms:
+        return None
+    if len(terms) == 1:
+        plan.description = "mask bool" if terms[0].kind == "fill" and terms[0].fill == -math.inf else "mask additive"
+        if _causal_check(terms[0], match, constants, plan):
+            plan.is_causal = True
+            plan.description = "no mask"
+            plan.dead_when_causal = constants.ancestors(terms[0].node)
+            return None
+        term = terms[0]
+        if term.kind == "fill" and term.fill == -math.inf:
+            # SDPA's bool mask: True means attend.
+            return _negated(term.node, builder, match) if term.masked_value else term.node
+    else:
+        plan.description = f"mask additive ({len(terms)} terms)"
+    total: Optional[Node] = None
+    for term in terms:
+        if term.kind == "fill":
+            masked = term.node if term.masked_value else _negated(term.node, builder, match)
+            part = builder.function(torch.where, masked, term.fill, 0.0)
+        else:
+            part = term.node
+            if term.multiplier != 1.0:
+                part = builder.function(operator.mul, part, term.multiplier)
+        total = part if total is None else builder.function(operator.add, total, part)
+    return builder.cast(total, q_dtype)
+
+
+def _erase_dead(graph: torch.fx.Graph, candidates: list[Node]) -> int:
+    """Erase the candidates that no node uses any more, consumers first; returns how many."""
+    pending = set(candidates)
+    erased = 0
+    for node in reversed(list(graph.nodes)):
+        if node in pending and not node.users and node.op in ("call_function", "call_method"):
+            graph.erase_node(node)
+            erased += 1
+    return erased
+
+
+@register_pass
+class AttentionPass(GraphPass):
+    """Replace hand-written attention with one fused ``attention(q, k, v, mask, ...)`` call (module docstring)."""
+
+    name = "attention"
+    description = "hand-written attention (any spelling of softmax(Q·Kᵀ·s + mask)·V) -> fused attention kernel"
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        result = PassResult()
+        graph = gm.graph
+        constants = ConstantEvaluator()
+        mask_candidates: list[Node] = []
+        erased: set[Node] = set()
+        for softmax in [n for n in graph.nodes if is_call(n, torch.softmax)]:
+            if softmax in erased:
+                continue
+            location = module_path_of(softmax, "(model)")
+            try:
+                match = match_attention(softmax, constants)
+            except NotAttention as reason:
+                result.skip(location, str(reason))
+                continue
+            description, plan, removed = self._rewrite(graph, match, constants, ctx)
+            erased |= removed
+            mask_candidates += plan.dead_when_causal
+            for note in plan.notes:
+                result.skip(location, note)
+            result.rewrite(location, description)
+            result.changed += len(removed)
+        result.changed += _erase_dead(graph, mask_candidates)
+        return result
+
+    @staticmethod
+    def _rewrite(graph: torch.fx.Graph, match: AttentionMatch, constants: ConstantEvaluator,
+                 ctx: PassContext) -> tuple[str, _MaskPlan, set[Node]]:
+        builder = _Builder(graph, match.pv)
+        q, k, v = builder.operand(match.q), builder.operand(match.k), builder.operand(match.v)
+        q_dtype = example_value(q).dtype
+        plan = _MaskPlan()
+        mask = _mask_node(match, builder, q_dtype, constants, plan)
+        kernel, why = _choose_kernel(example_value(q), example_value(k), example_value(v), example_value(mask),
+                                     is_causal=plan.is_causal, dropout_p=match.dropout_p,
+                                     enable_gqa=match.enable_gqa, ctx=ctx)
+        kwargs = {"dropout_p": match.dropout_p, "is_causal": plan.is_causal, "scale": match.scale,
+                  "enable_gqa": match.enable_gqa, "kernel": kernel}
+        with graph.inserting_before(match.pv):
+            call = graph.call_function(_attention_op(), (q, k, v, mask), kwargs)
+        if match.out_dims is None:
+            call.meta.update(match.pv.meta)
+            out = call
+        else:
+            builder._meta(call, _fake(F.scaled_dot_product_attention, (q, k, v, mask),
+                                      {k: kwargs[k] for k in ("dropout_p", "is_causal", "scale", "enable_gqa")}))
+            with graph.inserting_before(match.pv):
+                out = graph.call_function(torch.permute, (call, match.out_dims))
+            out.meta.update(match.pv.meta)
+        match.pv.replace_all_uses_with(out)
+        before = set(graph.nodes)
+        _erase_dead(graph, match.removable)
+        removed = before - set(graph.nodes)
+        parts = ["causal"] if plan.is_causal else []
+        if match.enable_gqa and match.heads:
+            parts.append(f"gqa {match.heads[0]}/{match.heads[1]}")
+        parts.append(f"scale {match.scale!r}")
+        if match.dropout_p:
+            parts.append(f"dropout {match.dropout_p!r}")
+        parts.append(plan.description)
+        return f"attention[{kernel}]: {', '.join(parts)} ({why})", plan, removed

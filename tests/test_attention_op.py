@@ -1,0 +1,434 @@
+"""kernel_pytorch.ops.attention: every kernel against a float64 softmax(q kᵀ · scale + mask) v.
+
+The CPU part runs in CI ("cpu_flash" and "sdpa"); the ``gpu``-marked part (``pytest -m gpu``) checks the
+CUDA kernels and fails, not skips, when selected without CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernel_pytorch.ops import ATTENTION_KERNELS, attention, kernel_device
+
+from .conftest import rel_err
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def reference(q, k, v, mask=None, is_causal=False, scale=None):
+    """SDPA's definition in float64: GQA by repeat_interleave on dim -3, causal top-left aligned, a bool
+    mask selects (True = attend), a float mask is added to the scores."""
+    q, k, v = q.double(), k.double(), v.double()
+    if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        groups = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)
+    scores = q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if is_causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.double()
+    return scores.softmax(-1) @ v
+
+
+def _qkv(shape_q, shape_kv, dtype=torch.float32, device="cpu", value_dim=None, requires_grad=False):
+    value_shape = (*shape_kv[:-1], value_dim or shape_kv[-1])
+    return tuple(torch.randn(s, dtype=dtype, device=device, requires_grad=requires_grad)
+                 for s in (shape_q, shape_kv, value_shape))
+
+
+def _bool_mask(shape, device="cpu"):
+    mask = torch.rand(shape, device=device) > 0.4
+    mask[..., 0] = True  # no fully masked row: SDPA's convention for those differs between backends
+    return mask
+
+
+B, H, LQ, LK, E = 2, 3, 13, 29, 40
+
+# name -> (q shape, k/v shape, mask shape or None, mask kind, is_causal, scale, enable_gqa)
+CASES = {
+    "plain": ((B, H, LQ, E), (B, H, LK, E), None, None, False, None, False),
+    "causal_square": ((B, H, LK, E), (B, H, LK, E), None, None, True, None, False),
+    "causal_lq_lt_lk": ((B, H, LQ, E), (B, H, LK, E), None, None, True, None, False),
+    "causal_lq_gt_lk": ((B, H, LK, E), (B, H, LQ, E), None, None, True, None, False),
+    "bool_mask_2d": ((B, H, LQ, E), (B, H, LK, E), (LQ, LK), "bool", False, None, False),
+    "bool_mask_4d": ((B, H, LQ, E), (B, H, LK, E), (B, 1, LQ, LK), "bool", False, None, False),
+    "float_mask_b11k": ((B, H, LQ, E), (B, H, LK, E), (B, 1, 1, LK), "float", False, None, False),
+    "float_mask_qk": ((B, H, LQ, E), (B, H, LK, E), (LQ, LK), "float", False, None, False),
+    "float_mask_hqk": ((B, H, LQ, E), (B, H, LK, E), (H, LQ, LK), "float", False, None, False),
+    "float_mask_causal": ((B, H, LK, E), (B, H, LK, E), (B, 1, 1, LK), "float", True, None, False),
+    "gqa": ((B, 8, LQ, E), (B, 2, LK, E), None, None, False, None, True),
+    "gqa_causal_mask": ((B, 8, LK, E), (B, 2, LK, E), (B, 1, LK, LK), "float", True, None, True),
+    "3d": ((5, LQ, E), (5, LK, E), (LQ, LK), "float", False, None, False),
+    "5d": ((2, B, H, LQ, E), (2, B, H, LK, E), (B, 1, 1, LK), "float", False, None, False),
+    "scale": ((B, H, LQ, E), (B, H, LK, E), None, None, False, 0.3, False),
+    "scale_causal_bool": ((B, H, LK, E), (B, H, LK, E), (LK, LK), "bool", True, 0.05, False),
+}
+
+
+def _case_inputs(name, dtype, device="cpu", requires_grad=False):
+    shape_q, shape_kv, mask_shape, mask_kind, is_causal, scale, gqa = CASES[name]
+    q, k, v = _qkv(shape_q, shape_kv, dtype, device, requires_grad=requires_grad)
+    mask = None
+    if mask_kind == "bool":
+        mask = _bool_mask(mask_shape, device)
+    elif mask_kind == "float":
+        mask = torch.randn(mask_shape, dtype=dtype, device=device)
+    return q, k, v, dict(attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU: "cpu_flash" and "sdpa"
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kernel", ["cpu_flash", "sdpa"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_matches_float64_reference(case, kernel, dtype):
+    torch.manual_seed(hash(case) % 1000)
+    q, k, v, kwargs = _case_inputs(case, dtype)
+    out = attention(q, k, v, **kwargs, kernel=kernel)
+    expected = reference(q, k, v, kwargs["attn_mask"], kwargs["is_causal"], kwargs["scale"])
+    assert out.shape == expected.shape and out.dtype == dtype, (out.shape, out.dtype)
+    err = rel_err(out, expected)
+    assert err < TOLERANCE[dtype], f"{case}/{kernel}/{dtype}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("kernel", ["cpu_flash", "sdpa"])
+def test_causal_is_top_left_aligned(kernel):
+    # With Lq < Lk, query 0 sees key 0 alone (top left); bottom-right alignment would let it see
+    # keys 0..Lk-Lq. Checked without the reference, which encodes the same convention.
+    q, k, v = _qkv((1, 2, LQ, E), (1, 2, LK, E))
+    out = attention(q, k, v, is_causal=True, kernel=kernel)
+    torch.testing.assert_close(out[:, :, 0], v[:, :, 0])
+    assert not torch.allclose(out[:, :, 1], v[:, :, 1], atol=1e-3)
+
+
+def test_fp32_gradients_match_reference():
+    torch.manual_seed(1)
+    for case in ("plain", "causal_lq_lt_lk", "gqa_causal_mask", "bool_mask_2d", "3d", "5d"):
+        q, k, v, kwargs = _case_inputs(case, torch.float32, requires_grad=True)
+        grad = torch.randn(*q.shape[:-1], v.shape[-1])
+        got = torch.autograd.grad(attention(q, k, v, **kwargs, kernel="cpu_flash"), (q, k, v), grad)
+        expected = torch.autograd.grad(
+            reference(q, k, v, kwargs["attn_mask"], kwargs["is_causal"], kwargs["scale"]), (q, k, v), grad.double())
+        for name, g, e in zip("qkv", got, expected):
+            assert g.shape == e.shape, (case, name, g.shape, e.shape)
+            assert rel_err(g, e) < 1e-4, f"{case}: d{name} relative error {rel_err(g, e):.2e}"
+
+
+# The CPU flash kernel runs in float64, so gradcheck can check its backward kernel directly.
+@pytest.mark.parametrize("gqa, masked, is_causal", [(False, False, False), (True, True, False), (True, True, True),
+                                                    (False, True, True)])
+def test_gradcheck_cpu_flash(gqa, masked, is_causal):
+    torch.manual_seed(2)
+    q, k, v = _qkv((1, 4, 5, 8), (1, 2 if gqa else 4, 7 if not is_causal else 5, 8), torch.float64,
+                   requires_grad=True)
+    mask = torch.randn(1, 1, 5, k.shape[-2], dtype=torch.float64) if masked else None  # no grad: not supported
+
+    def fn(q, k, v):
+        return attention(q, k, v, mask, is_causal=is_causal, enable_gqa=gqa, kernel="cpu_flash")
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_gradcheck_sdpa_with_mask_gradient():
+    torch.manual_seed(3)
+    q, k, v = _qkv((2, 4, 5, 8), (2, 2, 7, 8), torch.float64, requires_grad=True)
+    mask = torch.randn(2, 1, 5, 7, dtype=torch.float64, requires_grad=True)
+
+    def fn(q, k, v, mask):
+        return attention(q, k, v, mask, enable_gqa=True, kernel="sdpa")
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, mask))
+
+
+def _op_samples():
+    torch.manual_seed(4)
+    q, k, v = _qkv((2, 4, 6, 16), (2, 2, 9, 16), requires_grad=True)
+    mask = torch.randn(2, 1, 6, 9)
+    # (q, k, v, attn_mask, dropout_p, is_causal, scale, kernel, compute_log_sumexp)
+    return [(q, k, v, None, 0.0, False, None, "cpu_flash", True),
+            (q, k, v, mask, 0.0, True, 0.2, "cpu_flash", True),
+            (q.detach(), k.detach(), v.detach(), mask[0, 0], 0.0, False, None, "cpu_flash", False)]
+
+
+@pytest.mark.parametrize("sample", range(3))
+def test_opcheck_forward(sample):
+    torch.library.opcheck(torch.ops.kernel_pytorch.attention_fwd.default, _op_samples()[sample])
+
+
+def test_opcheck_backward():
+    q, k, v, mask, dropout_p, is_causal, scale, kernel, _ = _op_samples()[1]
+    q, k, v = q.detach(), k.detach(), v.detach()
+    out, lse, rng_a, rng_b = torch.ops.kernel_pytorch.attention_fwd(q, k, v, mask, dropout_p, is_causal, scale,
+                                                                     kernel, True)
+    args = (torch.randn_like(out), q, k, v, mask, out, lse, rng_a, rng_b, dropout_p, is_causal, scale, kernel,
+            False)
+    torch.library.opcheck(torch.ops.kernel_pytorch.attention_bwd.default, args)
+    dq, dk, dv, dmask = torch.ops.kernel_pytorch.attention_bwd(*args)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dmask.numel() == 0
+
+
+class _RecordGraphs:
+    """A torch.compile backend that keeps Dynamo's graphs and runs them with backend ``inner``."""
+
+    def __init__(self, inner):
+        self.inner, self.graphs = inner, []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiles_without_graph_break(backend):
+    torch.manual_seed(5)
+    q, k, v = _qkv((2, 8, LK, E), (2, 2, LK, E), requires_grad=True)
+    mask = _bool_mask((LK, LK))
+
+    def step(q, k, v):
+        out = attention(q, k, v, mask, is_causal=True, enable_gqa=True, kernel="cpu_flash")
+        return out, out.square().sum()
+
+    # Dynamo does not trace .backward(); the backward of the compiled graph runs from outside it.
+    recorder = _RecordGraphs(backend)
+    compiled_out, loss = torch.compile(step, backend=recorder, fullgraph=True)(q, k, v)
+    loss.backward()
+    compiled_grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    eager_out, loss = step(q, k, v)
+    loss.backward()
+    assert len(recorder.graphs) == 1
+    targets = {node.target for node in recorder.graphs[0].graph.nodes}
+    assert torch.ops.kernel_pytorch.attention_fwd.default in targets, targets
+    torch.testing.assert_close(compiled_out, eager_out, rtol=1e-6, atol=1e-6)
+    for compiled, t in zip(compiled_grads, (q, k, v)):
+        torch.testing.assert_close(compiled, t.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_unknown_kernel_names_the_valid_ones():
+    q, k, v = _qkv((1, 1, 4, 8), (1, 1, 4, 8))
+    with pytest.raises(ValueError, match="unknown attention kernel 'triton'.*" + ".*".join(ATTENTION_KERNELS)):
+        attention(q, k, v, kernel="triton")
+    with pytest.raises(ValueError, match="unknown attention kernel"):
+        kernel_device("triton")
+
+
+def test_kernel_device():
+    assert {name: kernel_device(name) for name in ATTENTION_KERNELS} == {
+        "sdpa": "any", "cudnn": "cuda", "flash": "cuda", "efficient": "cuda", "cpu_flash": "cpu"}
+
+
+def test_mask_requiring_grad_is_refused_by_kernels_without_a_mask_gradient():
+    q, k, v = _qkv((1, 2, 4, 8), (1, 2, 4, 8))
+    mask = torch.zeros(4, 4, requires_grad=True)
+    for kernel in ("cpu_flash", "cudnn"):
+        with pytest.raises(ValueError, match=f"{kernel}.*cannot return a gradient for attn_mask"):
+            attention(q, k, v, mask, kernel=kernel)
+    with torch.no_grad():  # nothing to differentiate: fine
+        torch.testing.assert_close(attention(q, k, v, mask, kernel="cpu_flash"),
+                                   reference(q, k, v, mask).float(), rtol=1e-5, atol=1e-6)
+    assert attention(q, k, v, mask, kernel="sdpa").requires_grad
+
+
+def test_refusals_that_would_otherwise_compute_something_else():
+    q, k, v = _qkv((1, 2, 4, 8), (1, 2, 6, 8), torch.bfloat16)
+    with pytest.raises(ValueError, match="'flash' takes no attn_mask"):
+        attention(q, k, v, torch.zeros(4, 6, dtype=torch.bfloat16), kernel="flash")
+    with pytest.raises(ValueError, match="'flash' aligns is_causal to the bottom right"):
+        attention(q, k, v, is_causal=True, kernel="flash")
+    with pytest.raises(ValueError, match="'cudnn' supports float16 and bfloat16"):
+        attention(q.float(), k.float(), v.float(), kernel="cudnn")
+    with pytest.raises(ValueError, match="runs on cuda tensors, got cpu"):
+        attention(q, k, v, kernel="efficient")
+    with pytest.raises(ValueError, match="needs enable_gqa=True"):
+        attention(q, k[:, :1], v[:, :1], kernel="cpu_flash")
+    with pytest.raises(ValueError, match="does not broadcast"):
+        attention(q, k, v, torch.zeros(3, 4, 6, dtype=torch.bfloat16), kernel="cpu_flash")
+
+
+def test_cpu_flash_refuses_dropout():
+    # The CPU flash kernel has no dropout; aten raises and we let it (SDPA uses its math path then).
+    q, k, v = _qkv((1, 2, 4, 8), (1, 2, 4, 8))
+    with pytest.raises(RuntimeError, match="dropout"):
+        attention(q, k, v, dropout_p=0.1, kernel="cpu_flash")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU (pytest -m gpu): the CUDA kernels
+# ---------------------------------------------------------------------------------------------------------
+
+CUDA_KERNELS = {  # kernel -> dtypes
+    "cudnn": (torch.bfloat16, torch.float16),
+    "flash": (torch.bfloat16, torch.float16),
+    "efficient": (torch.bfloat16, torch.float16, torch.float32),
+}
+GPU_TOLERANCE = {  # (output, gradients)
+    torch.bfloat16: (2e-2, 5e-2), torch.float16: (5e-3, 1e-2), torch.float32: (1e-4, 1e-4)}
+GPU_CASES = {  # name -> (q shape, k/v shape, mask shape or None, is_causal, enable_gqa)
+    "plain": ((2, 16, 77, 64), (2, 16, 77, 64), None, False, False),
+    "causal": ((2, 16, 77, 64), (2, 16, 77, 64), None, True, False),
+    "causal_lq_lt_lk": ((2, 16, 40, 64), (2, 16, 77, 64), None, True, False),
+    "gqa": ((2, 16, 77, 128), (2, 4, 77, 128), None, False, True),
+    "gqa_causal": ((2, 16, 77, 64), (2, 4, 77, 64), None, True, True),
+    "mask": ((2, 16, 40, 64), (2, 16, 77, 64), (2, 1, 40, 77), False, False),
+    "mask_b11k_gqa_causal": ((2, 16, 77, 64), (2, 4, 77, 64), (2, 1, 1, 77), True, True),
+    "bool_mask": ((2, 16, 40, 64), (2, 16, 77, 64), (40, 77), False, False),
+    # E % 8 != 0: flash pads it (as SDPA does); efficient takes it in fp32 only; the others raise.
+    "head_dim_36": ((2, 4, 77, 36), (2, 4, 77, 36), None, True, False),
+}
+GPU_CASE_ONLY = {"head_dim_36": {("flash", torch.bfloat16), ("flash", torch.float16), ("efficient", torch.float32)}}
+
+
+def _needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.fail("gpu tests were selected (-m gpu) but torch.cuda.is_available() is False")
+
+
+def _gpu_params():
+    for kernel, dtypes in CUDA_KERNELS.items():
+        for dtype in dtypes:
+            for case, (_, shape_kv, mask_shape, is_causal, _) in GPU_CASES.items():
+                query_len = GPU_CASES[case][0][-2]
+                if kernel == "flash" and (mask_shape or (is_causal and query_len != shape_kv[-2])):
+                    continue  # refused by design: test_refusals_that_would_otherwise_compute_something_else
+                if case in GPU_CASE_ONLY and (kernel, dtype) not in GPU_CASE_ONLY[case]:
+                    continue
+                yield pytest.param(kernel, dtype, case, id=f"{kernel}-{str(dtype)[6:]}-{case}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel, dtype, case", list(_gpu_params()))
+def test_gpu_kernel_matches_reference(kernel, dtype, case):
+    _needs_cuda()
+    torch.manual_seed(6)
+    shape_q, shape_kv, mask_shape, is_causal, gqa = GPU_CASES[case]
+    q, k, v = _qkv(shape_q, shape_kv, dtype, "cuda", requires_grad=True)
+    mask = None
+    if case == "bool_mask":
+        mask = _bool_mask(mask_shape, "cuda")
+    elif mask_shape:
+        mask = torch.randn(mask_shape, dtype=dtype, device="cuda")
+    out = attention(q, k, v, mask, is_causal=is_causal, enable_gqa=gqa, kernel=kernel)
+    expected = reference(q, k, v, mask, is_causal)
+    out_tol, grad_tol = GPU_TOLERANCE[dtype]
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert rel_err(out, expected) < out_tol, f"output relative error {rel_err(out, expected):.2e}"
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q, k, v), grad.double())
+    for name, g, w in zip("qkv", got, want):
+        assert g.shape == w.shape and g.dtype == dtype, (name, g.shape, g.dtype)
+        assert rel_err(g, w) < grad_tol, f"d{name} relative error {rel_err(g, w):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_efficient_mask_gradient(dtype):
+    _needs_cuda()
+    torch.manual_seed(7)
+    q, k, v = _qkv((2, 8, 40, 64), (2, 2, 77, 64), dtype, "cuda", requires_grad=True)
+    mask = torch.randn(2, 1, 1, 77, dtype=dtype, device="cuda", requires_grad=True)  # broadcast + unaligned
+    out = attention(q, k, v, mask, enable_gqa=True, kernel="efficient")
+    expected = reference(q, k, v, mask)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, mask), grad)
+    want = torch.autograd.grad(expected, (q, k, v, mask), grad.double())
+    for name, g, w in zip(("q", "k", "v", "mask"), got, want):
+        assert g.shape == w.shape, (name, g.shape, w.shape)
+        assert rel_err(g, w) < GPU_TOLERANCE[dtype][1], f"d{name} relative error {rel_err(g, w):.2e}"
+
+
+SDPA_BACKEND = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", list(CUDA_KERNELS))
+def test_gpu_dropout_uses_the_kernels_rng_forward_and_backward(kernel):
+    # With the same seed, SDPA restricted to the same aten kernel draws the same dropout mask: equal
+    # outputs, and equal gradients only if our backward got the forward's RNG state.
+    _needs_cuda()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = _qkv((2, 8, 77, 64), (2, 8, 77, 64), torch.bfloat16, "cuda", requires_grad=True)
+    grad = torch.randn(2, 8, 77, 64, dtype=torch.bfloat16, device="cuda")
+    torch.manual_seed(8)
+    out = attention(q, k, v, dropout_p=0.3, is_causal=True, kernel=kernel)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    torch.manual_seed(8)
+    with sdpa_kernel(getattr(SDPBackend, SDPA_BACKEND[kernel])):
+        native = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
+    want = torch.autograd.grad(native, (q, k, v), grad)
+    no_dropout = attention(q, k, v, is_causal=True, kernel=kernel)
+    assert out.isfinite().all() and rel_err(out, no_dropout) > 0.05, "dropout changed nothing"
+    assert rel_err(out, native) < 1e-3, f"output differs from SDPA's {kernel}: {rel_err(out, native):.2e}"
+    for name, g, w in zip("qkv", got, want):
+        assert g.isfinite().all() and rel_err(g, w) < 2e-2, f"d{name} differs from SDPA's: {rel_err(g, w):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", list(CUDA_KERNELS))
+def test_gpu_dropout_smoke_gqa_and_mask(kernel):
+    _needs_cuda()
+    q, k, v = _qkv((2, 16, 77, 64), (2, 4, 77, 64), torch.bfloat16, "cuda", requires_grad=True)
+    mask = None if kernel == "flash" else torch.randn(2, 1, 77, 77, dtype=torch.bfloat16, device="cuda")
+    out = attention(q, k, v, mask, dropout_p=0.2, enable_gqa=True, kernel=kernel)
+    out.float().square().sum().backward()
+    assert out.shape == q.shape and out.isfinite().all()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and t.grad.isfinite().all() and t.grad.abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", list(CUDA_KERNELS))
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_gpu_opcheck(kernel, dropout_p):
+    _needs_cuda()
+    torch.manual_seed(9)
+    q, k, v = _qkv((2, 8, 40, 64), (2, 2, 77, 64), torch.bfloat16, "cuda", requires_grad=True)
+    mask = None if kernel == "flash" else torch.randn(2, 1, 40, 77, dtype=torch.bfloat16, device="cuda")
+    if kernel == "efficient":
+        mask = mask.expand(2, 8, 40, 77)  # what attention() passes: expanded and row-aligned
+        mask = F.pad(mask, (0, 3))[..., :77]
+    args = (q, k, v, mask, dropout_p, False, None, kernel, True)
+    # With dropout, two runs differ: compare metadata only (the RNG-state outputs' devices included).
+    tests = ("test_schema", "test_faketensor") if dropout_p else None
+    torch.library.opcheck(torch.ops.kernel_pytorch.attention_fwd.default, args,
+                          **({"test_utils": tests} if tests else {}))
+    out, lse, rng_a, rng_b = torch.ops.kernel_pytorch.attention_fwd(*(a.detach() if isinstance(a, torch.Tensor)
+                                                                      else a for a in args))
+    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), mask, out, lse, rng_a, rng_b, dropout_p,
+                False, None, kernel, kernel == "efficient")
+    torch.library.opcheck(torch.ops.kernel_pytorch.attention_bwd.default, bwd_args,
+                          **({"test_utils": tests} if tests else {}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", list(CUDA_KERNELS))
+def test_gpu_inductor_fullgraph(kernel):
+    _needs_cuda()
+    torch.manual_seed(10)
+    q, k, v = _qkv((2, 16, 77, 64), (2, 4, 77, 64), torch.bfloat16, "cuda", requires_grad=True)
+    mask = None if kernel == "flash" else torch.randn(1, 1, 77, 77, dtype=torch.bfloat16, device="cuda")
+
+    def step(q, k, v):
+        out = attention(q, k, v, mask, is_causal=True, enable_gqa=True, kernel=kernel)
+        return out, out.float().square().sum()
+
+    compiled_out, loss = torch.compile(step, fullgraph=True)(q, k, v)
+    loss.backward()
+    compiled_grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    eager_out, loss = step(q, k, v)
+    loss.backward()
+    assert rel_err(compiled_out, eager_out) < 1e-3
+    for name, compiled, t in zip("qkv", compiled_grads, (q, k, v)):
+        assert rel_err(compiled, t.grad) < 1e-2, f"d{name}: {rel_err(compiled, t.grad):.2e}"
