@@ -13,6 +13,8 @@ and BERT; dynamo captures them.
 from __future__ import annotations
 
 import functools
+import itertools
+import sys
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -42,6 +44,9 @@ _RANDOM_OPS = frozenset({
 })
 
 
+_entry_numbers = itertools.count()
+
+
 def _call_module(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module._call_impl(*args, **kwargs)
 
@@ -54,10 +59,14 @@ def install(model: torch.nn.Module, backend: Callable[..., Any], dynamic: bool |
     ``nn.Sequential``, an ``nn.TransformerEncoderLayer``) was never captured (measured: zero graphs on
     torch 2.13). The entry here is a function of ours, and each model gets its own copy of its code
     object: dynamo keeps its cache per code object, and a shared one would hit the recompile limit (8)
-    after eight optimized models.
+    after eight optimized models. The copy's name is unique too: dynamo remembers which sizes changed
+    per (file, line, name) of the code, and with a shared name a second model of another size was
+    captured with symbolic sizes at once (measured: no causal mask proven, no kernel measured).
     """
-    code = _call_module.__code__.replace()
-    entry = types.FunctionType(code, _call_module.__globals__, f"kernel_pytorch_call_{type(model).__name__}")
+    name = f"kernel_pytorch_call_{type(model).__name__}_{next(_entry_numbers)}"
+    names = {"co_name": name, **({"co_qualname": name} if sys.version_info >= (3, 11) else {})}
+    code = _call_module.__code__.replace(**names)
+    entry = types.FunctionType(code, _call_module.__globals__, name)
     compiled = torch.compile(entry, backend=backend, dynamic=dynamic)
     model._compiled_call_impl = functools.partial(compiled, model)
 

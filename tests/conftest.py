@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -31,3 +32,14 @@ def twin(model: torch.nn.Module) -> torch.nn.Module:
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.detach().double(), expected.detach().double()
     return float((actual - expected).norm() / expected.norm())
+
+
+def pytest_collection_modifyitems(config, items):
+    # Triton kernel tests need TRITON_INTERPRET=1 set before Triton is imported; in a process without
+    # it they are deselected, and test_norm_ops.py::test_triton_kernels_in_a_subprocess runs them.
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    deselected = [item for item in items if item.get_closest_marker("triton_interpret")]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not item.get_closest_marker("triton_interpret")]

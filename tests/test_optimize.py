@@ -223,3 +223,14 @@ def test_gelu_mlp_is_unchanged_numerically():
     optimize(model, example_inputs=(torch.randn(2, 10),))
     x = torch.randn(7, 10)
     assert rel_err(model(x), reference(x)) < 1e-6
+
+
+def test_a_second_model_of_another_size_is_captured_with_static_sizes():
+    # dynamo remembers changed sizes per code name; each optimized model must start afresh
+    from kernel_pytorch.testing import LlamaStyleLM
+
+    for seq in (8, 12):
+        model = LlamaStyleLM(LlamaStyleConfig.tiny()).eval()
+        optimize(model, example_inputs=(tokens(seq=seq),))
+        rewrites = [r.replacement for r in report_of(model).rewrites if r.pass_name == "attention"]
+        assert rewrites and all("causal" in r and "symbolic" not in r for r in rewrites), rewrites

@@ -76,7 +76,7 @@ class Backend:
     compiler: ClassVar[str]  # "inductor" | "openxla" | "eager"
     compile_by_default: ClassVar[bool]
     # Every backend runs these; the attention pass's kernel choice is per backend (attention/dispatch.py).
-    graph_passes: ClassVar[tuple[str, ...]] = ("normalize", "attention")
+    graph_passes: ClassVar[tuple[str, ...]] = ("normalize", "norms", "attention")
     module_passes: ClassVar[tuple[str, ...]] = ()
     kernels: ClassVar[tuple[Kernel, ...]] = ()
 

@@ -12,4 +12,6 @@ class TpuBackend(Backend):
     vendor = "tpu"
     compiler = "openxla"
     compile_by_default = True
+    # No norms pass: its ops are Triton or native custom ops, opaque to XLA, which fuses norms itself.
+    graph_passes = ("normalize", "attention")
     kernels = (sdpa_kernel,)

@@ -14,14 +14,14 @@ with a registered meta kernel, so the fake shapes and strides (the efficient ker
 a multiple of 32, its BLHE-strided output, ...) are the kernels' own, not hand-written rules.
 
 What each kernel supports (the dispatcher chooses; anything unsupported raises, nothing is computed
-differently from SDPA). Seen on torch 2.11 (H100) and 2.13 (CPU):
+differently from SDPA). Measured on torch 2.11 (H100, cuDNN 9.19) and, for cpu_flash, 2.11 and 2.13:
 
 =============  ======  ===========  ==========  ===========  ===========  =============================
 kernel         device  native GQA   attn_mask   mask grad    dropout      dtypes
 =============  ======  ===========  ==========  ===========  ===========  =============================
-``cudnn``      cuda    yes          yes         no (raises)  yes          fp16, bf16 (fp32 raises here:
-                                                                          the aten kernel returns wrong
-                                                                          numbers for it on 2.11)
+``cudnn``      cuda    yes          yes         no (raises)  yes          fp16, bf16 (we raise on fp32:
+                                                                          the aten kernel takes it and
+                                                                          returns wrong numbers)
 ``flash``      cuda    yes          no (raises) --           yes          fp16, bf16 (aten raises)
 ``efficient``  cuda    no (expand)  yes         yes          yes          fp16, bf16, fp32
 ``cpu_flash``  cpu     yes          yes         no (raises)  no (aten     fp16, bf16, fp32, fp64
@@ -29,11 +29,13 @@ kernel         device  native GQA   attn_mask   mask grad    dropout      dtypes
 =============  ======  ===========  ==========  ===========  ===========  =============================
 
 ``flash`` also refuses ``is_causal`` with ``Lq != Lk``: FlashAttention-2 aligns the causal mask to the
-bottom right, SDPA to the top left (SDPA never picks flash then either). Dropout inside a fused kernel
+bottom right, SDPA to the top left (SDPA does not pick flash for that either). Dropout inside a fused kernel
 draws from the kernel's own Philox stream, so its mask differs from eager ``F.dropout``'s (and from the
 math backend's) for the same seed; it equals what SDPA gives when PyTorch picks the same kernel.
 
-Head-dim and sequence-length limits are the dispatcher's business: the aten kernel raises on them.
+Head-dim and sequence-length limits are the dispatcher's business: the aten kernel raises on them (on
+2.11, E % 8 != 0 in fp16/bf16 for cudnn and efficient; flash gets E padded to a multiple of 8, as SDPA
+does it).
 """
 
 from __future__ import annotations
@@ -74,8 +76,10 @@ def _check_kernel_name(kernel: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The custom ops. Inputs are 4-D (B, H, L, E); masks are additive, 4-D, already in the layout the kernel
-# needs (see _prepare_mask); K/V have Hk heads (expanded here for kernels without native GQA).
+# The custom ops. Inputs are 4-D (B, H, L, E); K/V have Hk heads (expanded here for kernels without native
+# GQA); the mask is additive, 4-D, broadcastable to (B, Hq, Lq, Lk), in any layout: under torch.compile
+# Inductor keeps only the stride order of custom-op inputs, so whatever a kernel needs of the layout is
+# made here, inside the op.
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -111,6 +115,22 @@ def _reduce_kv_grad(grad: Tensor, heads_kv: int) -> Tensor:
     if grad.shape[1] == heads_kv:
         return grad
     return grad.unflatten(1, (heads_kv, grad.shape[1] // heads_kv)).sum(2)
+
+
+def _efficient_bias(attn_mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
+    """SDPA's preprocess_mask: the efficient kernel takes the bias only as (B, H, Lq, Lk) (expanded views
+    are fine) with every stride but the last a multiple of 8 ("attn_bias is not correctly aligned"
+    otherwise). A misaligned mask is copied, its broadcast dims left at size 1, into a buffer whose rows
+    are padded to a multiple of 8, sliced back to Lk and expanded."""
+    if attn_mask is None:
+        return None
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    bias = attn_mask.expand(shape)
+    if bias.stride(-1) == 1 and all(stride % 8 == 0 for stride in bias.stride()[:-1]):
+        return bias
+    seq_k = shape[-1]
+    materialized = bias[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in bias.stride()[:-1])]
+    return F.pad(materialized, (0, 8 - seq_k % 8))[..., :seq_k].expand(shape)
 
 
 def _rng_outputs(q: Tensor, seed: Optional[Tensor], offset: Optional[Tensor], dropout_p: float):
@@ -159,7 +179,7 @@ def _attention_fwd(
             scale=scale)
     else:  # efficient; logsumexp comes padded to a multiple of 32 queries (empty without compute_log_sumexp)
         out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
-            q, k, v, attn_mask, compute_log_sumexp, dropout_p, is_causal, scale=scale)
+            q, k, v, _efficient_bias(attn_mask, q, k), compute_log_sumexp, dropout_p, is_causal, scale=scale)
     return (out, lse, *_rng_outputs(q, seed, offset, dropout_p))
 
 
@@ -208,14 +228,15 @@ def _attention_bwd(
     else:
         dq, dk, dv, grad_mask = aten._scaled_dot_product_efficient_attention_backward(
             grad_out, q, k, v,
-            attn_mask,  # `Tensor attn_bias` here too; None when there is no mask
+            _efficient_bias(attn_mask, q, k),  # `Tensor attn_bias` here too; None when there is no mask
             out, lse, rng_a, rng_b, dropout_p,
             [True, True, True, mask_grad],  # grad_input_mask: which of q, k, v, attn_bias to differentiate
             is_causal, scale=scale)
     if grad_mask is None:
         grad_mask = q.new_empty(0)  # a custom op returns tensors only; the autograd formula maps it to None
+    else:  # (B, Hq, Lq, Lk) -> the mask's own broadcast shape
+        grad_mask = grad_mask.sum_to_size(attn_mask.shape)
     return dq, _reduce_kv_grad(dk, heads_kv), _reduce_kv_grad(dv, heads_kv), grad_mask
-
 
 
 attention_fwd = torch.library.custom_op("kernel_pytorch::attention_fwd", _attention_fwd, mutates_args=())
@@ -298,7 +319,7 @@ def attention(
         raise ValueError(f"attention kernel {kernel!r} cannot return a gradient for attn_mask, which requires "
                          f"grad; use one of {', '.join(sorted(_MASK_GRAD))} or 'sdpa', or detach the mask")
     out_shape = (*q.shape[:-1], v.shape[-1])
-    mask = _prepare_mask(attn_mask, q, k, kernel)
+    mask = _prepare_mask(attn_mask, q, k)
     q, k, v = _to_4d(q), _to_4d(k), _to_4d(v)
     head_dim, value_dim = q.shape[-1], v.shape[-1]
     if kernel == "flash" and head_dim % 8:
@@ -331,37 +352,27 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None:
 def _to_4d(t: Tensor) -> Tensor:
     """(B, H, L, E): 2-D/3-D get leading size-1 dims (dim -3 stays the head dim, as SDPA's GQA has it);
     more than 4 dims are flattened into the batch."""
-    if t.dim() <= 4:
+    if t.dim() < 4:
         return t[(None,) * (4 - t.dim())]
+    if t.dim() == 4:
+        return t
     return t.reshape(-1, *t.shape[-3:])
 
 
-def _prepare_mask(attn_mask: Optional[Tensor], q: Tensor, k: Tensor, kernel: str) -> Optional[Tensor]:
-    """SDPA's mask, as the kernel takes it: additive, 4-D like ``_to_4d(q)``, broadcast dims of size 1."""
+def _prepare_mask(attn_mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
+    """SDPA's mask, as the custom op takes it: additive, 4-D like ``_to_4d(q)``, broadcast dims kept at 1."""
     if attn_mask is None:
         return None
     full = (*q.shape[:-1], k.shape[-2])  # (..., Hq, Lq, Lk)
-    if attn_mask.dim() > len(full) or any(m != 1 and m != f for m, f in zip(reversed(attn_mask.shape), reversed(full))):
+    if attn_mask.dim() > len(full) or any(
+            m != 1 and m != f for m, f in zip(reversed(attn_mask.shape), reversed(full))):
         raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {full}")
     if attn_mask.dtype == torch.bool:
         # SDPA's convert_boolean_attn_mask. (SDPA gives cuDNN -65504 instead of -inf, which lets a fully
         # masked row attend uniformly; cuDNN takes -inf and gives that row 0, as SDPA's math does.)
         attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(q.dtype)
-    if len(full) > 4:
-        attn_mask = attn_mask.expand(full).reshape(-1, *full[-3:])
-    else:
-        attn_mask = attn_mask[(None,) * (4 - attn_mask.dim())]
-    if kernel == "efficient":
-        attn_mask = _efficient_mask(attn_mask, _to_4d(q).shape[:3], k.shape[-2])
-    return attn_mask
-
-
-def _efficient_mask(attn_mask: Tensor, bhl: tuple, seq_k: int) -> Tensor:
-    """SDPA's preprocess_mask: the efficient kernel wants the bias expanded to (B, H, Lq, Lk) with every
-    stride but the last a multiple of 8 (it raises "attn_bias is not correctly aligned" otherwise), so copy
-    it into a buffer whose rows are padded to 8 elements and slice that. Autograd sees pad/slice/expand,
-    so a mask gradient is reduced back to the mask's own shape."""
-    aligned = attn_mask.stride(-1) == 1 and all(s % 8 == 0 for s in attn_mask.stride()[:-1])
-    if not aligned:
-        attn_mask = F.pad(attn_mask, (0, 8 - seq_k % 8))[..., :seq_k]
-    return attn_mask.expand(*bhl, seq_k)
+    if attn_mask.dim() < len(full):  # as many dims as q
+        attn_mask = attn_mask[(None,) * (len(full) - attn_mask.dim())]
+    if len(full) > 4:  # flatten the batch dims as _to_4d(q) does; only those get materialized
+        attn_mask = attn_mask.expand(*full[:-3], *attn_mask.shape[-3:]).flatten(0, len(full) - 4)
+    return _to_4d(attn_mask)

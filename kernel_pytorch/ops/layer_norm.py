@@ -1,0 +1,341 @@
+"""LayerNorm, and the fused residual add + LayerNorm, as a ``torch.library`` custom op with Triton kernels.
+
+    y = (x - mean(x)) * rsqrt(var(x) + eps) * weight + bias     statistics in fp32, y in x's dtype,
+                                                                rounded once (F.layer_norm's semantics)
+    y, h = layer_norm(x, weight, bias, residual=r)              h = x + r, y = layer_norm(h): one kernel
+
+Weight and bias are each optional. Layers, dispatch and statistics format as in :mod:`rms_norm`:
+``_layer_norm_fwd_kernel`` / ``_layer_norm_bwd_kernel`` -> ``layer_norm_fwd`` / ``layer_norm_bwd`` ->
+``kernel_pytorch::layer_norm`` / ``kernel_pytorch::layer_norm_backward`` -> :func:`layer_norm`,
+:class:`LayerNorm`. The native path is ATen's ``native_layer_norm`` (what ``F.layer_norm`` runs) and its
+fused backward.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from kernel_pytorch.ops import triton_utils as tu
+from kernel_pytorch.ops.triton_utils import jit, tl
+
+__all__ = ["layer_norm", "LayerNorm", "layer_norm_fwd", "layer_norm_bwd", "TRITON_FWD_MIN_ELEMENTS",
+           "TRITON_BWD_MIN_ELEMENTS"]
+
+# Below these sizes (rows x hidden) the native path runs instead of Triton; see rms_norm.py.
+# TO BE MEASURED on H100 (benchmarks/norms.py); 4096 x 1024 is a placeholder.
+TRITON_FWD_MIN_ELEMENTS = 0
+TRITON_BWD_MIN_ELEMENTS = 4096 * 1024
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+@jit
+def _layer_norm_fwd_kernel(
+    X,  # (n_rows, n_cols) input, row stride stride_x, unit column stride
+    R,  # (n_rows, n_cols) residual added to X before the norm; read only if HAS_RESIDUAL
+    H,  # (n_rows, n_cols) output X + R in X's dtype, the norm's input; written only if HAS_RESIDUAL
+    W,  # (n_cols,) weight, any float dtype; read only if HAS_WEIGHT
+    B,  # (n_cols,) bias, any float dtype; read only if HAS_BIAS
+    Y,  # (n_rows, n_cols) output in X's dtype
+    MEAN,  # (n_rows,) output mean(h) in ACC, saved for the backward
+    RSTD,  # (n_rows,) output 1 / sqrt(var(h) + eps) in ACC, saved for the backward
+    stride_x, stride_r, stride_h, stride_y,
+    n_rows, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACC: tl.constexpr,  # tl.float32, or tl.float64 for fp64 inputs
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows = rows.to(tl.int64)  # rows * stride overflows int32 past 2**31 elements
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(ACC) + r.to(ACC)).to(X.dtype.element_ty)  # rounded as eager's x + r is
+        tl.store(H + rows[:, None] * stride_h + cols[None, :], x, mask=mask)
+    x = x.to(ACC)
+    mean = tl.sum(x, axis=1) / n_cols
+    # Two passes over the row in registers: no E[x²] - E[x]² cancellation.
+    d = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.math.rsqrt(tl.sum(d * d, axis=1) / n_cols + eps)
+    tl.store(MEAN + rows, mean, mask=row_mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+    y = d * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@jit
+def _layer_norm_bwd_kernel(
+    DY,  # (n_rows, n_cols) gradient of Y
+    X,  # (n_rows, n_cols) the norm's input: x, or h = x + residual when fused
+    W,  # (n_cols,) weight; read only if HAS_WEIGHT
+    MEAN,  # (n_rows,) from the forward, in ACC
+    RSTD,  # (n_rows,) from the forward, in ACC
+    DH,  # (n_rows, n_cols) gradient of the residual-sum output h, added to DX; read only if HAS_DH
+    DX,  # (n_rows, n_cols) output in X's dtype (also the residual's gradient)
+    DW_PARTIAL,  # (n_programs, n_cols) output in ACC: per-program sum of dy * xhat; only if WEIGHT_GRAD
+    DB_PARTIAL,  # (n_programs, n_cols) output in ACC: per-program sum of dy; only if BIAS_GRAD
+    stride_dy, stride_x, stride_dh, stride_dx,
+    n_rows, n_cols, rows_per_program,
+    HAS_WEIGHT: tl.constexpr, HAS_DH: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):
+    # xhat = (x - mean) * rstd, g = dy * w:  dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),
+    # dw = sum over rows of dy * xhat, db = sum over rows of dy
+    pid = tl.program_id(0)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
+    dw = tl.zeros((BLOCK_N,), ACC)
+    db = tl.zeros((BLOCK_N,), ACC)
+    for start in range(row_start, row_end, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows = rows.to(tl.int64)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        # Padding columns hold -mean * rstd here, but only ever meet dy = 0 and g = 0: no mask needed.
+        xhat = (x - mean[:, None]) * rstd[:, None]
+        g = dy
+        if HAS_WEIGHT:
+            g = dy * w[None, :]
+        if WEIGHT_GRAD:
+            dw += tl.sum(dy * xhat, axis=0)
+        if BIAS_GRAD:
+            db += tl.sum(dy, axis=0)
+        mean_g = tl.sum(g, axis=1) / n_cols
+        mean_gx = tl.sum(g * xhat, axis=1) / n_cols
+        dx = rstd[:, None] * (g - mean_g[:, None] - xhat * mean_gx[:, None])
+        if HAS_DH:
+            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(ACC)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if WEIGHT_GRAD:
+        tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
+    if BIAS_GRAD:
+        tl.store(DB_PARTIAL + pid * n_cols + cols, db, mask=col_mask)
+
+
+# -------------------------------------------------------------------------------------------- launches
+
+def layer_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                   residual: Optional[Tensor] = None, eps: float = 1e-5):
+    """Triton forward: ``(y, h, mean, rstd)``; ``h = x + residual`` or None, statistics of shape
+    ``x.shape[:-1]``. CPU tensors too under ``TRITON_INTERPRET=1``."""
+    hidden = x.shape[-1]
+    tile = tu.row_tile(hidden, x.numel() // max(hidden, 1))
+    x2 = tu.as_rows(x)
+    n_rows = x2.shape[0]
+    acc = tu.acc_dtype(x.dtype)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    mean = torch.empty(x.shape[:-1], dtype=acc, device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=acc, device=x.device)
+    if n_rows == 0:
+        return y, h, mean, rstd
+    r2 = tu.as_rows(residual) if residual is not None else x2
+    h2 = h.view(-1, hidden) if h is not None else x2
+    y2 = y.view(-1, hidden)
+    with tu.device_guard(x):
+        _layer_norm_fwd_kernel[(tu.triton.cdiv(n_rows, tile.rows),)](
+            x2, r2, h2,
+            weight.contiguous() if weight is not None else x2, bias.contiguous() if bias is not None else x2,
+            y2, mean, rstd,
+            x2.stride(0), r2.stride(0), h2.stride(0), y2.stride(0),
+            n_rows, hidden, eps,
+            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            ACC=tu.triton_acc_dtype(x.dtype), BLOCK_N=tile.block_n, ROWS=tile.rows, num_warps=tile.num_warps,
+        )
+    return y, h, mean, rstd
+
+
+def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor,
+                   rstd: Tensor, dh: Optional[Tensor] = None, weight_grad: bool = True, bias_grad: bool = True,
+                   n_programs: Optional[int] = None):
+    """Triton backward: ``(dx, dweight, dbias)``, each parameter gradient None when not asked for or
+    without that parameter (``bias`` is read for its dtype only). ``x`` is the norm's input (``h`` when
+    fused), ``dh`` the gradient of ``h``. Partial dweight/dbias per program, as in ``rms_norm_bwd``."""
+    hidden = x.shape[-1]
+    x2, dy2 = tu.as_rows(x), tu.as_rows(dy)
+    n_rows = x2.shape[0]
+    tile = tu.row_tile(hidden, n_rows, backward=True)
+    weight_grad = weight_grad and weight is not None
+    bias_grad = bias_grad and bias is not None
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if n_rows == 0:
+        return dx, (torch.zeros_like(weight) if weight_grad else None), (torch.zeros_like(bias) if bias_grad else None)
+    n_tiles = tu.triton.cdiv(n_rows, tile.rows)
+    programs = n_programs or tu.reduction_programs(x.device, n_tiles, tile.num_warps)
+    rows_per_program = tu.triton.cdiv(n_tiles, programs) * tile.rows
+    programs = tu.triton.cdiv(n_rows, rows_per_program)
+    acc = tu.acc_dtype(x.dtype)
+    dw_partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if weight_grad else rstd
+    db_partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if bias_grad else rstd
+    dh2 = tu.as_rows(dh) if dh is not None else x2
+    dx2 = dx.view(-1, hidden)
+    with tu.device_guard(x):
+        _layer_norm_bwd_kernel[(programs,)](
+            dy2, x2, weight.contiguous() if weight is not None else x2,
+            mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous(), dh2, dx2, dw_partial, db_partial,
+            dy2.stride(0), x2.stride(0), dh2.stride(0), dx2.stride(0),
+            n_rows, hidden, rows_per_program,
+            HAS_WEIGHT=weight is not None, HAS_DH=dh is not None, WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad,
+            ACC=tu.triton_acc_dtype(x.dtype), BLOCK_N=tile.block_n, ROWS=tile.rows, num_warps=tile.num_warps,
+        )
+    dw = dw_partial.sum(0).to(weight.dtype) if weight_grad else None
+    db = db_partial.sum(0).to(bias.dtype) if bias_grad else None
+    return dx, dw, db
+
+
+# ---------------------------------------------------------------------------------- native (non-Triton)
+
+def _aten_stats_dtype(x: Tensor) -> torch.dtype:
+    # ATen keeps LayerNorm statistics in the input dtype on CPU (and MTIA), in fp32 elsewhere
+    # (torch._refs.native_layer_norm spells out the same rule); its backward wants them back that way.
+    return x.dtype if x.device.type in ("cpu", "mtia") else tu.acc_dtype(x.dtype)
+
+
+def _layer_norm_fwd_native(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                           residual: Optional[Tensor], eps: float):
+    # Contiguous like the Triton path's outputs (and the fake's): x + r follows a permuted x's layout.
+    h = (x + residual).contiguous() if residual is not None else None
+    inp = h if h is not None else x
+    y, mean, rstd = torch.ops.aten.native_layer_norm(inp, [inp.shape[-1]], weight, bias, eps)
+    acc, shape = tu.acc_dtype(x.dtype), inp.shape[:-1]
+    return y.to(x.dtype).contiguous(), h, mean.reshape(shape).to(acc), rstd.reshape(shape).to(acc)
+
+
+def _layer_norm_bwd_native(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor,
+                           rstd: Tensor, dh: Optional[Tensor], weight_grad: bool, bias_grad: bool):
+    weight_grad = weight_grad and weight is not None
+    bias_grad = bias_grad and bias is not None
+    stats = _aten_stats_dtype(x)
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        dy, x, [x.shape[-1]], mean.unsqueeze(-1).to(stats), rstd.unsqueeze(-1).to(stats), weight, bias,
+        [True, weight_grad, bias_grad])
+    if dh is not None:
+        dx = dx + dh
+    return dx.contiguous(), (dw if weight_grad else None), (db if bias_grad else None)
+
+
+# ------------------------------------------------------------------------------------------ custom ops
+
+@torch.library.custom_op("kernel_pytorch::layer_norm", mutates_args=())
+def _layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+                   eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    # Returns (y, h, mean, rstd); without a residual, h is an empty tensor (outputs cannot be optional).
+    triton = tu.use_triton(x, TRITON_FWD_MIN_ELEMENTS)
+    forward = layer_norm_fwd if triton else _layer_norm_fwd_native
+    y, h, mean, rstd = forward(x, weight, bias, residual, eps)
+    return y, (h if h is not None else x.new_empty(0)), mean, rstd
+
+
+@_layer_norm_op.register_fake
+def _(x, weight, bias, residual, eps):
+    tu.check_hidden(x)
+    h = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
+    stats = lambda: x.new_empty(x.shape[:-1], dtype=tu.acc_dtype(x.dtype))  # noqa: E731
+    return x.new_empty(x.shape), h, stats(), stats()
+
+
+@torch.library.custom_op("kernel_pytorch::layer_norm_backward", mutates_args=())
+def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor,
+                            rstd: Tensor, dh: Optional[Tensor], weight_grad: bool, bias_grad: bool
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+    # Returns (dx, dweight, dbias); a gradient not asked for is an empty tensor. ``bias`` gives db's dtype.
+    triton = tu.use_triton(x, TRITON_BWD_MIN_ELEMENTS)
+    backward = layer_norm_bwd if triton else _layer_norm_bwd_native
+    dx, dw, db = backward(dy, x, weight, bias, mean, rstd, dh, weight_grad, bias_grad)
+    empty = x.new_empty(0)
+    return dx, (dw if dw is not None else empty), (db if db is not None else empty.clone())
+
+
+@_layer_norm_backward_op.register_fake
+def _(dy, x, weight, bias, mean, rstd, dh, weight_grad, bias_grad):
+    dw = weight.new_empty(weight.shape) if weight_grad and weight is not None else x.new_empty(0)
+    db = bias.new_empty(bias.shape) if bias_grad and bias is not None else x.new_empty(0)
+    return x.new_empty(x.shape), dw, db
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, _eps = inputs
+    _y, h, mean, rstd = output
+    ctx.has_residual = residual is not None
+    ctx.save_for_backward(h if residual is not None else x, weight, bias, mean, rstd)
+
+
+def _backward(ctx, dy, dh, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    weight_grad = weight is not None and ctx.needs_input_grad[1]
+    bias_grad = bias is not None and ctx.needs_input_grad[2]
+    dx, dw, db = _layer_norm_backward_op(dy, x, weight, bias, mean, rstd, dh if ctx.has_residual else None,
+                                         weight_grad, bias_grad)
+    return (dx, dw if weight_grad else None, db if bias_grad else None,
+            dx if ctx.has_residual else None, None)
+
+
+_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------- public API
+
+def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5,
+               residual: Optional[Tensor] = None):
+    """LayerNorm over the last axis (``F.layer_norm(x, (x.shape[-1],), weight, bias, eps)``); with
+    ``residual``, the fused add + norm returning ``(normed, x + residual)``.
+
+    Statistics in fp32, output in ``x``'s dtype, rounded once. Differentiable, and traceable by
+    ``torch.compile(fullgraph=True)``.
+
+    >>> x, r = torch.randn(2, 8, 64), torch.randn(2, 8, 64)
+    >>> w, b = torch.ones(64), torch.zeros(64)
+    >>> y = layer_norm(x, w, b)
+    >>> y, h = layer_norm(x, w, b, residual=r)      # h = x + r, y = layer_norm(h, w, b)
+    """
+    if x.dim() == 0 or not x.is_floating_point():
+        raise ValueError(f"layer_norm expects a floating tensor with a last (hidden) axis, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    for name, param in (("weight", weight), ("bias", bias)):
+        if param is not None and tuple(param.shape) != (x.shape[-1],):
+            raise ValueError(f"{name} shape {tuple(param.shape)} is not ({x.shape[-1]},), one value per feature")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must match x {x.dtype} {tuple(x.shape)}")
+    y, h, _, _ = _layer_norm_op(x, weight, bias, residual, float(eps))
+    return (y, h) if residual is not None else y
+
+
+class LayerNorm(nn.Module):
+    """Drop-in for ``nn.LayerNorm`` over the last axis: same ``weight``/``bias`` parameters, so state
+    dicts load both ways. ``forward(x, residual=None)``.
+
+    >>> norm = LayerNorm(64)
+    >>> y = norm(torch.randn(4, 64))
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        self.hidden_size, self.eps = hidden_size, eps
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.ones(hidden_size, **factory)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(hidden_size, **factory)) if elementwise_affine and bias else None
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
+        return layer_norm(x, self.weight, self.bias, self.eps, residual)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, bias={self.bias is not None}"

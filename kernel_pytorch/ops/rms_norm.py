@@ -1,0 +1,357 @@
+"""RMSNorm, and the fused residual add + RMSNorm, as a ``torch.library`` custom op with Triton kernels.
+
+    y = x * rsqrt(mean(x², -1) + eps) * weight          statistics in fp32, y in x's dtype
+    y, h = rms_norm(x, weight, residual=r)              h = x + r (x's dtype), y = rms_norm(h): one kernel
+                                                        reads x and r once and writes h and y
+
+Rounding. ``F.rms_norm`` multiplies by the weight in fp32 and rounds once (``cast_before_weight=False``,
+the default). Hugging Face's Llama RMSNorm rounds the normalized value to the input dtype first, then
+multiplies by the weight in that dtype: ``weight * (x32 * rstd).to(dtype)``; ``cast_before_weight=True``
+reproduces that, so the norm pass can keep each model's own rounding.
+
+Layers (DESIGN.md "Kernels"): ``_rms_norm_fwd_kernel`` / ``_rms_norm_bwd_kernel`` (Triton) ->
+``rms_norm_fwd`` / ``rms_norm_bwd`` (launch; tiles from ``triton_utils.row_tile``, which raises past
+hidden 65536) -> ``kernel_pytorch::rms_norm`` and ``kernel_pytorch::rms_norm_backward`` (custom ops,
+fake implementations, autograd) -> :func:`rms_norm` and :class:`RMSNorm`.
+
+Dispatch, inside the ops: CUDA/ROCm tensors of at least ``TRITON_FWD_MIN_ELEMENTS`` /
+``TRITON_BWD_MIN_ELEMENTS`` elements run the Triton kernels; everything else (CPU, other devices, small
+problems, machines without Triton) runs ATen's fused RMSNorm (what ``F.rms_norm`` calls) or the exact
+formula, with the same statistics format, so a forward on one path and a backward on the other agree.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from kernel_pytorch.ops import triton_utils as tu
+from kernel_pytorch.ops.triton_utils import jit, tl
+
+__all__ = ["rms_norm", "RMSNorm", "rms_norm_fwd", "rms_norm_bwd", "TRITON_FWD_MIN_ELEMENTS",
+           "TRITON_BWD_MIN_ELEMENTS"]
+
+# Below these sizes (rows x hidden) the native path runs instead of Triton. The forward is one launch
+# either way, so it has no floor; the backward's partial weight-gradient buffer and its sum are fixed
+# costs (Liger's RMSNorm backward is slower than eager up to hidden 8192 on H100).
+# TO BE MEASURED on H100 (benchmarks/norms.py); 4096 x 1024 is a placeholder.
+TRITON_FWD_MIN_ELEMENTS = 0
+TRITON_BWD_MIN_ELEMENTS = 4096 * 1024
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+@jit
+def _rms_norm_fwd_kernel(
+    X,  # (n_rows, n_cols) input, row stride stride_x, unit column stride
+    R,  # (n_rows, n_cols) residual added to X before the norm; read only if HAS_RESIDUAL
+    H,  # (n_rows, n_cols) output X + R in X's dtype, the norm's input; written only if HAS_RESIDUAL
+    W,  # (n_cols,) weight, any float dtype; read only if HAS_WEIGHT
+    Y,  # (n_rows, n_cols) output in X's dtype
+    RSTD,  # (n_rows,) output 1 / sqrt(mean(h²) + eps) in ACC, saved for the backward
+    stride_x, stride_r, stride_h, stride_y,
+    n_rows, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,  # tl.float32, or tl.float64 for fp64 inputs
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows = rows.to(tl.int64)  # rows * stride overflows int32 past 2**31 elements
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(ACC) + r.to(ACC)).to(X.dtype.element_ty)  # rounded as eager's x + r is
+        tl.store(H + rows[:, None] * stride_h + cols[None, :], x, mask=mask)
+    x = x.to(ACC)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+    y = x * rstd[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
+        if CAST_BEFORE_WEIGHT:
+            y = y.to(Y.dtype.element_ty).to(ACC)
+        y = y * w[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@jit
+def _rms_norm_bwd_kernel(
+    DY,  # (n_rows, n_cols) gradient of Y
+    X,  # (n_rows, n_cols) the norm's input: x, or h = x + residual when fused
+    W,  # (n_cols,) weight; read only if HAS_WEIGHT
+    RSTD,  # (n_rows,) from the forward, in ACC
+    DH,  # (n_rows, n_cols) gradient of the residual-sum output h, added to DX; read only if HAS_DH
+    DX,  # (n_rows, n_cols) output in X's dtype (also the residual's gradient)
+    DW_PARTIAL,  # (n_programs, n_cols) output in ACC: this program's sum of dy * normalized over its
+                 # rows; written only if WEIGHT_GRAD, summed over programs by the launcher
+    stride_dy, stride_x, stride_dh, stride_dx,
+    n_rows, n_cols, rows_per_program,
+    HAS_WEIGHT: tl.constexpr, HAS_DH: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):
+    # n = x * rstd, g = dy * w:  dx = rstd * (g - n * mean(g * n)),  dw = sum over rows of dy * n
+    pid = tl.program_id(0)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
+    dw = tl.zeros((BLOCK_N,), ACC)
+    for start in range(row_start, row_end, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows = rows.to(tl.int64)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        n = x * rstd[:, None]
+        g = dy
+        if HAS_WEIGHT:
+            g = dy * w[None, :]
+        if WEIGHT_GRAD:
+            if CAST_BEFORE_WEIGHT:  # the weight multiplied the rounded value
+                dw += tl.sum(dy * n.to(X.dtype.element_ty).to(ACC), axis=0)
+            else:
+                dw += tl.sum(dy * n, axis=0)
+        dx = rstd[:, None] * (g - n * (tl.sum(g * n, axis=1) / n_cols)[:, None])
+        if HAS_DH:
+            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(ACC)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if WEIGHT_GRAD:
+        tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
+
+
+# -------------------------------------------------------------------------------------------- launches
+
+def rms_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, residual: Optional[Tensor] = None,
+                 eps: float = 1e-6, cast_before_weight: bool = False):
+    """Triton forward: ``(y, h, rstd)``; ``h = x + residual`` or None, rstd of shape ``x.shape[:-1]``.
+
+    Any device Triton can launch on, CPU tensors included under ``TRITON_INTERPRET=1``.
+    """
+    hidden = x.shape[-1]
+    tile = tu.row_tile(hidden, x.numel() // max(hidden, 1))
+    x2 = tu.as_rows(x)
+    n_rows = x2.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    rstd = torch.empty(x.shape[:-1], dtype=tu.acc_dtype(x.dtype), device=x.device)
+    if n_rows == 0:
+        return y, h, rstd
+    r2 = tu.as_rows(residual) if residual is not None else x2
+    h2 = h.view(-1, hidden) if h is not None else x2
+    y2 = y.view(-1, hidden)
+    w = weight.contiguous() if weight is not None else x2
+    with tu.device_guard(x):
+        _rms_norm_fwd_kernel[(tu.triton.cdiv(n_rows, tile.rows),)](
+            x2, r2, h2, w, y2, rstd,
+            x2.stride(0), r2.stride(0), h2.stride(0), y2.stride(0),
+            n_rows, hidden, eps,
+            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+            CAST_BEFORE_WEIGHT=cast_before_weight, ACC=tu.triton_acc_dtype(x.dtype),
+            BLOCK_N=tile.block_n, ROWS=tile.rows, num_warps=tile.num_warps,
+        )
+    return y, h, rstd
+
+
+def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, dh: Optional[Tensor] = None,
+                 cast_before_weight: bool = False, weight_grad: bool = True, n_programs: Optional[int] = None):
+    """Triton backward: ``(dx, dweight)``; ``x`` is the norm's input (``h`` when the residual was fused),
+    ``dh`` the gradient of ``h``, added into ``dx``; dweight is None without a weight or ``weight_grad``.
+
+    Each of ``n_programs`` programs (default: sized from the SM count) takes a contiguous block of rows
+    and writes its partial dweight to an (n_programs, hidden) fp32 buffer, summed here.
+    """
+    hidden = x.shape[-1]
+    x2, dy2 = tu.as_rows(x), tu.as_rows(dy)
+    n_rows = x2.shape[0]
+    tile = tu.row_tile(hidden, n_rows, backward=True)
+    weight_grad = weight_grad and weight is not None
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if n_rows == 0:
+        return dx, (torch.zeros_like(weight) if weight_grad else None)
+    n_tiles = tu.triton.cdiv(n_rows, tile.rows)
+    programs = n_programs or tu.reduction_programs(x.device, n_tiles, tile.num_warps)
+    rows_per_program = tu.triton.cdiv(n_tiles, programs) * tile.rows
+    programs = tu.triton.cdiv(n_rows, rows_per_program)
+    acc = tu.acc_dtype(x.dtype)
+    partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if weight_grad else rstd
+    dh2 = tu.as_rows(dh) if dh is not None else x2
+    dx2 = dx.view(-1, hidden)
+    with tu.device_guard(x):
+        _rms_norm_bwd_kernel[(programs,)](
+            dy2, x2, weight.contiguous() if weight is not None else x2, rstd.reshape(-1).contiguous(),
+            dh2, dx2, partial,
+            dy2.stride(0), x2.stride(0), dh2.stride(0), dx2.stride(0),
+            n_rows, hidden, rows_per_program,
+            HAS_WEIGHT=weight is not None, HAS_DH=dh is not None, WEIGHT_GRAD=weight_grad,
+            CAST_BEFORE_WEIGHT=cast_before_weight, ACC=tu.triton_acc_dtype(x.dtype),
+            BLOCK_N=tile.block_n, ROWS=tile.rows, num_warps=tile.num_warps,
+        )
+    return dx, (partial.sum(0).to(weight.dtype) if weight_grad else None)
+
+
+# ---------------------------------------------------------------------------------- native (non-Triton)
+
+def _fused_rms_norm_available(device_type: str, backward: bool) -> bool:
+    name = "aten::_fused_rms_norm_backward" if backward else "aten::_fused_rms_norm"
+    # ATen's fused RMSNorm (torch >= 2.8) has CPU and CUDA forwards but a CUDA-only backward.
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+
+
+def _rms_norm_fwd_native(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], eps: float,
+                         cast_before_weight: bool):
+    # Contiguous like the Triton path's outputs (and the fake's): x + r follows a permuted x's layout.
+    h = (x + residual).contiguous() if residual is not None else None
+    inp = h if h is not None else x
+    acc = tu.acc_dtype(x.dtype)
+    fused = (not cast_before_weight and (weight is None or weight.dtype == x.dtype)
+             and _fused_rms_norm_available(x.device.type, backward=False))
+    if fused:  # the kernel F.rms_norm itself runs
+        y, rstd = torch.ops.aten._fused_rms_norm(inp, [inp.shape[-1]], weight, eps)
+    else:
+        x32 = inp.to(acc)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        y = x32 * rstd
+        if weight is not None:
+            y = y.to(x.dtype) * weight if cast_before_weight else y * weight.to(acc)
+        y = y.to(x.dtype)
+    return y.contiguous(), h, rstd.reshape(inp.shape[:-1]).to(acc)
+
+
+def _rms_norm_bwd_native(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, dh: Optional[Tensor],
+                         cast_before_weight: bool, weight_grad: bool):
+    weight_grad = weight_grad and weight is not None
+    fused = (not cast_before_weight and (weight is None or weight.dtype == x.dtype)
+             and _fused_rms_norm_available(x.device.type, backward=True))
+    if fused:
+        dx, dw = torch.ops.aten._fused_rms_norm_backward(
+            dy, x, [x.shape[-1]], rstd.unsqueeze(-1), weight, [True, weight_grad])
+        if dh is not None:
+            dx = dx + dh
+        return dx.contiguous(), (dw if weight_grad else None)
+    acc = tu.acc_dtype(x.dtype)
+    x32, dy32, r = tu.as_rows(x).to(acc), tu.as_rows(dy).to(acc), rstd.reshape(-1, 1).to(acc)
+    n = x32 * r
+    g = dy32 * weight.to(acc) if weight is not None else dy32
+    dx = r * (g - n * (g * n).mean(-1, keepdim=True))
+    if dh is not None:
+        dx = dx + tu.as_rows(dh).to(acc)
+    dw = None
+    if weight_grad:
+        normed = n.to(x.dtype).to(acc) if cast_before_weight else n
+        dw = (dy32 * normed).sum(0).to(weight.dtype)
+    return dx.to(x.dtype).reshape(x.shape), dw
+
+
+# ------------------------------------------------------------------------------------------ custom ops
+
+@torch.library.custom_op("kernel_pytorch::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], eps: float,
+                 cast_before_weight: bool) -> tuple[Tensor, Tensor, Tensor]:
+    # Returns (y, h, rstd). A custom op's outputs cannot be optional: without a residual, h is an empty
+    # tensor that nothing reads.
+    triton = tu.use_triton(x, TRITON_FWD_MIN_ELEMENTS)
+    forward = rms_norm_fwd if triton else _rms_norm_fwd_native
+    y, h, rstd = forward(x, weight, residual, eps, cast_before_weight)
+    return y, (h if h is not None else x.new_empty(0)), rstd
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, residual, eps, cast_before_weight):
+    tu.check_hidden(x)
+    h = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
+    return x.new_empty(x.shape), h, x.new_empty(x.shape[:-1], dtype=tu.acc_dtype(x.dtype))
+
+
+@torch.library.custom_op("kernel_pytorch::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, dh: Optional[Tensor],
+                          cast_before_weight: bool, weight_grad: bool) -> tuple[Tensor, Tensor]:
+    # Returns (dx, dweight); dweight is empty when not asked for.
+    triton = tu.use_triton(x, TRITON_BWD_MIN_ELEMENTS)
+    backward = rms_norm_bwd if triton else _rms_norm_bwd_native
+    dx, dw = backward(dy, x, weight, rstd, dh, cast_before_weight, weight_grad)
+    return dx, (dw if dw is not None else x.new_empty(0))
+
+
+@_rms_norm_backward_op.register_fake
+def _(dy, x, weight, rstd, dh, cast_before_weight, weight_grad):
+    dw = weight.new_empty(weight.shape) if weight_grad and weight is not None else x.new_empty(0)
+    return x.new_empty(x.shape), dw
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, residual, _eps, cast_before_weight = inputs
+    _y, h, rstd = output
+    ctx.has_residual = residual is not None
+    ctx.cast_before_weight = cast_before_weight
+    ctx.save_for_backward(h if residual is not None else x, weight, rstd)
+
+
+def _backward(ctx, dy, dh, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    weight_grad = weight is not None and ctx.needs_input_grad[1]
+    dx, dw = _rms_norm_backward_op(dy, x, weight, rstd, dh if ctx.has_residual else None,
+                                   ctx.cast_before_weight, weight_grad)
+    return dx, (dw if weight_grad else None), (dx if ctx.has_residual else None), None, None
+
+
+_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------- public API
+
+def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, residual: Optional[Tensor] = None,
+             *, cast_before_weight: bool = False):
+    """RMSNorm over the last axis; with ``residual``, the fused add + norm returning ``(normed, x + residual)``.
+
+    Statistics in fp32, output in ``x``'s dtype; ``cast_before_weight=True`` rounds the normalized value
+    to that dtype before the weight multiply (Hugging Face Llama) instead of once at the end
+    (``F.rms_norm``). Differentiable, and traceable by ``torch.compile(fullgraph=True)``.
+
+    >>> x, r, w = torch.randn(2, 8, 64), torch.randn(2, 8, 64), torch.ones(64)
+    >>> y = rms_norm(x, w)
+    >>> y, h = rms_norm(x, w, residual=r)        # h = x + r, y = rms_norm(h, w)
+    """
+    _check_arguments(x, weight, residual)
+    y, h, _ = _rms_norm_op(x, weight, residual, float(eps), bool(cast_before_weight))
+    return (y, h) if residual is not None else y
+
+
+def _check_arguments(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor]) -> None:
+    if x.dim() == 0 or not x.is_floating_point():
+        raise ValueError(f"rms_norm expects a floating tensor with a last (hidden) axis, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    if weight is not None and tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(f"weight shape {tuple(weight.shape)} is not ({x.shape[-1]},), one value per feature")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must match x {x.dtype} {tuple(x.shape)}")
+
+
+class RMSNorm(nn.Module):
+    """Drop-in for ``nn.RMSNorm`` (and Hugging Face's ``LlamaRMSNorm`` with ``cast_before_weight=True``):
+    same ``weight`` parameter, so state dicts load both ways. ``forward(x, residual=None)``.
+
+    >>> norm = RMSNorm(64)
+    >>> y = norm(torch.randn(4, 64))
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, elementwise_affine: bool = True,
+                 cast_before_weight: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.hidden_size, self.eps, self.cast_before_weight = hidden_size, eps, cast_before_weight
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype)) if elementwise_affine else None
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
+        return rms_norm(x, self.weight, self.eps, residual, cast_before_weight=self.cast_before_weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, cast_before_weight={self.cast_before_weight}"

@@ -1,0 +1,152 @@
+"""What every row-wise Triton kernel in ``ops/`` shares: the import guard, the one tile-size helper, the
+device guard and the size of a persistent grid.
+
+Row-wise kernels (norms, and anything that reduces over the last axis) hold a whole row in registers, so
+one helper, :func:`row_tile`, chooses the tile for all of them and raises a clear error past the largest
+hidden size they support (:data:`MAX_HIDDEN`), rather than letting a launch fail or spill to nonsense.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["HAS_TRITON", "MAX_HIDDEN", "TRITON_DEVICE_TYPES", "RowTile", "row_tile", "use_triton", "check_hidden",
+           "jit", "acc_dtype", "triton_acc_dtype", "reduction_programs", "device_guard", "as_rows", "triton", "tl"]
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # macOS / Windows wheels: the ops run their native PyTorch path only
+    HAS_TRITON = False
+    triton = None
+    # Just enough for kernel signatures (``BLOCK: tl.constexpr``) to be defined; the kernels are then
+    # plain functions that nothing calls, since every op checks HAS_TRITON before launching one.
+    tl = types.SimpleNamespace(constexpr=Any)
+
+
+def jit(fn):
+    """``triton.jit``, or the plain function where Triton is not installed (it is then never launched)."""
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+# Device types whose tensors go to the Triton kernels (ROCm tensors are "cuda" too); everything else
+# takes the native PyTorch path. Tests add "cpu" to run the whole op through Triton's interpreter.
+TRITON_DEVICE_TYPES: frozenset[str] = frozenset({"cuda"})
+
+
+def use_triton(x: torch.Tensor, min_elements: int = 0) -> bool:
+    """Whether an op should launch its Triton kernel for ``x`` (below ``min_elements``, the native
+    path is faster: each op module keeps its own measured threshold)."""
+    return HAS_TRITON and x.device.type in TRITON_DEVICE_TYPES and x.numel() >= min_elements
+
+
+# The issue's limit. A row lives in the registers of one program of at most 32 warps, so wide rows
+# spill to local memory: still right, slower (sm_90 compile, triton 3.9: the backwards spill 80-208
+# bytes per thread at 16384, 1.6-1.8 KB at 65536; the forward none at 16384, 0.9 KB at 65536).
+# Wider rows need a split-row (two-pass or cluster) kernel we do not have: a clear error instead.
+MAX_HIDDEN = 65536
+
+# A program should move at least this many elements, so that small rows are packed several to a
+# program instead of launching one tiny program per row (hidden 64 -> 32 rows per program).
+# TO BE MEASURED on H100: 2048 matches the per-program work of a hidden-2048 row.
+_MIN_TILE_ELEMENTS = 2048
+# Elements of a row tile each thread holds. Forward: 16 (two 16-byte bf16 vector loads), so 4 warps at
+# hidden 2048, 8 at 4096, 16 at 8192, 32 from 16384 (Liger: 8, 8, 16, 16/32); compiled for sm_90 with
+# triton 3.9 these take 53-61 registers, no spills. Backward: 8, twice the warps, because it keeps x, dy,
+# the weight and the dweight accumulator live: at 16 per thread it took 147 registers at 4096 (one
+# 8-warp program per SM) and spilled at 8192; at 8 it takes 55-64 (99 for LayerNorm at 4096), no spills
+# up to 8192. Past 8192 (forward: past 16384) the 32-warp cap makes threads hold more, and they spill.
+# TO BE MEASURED on H100.
+_ELEMENTS_PER_THREAD = {False: 16, True: 8}  # by backward
+
+
+@dataclass(frozen=True)
+class RowTile:
+    """How a row-wise kernel tiles a (rows, hidden) problem."""
+
+    block_n: int    # columns per tile: hidden rounded up to a power of two, the whole row at once
+    rows: int       # rows per tile (several when rows are short)
+    num_warps: int
+
+
+def row_tile(hidden: int, n_rows: int = 1, *, backward: bool = False, hip: bool | None = None) -> RowTile:
+    """The tile for rows of ``hidden`` elements (``n_rows`` of them) in a forward or backward kernel;
+    ``ValueError`` past :data:`MAX_HIDDEN`.
+
+    >>> row_tile(4096), row_tile(4096, backward=True).num_warps
+    (RowTile(block_n=4096, rows=1, num_warps=8), 16)
+    """
+    if hidden < 1:
+        raise ValueError(f"hidden size must be at least 1, got {hidden}")
+    if hidden > MAX_HIDDEN:
+        raise ValueError(
+            f"hidden size {hidden} exceeds {MAX_HIDDEN}, the largest row kernel_pytorch's Triton norm kernels "
+            f"hold in registers; use the native PyTorch op (F.rms_norm / F.layer_norm) for this layer")
+    block_n = _next_power_of_2(hidden)
+    rows = max(1, _MIN_TILE_ELEMENTS // block_n)
+    rows = min(rows, _next_power_of_2(max(n_rows, 1)))
+    if hip is None:
+        hip = torch.version.hip is not None
+    # ROCm's wavefronts are 64 wide: 16 warps already fill the 1024 threads a block may have.
+    max_warps = 16 if hip else 32
+    num_warps = min(max(rows * block_n // (32 * _ELEMENTS_PER_THREAD[backward]), 4), max_warps)
+    return RowTile(block_n, rows, num_warps)
+
+
+def check_hidden(x: torch.Tensor) -> None:
+    """Raise :func:`row_tile`'s error now (at trace time too) for a tensor the Triton path would take."""
+    hidden = x.shape[-1] if x.dim() else 1
+    if HAS_TRITON and x.device.type in TRITON_DEVICE_TYPES and isinstance(hidden, int):
+        row_tile(hidden)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics are computed and stored in: fp32, or fp64 for fp64 inputs (gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def triton_acc_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+# Persistent backward grids: warps per SM. The backward kernels take ~64 registers per thread (above),
+# so 32 warps are what an SM's 64K registers hold at once; the per-program partial dweight buffer is
+# then ~2% of the traffic at hidden 4096. TO BE MEASURED on H100.
+_WARPS_PER_SM = 32
+_PROGRAMS_OFF_GPU = 4  # under Triton's interpreter (CPU tensors): several programs, to test the reduction
+
+
+def reduction_programs(device: torch.device, n_tiles: int, num_warps: int) -> int:
+    """Programs for a kernel that loops over row tiles and writes one partial sum per program."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        programs = sms * max(1, _WARPS_PER_SM // num_warps)
+    else:
+        programs = _PROGRAMS_OFF_GPU
+    return max(1, min(programs, n_tiles))
+
+
+def device_guard(tensor: torch.Tensor):
+    """Triton launches on the current CUDA device; make it the tensor's (multi-GPU processes)."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+def as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """A (rows, hidden) view with unit column stride; copies only when the last dim is strided or the
+    leading dims do not merge."""
+    if tensor.dim() == 0:
+        raise ValueError("expected a tensor with at least one dimension")
+    if tensor.stride(-1) != 1 and tensor.shape[-1] > 1:
+        tensor = tensor.contiguous()
+    return tensor.reshape(-1, tensor.shape[-1])
