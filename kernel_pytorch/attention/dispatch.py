@@ -87,6 +87,9 @@ def _why_not(kernel: str, p: AttentionProblem, hardware: HardwareInfo) -> str | 
             return "flash takes no mask"
         if p.head_dim > 256 or p.v_shape[-1] != p.head_dim:
             return "flash needs head dim <= 256 and equal for q/k and v"
+        if p.is_causal and p.q_shape[-2] != p.k_shape[-2]:
+            # measured on H100: flash aligns causal bottom-right when Lq != Lk, SDPA top-left
+            return "flash's causal mask is bottom-right aligned when query and key lengths differ"
     if kernel == "cudnn":
         if not hardware.cudnn_attention:
             return "cuDNN attention unavailable on this GPU"
@@ -161,7 +164,7 @@ def _measure(problem: AttentionProblem, kernels: list[str]) -> tuple[dict[str, f
                     failures.append(f"{kernel}: differs from math by {error:.1e}")
                     continue
                 timings[kernel] = _median_ms(lambda: _run(attention, inputs, kernel, problem, with_dropout=True))
-            except RuntimeError as error:  # a kernel's own limit we did not model: not eligible here
+            except (RuntimeError, ValueError) as error:  # a limit not modelled above: not eligible here
                 failures.append(f"{kernel}: {str(error).splitlines()[0][:120]}")
     return timings, failures
 
