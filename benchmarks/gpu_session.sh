@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One call on the lent GPU machine: install what its image lacks, run the GPU tests and the named
-# benchmarks. Everything lands in $OUT.
-#   run(command="bash benchmarks/gpu_session.sh attention norms", carry=[".whl"])
+# One call on the lent GPU machine: install what its image lacks, run the GPU tests, then each step
+# named: "info" (kernel-pytorch info), "cpu-suite" (the CPU tests on this torch, GPU hidden), "demos",
+# or a benchmark script's name ("attention", "norms"). Everything lands in $OUT.
+#   run(command="GPU_TESTS=none bash benchmarks/gpu_session.sh info attention", carry=[".whl"])
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -13,6 +14,11 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "${GPU_TESTS:-tests}" != none ]; then
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -30
 fi
-for bench in "$@"; do
-  timeout ${BENCH_TIMEOUT:-420} python3 "benchmarks/$bench.py" --out "$OUT" 2>&1 | tee "$OUT/$bench.log" | tail -40
+for step in "$@"; do
+  case "$step" in
+    info) python3 -m kernel_pytorch.cli info | tee "$OUT/info.txt"; python3 -m kernel_pytorch.cli info --json >"$OUT/info.json" ;;
+    cpu-suite) CUDA_VISIBLE_DEVICES="" python3 -m pytest -q tests 2>&1 | tee "$OUT/pytest_cpu.txt" | tail -15 ;;
+    demos) python3 demos/run_all_demos.py 2>&1 | tee "$OUT/demos.txt" | tail -25 ;;
+    *) timeout ${BENCH_TIMEOUT:-420} python3 "benchmarks/$step.py" --out "$OUT" 2>&1 | tee "$OUT/$step.log" | tail -40 ;;
+  esac
 done

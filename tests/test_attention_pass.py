@@ -16,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 
+from .hf_models import bert as _bert, gpt2 as _gpt2, llama as _llama, vit as _vit
+
 import kernel_pytorch.passes.attention as attention_pass  # noqa: F401  (registers "attention")
 from kernel_pytorch import optimize, report_of
 from kernel_pytorch.config import OptimizeConfig
@@ -548,42 +550,12 @@ def test_not_attention_is_left_alone_with_a_reason(name):
 # --------------------------------------------------------------------------------------------------
 
 
-def _llama():
-    config = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    config._attn_implementation = "eager"
-    return transformers.LlamaForCausalLM(config), {"input_ids": torch.randint(0, 101, (2, 10))}, "logits"
-
-
-def _gpt2():
-    config = transformers.GPT2Config(vocab_size=101, n_embd=48, n_layer=2, n_head=4, n_positions=64)
-    config._attn_implementation = "eager"
-    return transformers.GPT2LMHeadModel(config), {"input_ids": torch.randint(0, 101, (2, 9))}, "logits"
-
-
-def _bert():
-    config = transformers.BertConfig(vocab_size=101, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=80, max_position_embeddings=64)
-    config._attn_implementation = "eager"
-    mask = torch.ones(2, 11, dtype=torch.long)
-    mask[1, 7:] = 0
-    inputs = {"input_ids": torch.randint(0, 101, (2, 11)), "attention_mask": mask}
-    return transformers.BertModel(config), inputs, "last_hidden_state"
-
-
 def _t5():
     config = transformers.T5Config(vocab_size=101, d_model=48, d_kv=12, d_ff=80, num_layers=2, num_decoder_layers=2,
                                    num_heads=4)
     config._attn_implementation = "eager"
     inputs = {"input_ids": torch.randint(0, 101, (2, 9)), "decoder_input_ids": torch.randint(0, 101, (2, 7))}
     return transformers.T5Model(config), inputs, "last_hidden_state"
-
-
-def _vit():
-    config = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=48, num_hidden_layers=2,
-                                    num_attention_heads=4, intermediate_size=80, num_labels=5)
-    config._attn_implementation = "eager"
-    return transformers.ViTForImageClassification(config), {"pixel_values": torch.randn(2, 3, 32, 32)}, "logits"
 
 
 HF = {
