@@ -116,7 +116,7 @@ def _fake(target: Any, args: tuple, kwargs: Optional[dict] = None, method: bool 
             if method:
                 return getattr(fake_args[0], target)(*fake_args[1:], **fake_kwargs)
             return target(*fake_args, **fake_kwargs)
-    except Exception:
+    except Exception:  # metadata only: a node without an example value is still correct, just unannotated
         return None
 
 

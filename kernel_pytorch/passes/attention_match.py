@@ -89,7 +89,7 @@ def _known_equal(a: Any, b: Any) -> bool:
         from torch.fx.experimental.symbolic_shapes import statically_known_true
 
         return bool(statically_known_true(a == b))
-    except Exception:
+    except Exception:  # sizes that cannot be compared count as different: the match is then skipped
         return False
 
 
