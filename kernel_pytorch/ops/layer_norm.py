@@ -47,18 +47,8 @@ def _layer_norm_fwd_kernel(
     ACC: tl.constexpr,  # tl.float32, or tl.float64 for fp64 inputs
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    row_mask = rows < n_rows
-    col_mask = cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
-    rows = rows.to(tl.int64)  # rows * stride overflows int32 past 2**31 elements
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-        x = (x.to(ACC) + r.to(ACC)).to(X.dtype.element_ty)  # rounded as eager's x + r is
-        tl.store(H + rows[:, None] * stride_h + cols[None, :], x, mask=mask)
-    x = x.to(ACC)
+    x, rows, cols, row_mask, col_mask, mask = tu.load_rows(
+        X, R, H, stride_x, stride_r, stride_h, n_rows, n_cols, HAS_RESIDUAL, ACC, BLOCK_N, ROWS)
     mean = tl.sum(x, axis=1) / n_cols
     # Two passes over the row in registers: no E[x²] - E[x]² cancellation.
     d = tl.where(mask, x - mean[:, None], 0.0)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HAS_TRITON", "MAX_HIDDEN", "TRITON_DEVICE_TYPES", "RowTile", "row_tile", "use_triton", "check_hidden",
+__all__ = ["load_rows", "HAS_TRITON", "MAX_HIDDEN", "TRITON_DEVICE_TYPES", "RowTile", "row_tile", "use_triton", "check_hidden",
            "jit", "acc_dtype", "triton_acc_dtype", "reduction_programs", "device_guard", "as_rows", "triton", "tl"]
 
 try:
@@ -34,6 +34,31 @@ except ImportError:  # macOS / Windows wheels: the ops run their native PyTorch 
 def jit(fn):
     """``triton.jit``, or the plain function where Triton is not installed (it is then never launched)."""
     return triton.jit(fn) if HAS_TRITON else fn
+
+
+@jit
+def load_rows(
+    X,  # (n_rows, n_cols) input, row stride stride_x, unit column stride
+    R,  # (n_rows, n_cols) residual added to X; read only if HAS_RESIDUAL
+    H,  # (n_rows, n_cols) output X + R in X's dtype; written only if HAS_RESIDUAL
+    stride_x, stride_r, stride_h, n_rows, n_cols,
+    HAS_RESIDUAL: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):
+    """The forward norm kernels' shared start: this program's tile of rows (as ACC), with the residual
+    added (and stored to H, rounded as eager's ``x + r`` is) when there is one. Returns
+    (x, rows as int64, cols, row mask, col mask, tile mask)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows = rows.to(tl.int64)  # rows * stride overflows int32 past 2**31 elements
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(ACC) + r.to(ACC)).to(X.dtype.element_ty)
+        tl.store(H + rows[:, None] * stride_h + cols[None, :], x, mask=mask)
+    return x.to(ACC), rows, cols, row_mask, col_mask, mask
 
 
 # Device types whose tensors go to the Triton kernels (ROCm tensors are "cuda" too); everything else

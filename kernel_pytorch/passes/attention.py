@@ -75,7 +75,7 @@ from kernel_pytorch.ops.attention import attention
 from kernel_pytorch.passes.attention_match import (AttentionMatch, ConstantEvaluator, MaskTerm, NotAttention, Operand,
                                                    example_value, match_attention)
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
-from kernel_pytorch.passes.graph_utils import module_path_of
+from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
 
@@ -241,17 +241,6 @@ def _mask_node(match: AttentionMatch, builder: _Builder, q_dtype: torch.dtype, c
     return builder.cast(total, q_dtype)
 
 
-def _erase_dead(graph: torch.fx.Graph, candidates: list[Node]) -> int:
-    """Erase the candidates that no node uses any more, consumers first; returns how many."""
-    pending = set(candidates)
-    erased = 0
-    for node in reversed(list(graph.nodes)):
-        if node in pending and not node.users and node.op in ("call_function", "call_method"):
-            graph.erase_node(node)
-            erased += 1
-    return erased
-
-
 @register_pass
 class AttentionPass(GraphPass):
     """Replace hand-written attention with one fused ``attention(q, k, v, mask, ...)`` call (module docstring)."""
@@ -281,7 +270,7 @@ class AttentionPass(GraphPass):
                 result.skip(location, note)
             result.rewrite(location, description)
             result.changed += len(removed)
-        result.changed += _erase_dead(graph, mask_candidates)
+        result.changed += erase_unused(graph, mask_candidates)
         return result
 
     @staticmethod
@@ -310,7 +299,7 @@ class AttentionPass(GraphPass):
             out.meta.update(match.pv.meta)
         match.pv.replace_all_uses_with(out)
         before = set(graph.nodes)
-        _erase_dead(graph, match.removable)
+        erase_unused(graph, match.removable)
         removed = before - set(graph.nodes)
         parts = ["causal"] if plan.is_causal else []
         if match.enable_gqa and match.heads:

@@ -6,7 +6,7 @@ import re
 
 import torch.fx
 
-__all__ = ["clone_graph_module", "module_path_of", "count_calls"]
+__all__ = ["clone_graph_module", "module_path_of", "count_calls", "erase_unused"]
 
 # Dynamo records module paths as "L['self'].layers.0.attn" (the root is the forward's first argument).
 _ROOT_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
@@ -45,3 +45,16 @@ def module_path_of(node: torch.fx.Node, default: str = "") -> str:
 def count_calls(gm: torch.fx.GraphModule) -> int:
     """Operator nodes in the graph (calls of functions, methods and modules)."""
     return sum(node.op in ("call_function", "call_method", "call_module") for node in gm.graph.nodes)
+
+
+def erase_unused(graph: torch.fx.Graph, candidates) -> int:
+    """Erase the calls among ``candidates`` that nothing uses any more, users before their producers
+    (so a chain left dead by a rewrite goes in one sweep); ``None`` entries are ignored. Returns how
+    many were erased."""
+    pending = {node for node in candidates if node is not None}
+    erased = 0
+    for node in reversed(list(graph.nodes)):
+        if node in pending and not node.users and node.op in ("call_function", "call_method"):
+            graph.erase_node(node)
+            erased += 1
+    return erased

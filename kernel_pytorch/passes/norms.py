@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
-from kernel_pytorch.passes.graph_utils import module_path_of
+from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
 
@@ -264,7 +264,7 @@ class NormPass(GraphPass):
             summed.meta = dict(match.x.meta)
             position = {n: i for i, n in enumerate(graph.nodes)}
             match.x.replace_all_uses_with(summed, delete_user_cb=lambda user: position[user] > position[summed])
-        _erase_dead([match.output, *match.internal, match.x if residual else None], graph)
+        erase_unused(graph, [match.output, *match.internal, match.x if residual else None])
         parts = [f"{'RMSNorm' if match.kind == 'rms' else 'LayerNorm'}(eps={match.eps:g}"]
         parts += ["weight"] if match.weight is not None else []
         parts += ["bias"] if match.bias is not None else []
@@ -288,11 +288,3 @@ def _unsupported(match: _NormMatch) -> str | None:
     if tuple(out_value.shape) != tuple(x_value.shape):
         return "output shape differs from the input's"
     return None
-
-
-def _erase_dead(nodes: list[Optional[Node]], graph: torch.fx.Graph) -> None:
-    """Erase the nodes left without users, users before their producers."""
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    for node in sorted({n for n in nodes if n in position}, key=position.__getitem__, reverse=True):
-        if not node.users:
-            graph.erase_node(node)
