@@ -141,7 +141,7 @@ def layer_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Te
     h2 = h.view(-1, hidden) if h is not None else x2
     y2 = y.view(-1, hidden)
     with tu.device_guard(x):
-        _layer_norm_fwd_kernel[(tu.triton.cdiv(n_rows, tile.rows),)](
+        tu.launch(_layer_norm_fwd_kernel)[(tu.triton.cdiv(n_rows, tile.rows),)](
             x2, r2, h2,
             weight.contiguous() if weight is not None else x2, bias.contiguous() if bias is not None else x2,
             y2, mean, rstd,
@@ -178,7 +178,7 @@ def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Option
     dh2 = tu.as_rows(dh) if dh is not None else x2
     dx2 = dx.view(-1, hidden)
     with tu.device_guard(x):
-        _layer_norm_bwd_kernel[(programs,)](
+        tu.launch(_layer_norm_bwd_kernel)[(programs,)](
             dy2, x2, weight.contiguous() if weight is not None else x2,
             mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous(), dh2, dx2, dw_partial, db_partial,
             dy2.stride(0), x2.stride(0), dh2.stride(0), dx2.stride(0),
@@ -223,8 +223,12 @@ def _layer_norm_bwd_native(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias
 
 
 # ------------------------------------------------------------------------------------------ custom ops
+# ``triton_op`` rather than ``custom_op``: under torch.compile (how ``optimize`` runs models) Inductor
+# traces the body and calls the Triton kernels from its generated code, instead of calling back into
+# this Python function per launch (H100, hidden 2048 x 16384 rows bf16: the custom_op forward took
+# 0.069 ms against the launcher's 0.047 ms, dispatch-bound). Fake tensors: the same body, traced.
 
-@torch.library.custom_op("kernel_pytorch::layer_norm", mutates_args=())
+@torch.library.triton_op("kernel_pytorch::layer_norm", mutates_args=())
 def _layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
                    eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # Returns (y, h, mean, rstd); without a residual, h is an empty tensor (outputs cannot be optional).
@@ -234,15 +238,7 @@ def _layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
     return y, (h if h is not None else x.new_empty(0)), mean, rstd
 
 
-@_layer_norm_op.register_fake
-def _(x, weight, bias, residual, eps):
-    tu.check_hidden(x)
-    h = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
-    stats = lambda: x.new_empty(x.shape[:-1], dtype=tu.acc_dtype(x.dtype))  # noqa: E731
-    return x.new_empty(x.shape), h, stats(), stats()
-
-
-@torch.library.custom_op("kernel_pytorch::layer_norm_backward", mutates_args=())
+@torch.library.triton_op("kernel_pytorch::layer_norm_backward", mutates_args=())
 def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor,
                             rstd: Tensor, dh: Optional[Tensor], weight_grad: bool, bias_grad: bool
                             ) -> tuple[Tensor, Tensor, Tensor]:
@@ -252,13 +248,6 @@ def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bia
     dx, dw, db = backward(dy, x, weight, bias, mean, rstd, dh, weight_grad, bias_grad)
     empty = x.new_empty(0)
     return dx, (dw if dw is not None else empty), (db if db is not None else empty.clone())
-
-
-@_layer_norm_backward_op.register_fake
-def _(dy, x, weight, bias, mean, rstd, dh, weight_grad, bias_grad):
-    dw = weight.new_empty(weight.shape) if weight_grad and weight is not None else x.new_empty(0)
-    db = bias.new_empty(bias.shape) if bias_grad and bias is not None else x.new_empty(0)
-    return x.new_empty(x.shape), dw, db
 
 
 def _setup_context(ctx, inputs, output):

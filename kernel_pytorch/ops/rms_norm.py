@@ -140,7 +140,7 @@ def rms_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, residual: Optional[
     y2 = y.view(-1, hidden)
     w = weight.contiguous() if weight is not None else x2
     with tu.device_guard(x):
-        _rms_norm_fwd_kernel[(tu.triton.cdiv(n_rows, tile.rows),)](
+        tu.launch(_rms_norm_fwd_kernel)[(tu.triton.cdiv(n_rows, tile.rows),)](
             x2, r2, h2, w, y2, rstd,
             x2.stride(0), r2.stride(0), h2.stride(0), y2.stride(0),
             n_rows, hidden, eps,
@@ -176,7 +176,7 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, 
     dh2 = tu.as_rows(dh) if dh is not None else x2
     dx2 = dx.view(-1, hidden)
     with tu.device_guard(x):
-        _rms_norm_bwd_kernel[(programs,)](
+        tu.launch(_rms_norm_bwd_kernel)[(programs,)](
             dy2, x2, weight.contiguous() if weight is not None else x2, rstd.reshape(-1).contiguous(),
             dh2, dx2, partial,
             dy2.stride(0), x2.stride(0), dh2.stride(0), dx2.stride(0),
@@ -243,8 +243,12 @@ def _rms_norm_bwd_native(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: 
 
 
 # ------------------------------------------------------------------------------------------ custom ops
+# ``triton_op`` rather than ``custom_op``: under torch.compile (how ``optimize`` runs models) Inductor
+# traces the body and calls the Triton kernels from its generated code, instead of calling back into
+# this Python function per launch (H100, hidden 2048 x 16384 rows bf16: the custom_op forward took
+# 0.069 ms against the launcher's 0.047 ms, dispatch-bound). Fake tensors: the same body, traced.
 
-@torch.library.custom_op("kernel_pytorch::rms_norm", mutates_args=())
+@torch.library.triton_op("kernel_pytorch::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], eps: float,
                  cast_before_weight: bool) -> tuple[Tensor, Tensor, Tensor]:
     # Returns (y, h, rstd). A custom op's outputs cannot be optional: without a residual, h is an empty
@@ -255,14 +259,7 @@ def _rms_norm_op(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor]
     return y, (h if h is not None else x.new_empty(0)), rstd
 
 
-@_rms_norm_op.register_fake
-def _(x, weight, residual, eps, cast_before_weight):
-    tu.check_hidden(x)
-    h = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
-    return x.new_empty(x.shape), h, x.new_empty(x.shape[:-1], dtype=tu.acc_dtype(x.dtype))
-
-
-@torch.library.custom_op("kernel_pytorch::rms_norm_backward", mutates_args=())
+@torch.library.triton_op("kernel_pytorch::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, dh: Optional[Tensor],
                           cast_before_weight: bool, weight_grad: bool) -> tuple[Tensor, Tensor]:
     # Returns (dx, dweight); dweight is empty when not asked for.
@@ -270,12 +267,6 @@ def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd:
     backward = rms_norm_bwd if triton else _rms_norm_bwd_native
     dx, dw = backward(dy, x, weight, rstd, dh, cast_before_weight, weight_grad)
     return dx, (dw if dw is not None else x.new_empty(0))
-
-
-@_rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd, dh, cast_before_weight, weight_grad):
-    dw = weight.new_empty(weight.shape) if weight_grad and weight is not None else x.new_empty(0)
-    return x.new_empty(x.shape), dw
 
 
 def _setup_context(ctx, inputs, output):

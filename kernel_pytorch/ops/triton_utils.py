@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["load_rows", "HAS_TRITON", "MAX_HIDDEN", "TRITON_DEVICE_TYPES", "RowTile", "row_tile", "use_triton", "check_hidden",
-           "jit", "acc_dtype", "triton_acc_dtype", "reduction_programs", "device_guard", "as_rows", "triton", "tl"]
+__all__ = ["load_rows", "HAS_TRITON", "MAX_HIDDEN", "TRITON_DEVICE_TYPES", "RowTile", "row_tile", "use_triton",
+           "jit", "launch", "acc_dtype", "triton_acc_dtype", "reduction_programs", "device_guard", "as_rows", "triton", "tl"]
 
 try:
     import triton
@@ -34,6 +35,27 @@ except ImportError:  # macOS / Windows wheels: the ops run their native PyTorch 
 def jit(fn):
     """``triton.jit``, or the plain function where Triton is not installed (it is then never launched)."""
     return triton.jit(fn) if HAS_TRITON else fn
+
+
+def launch(kernel):
+    """The kernel to index with a grid inside a ``torch.library.triton_op`` body: ``wrap_triton(kernel)``,
+    which lets Inductor call it from generated code. Under Triton's interpreter (an ``InterpretedFunction``,
+    which ``wrap_triton`` refuses) the kernel itself, skipped on fake tensors: the body's outputs are
+    allocated before the launch, so tracing it for shapes needs no kernel run."""
+    if isinstance(kernel, triton.runtime.jit.JITFunction):
+        return torch.library.wrap_triton(kernel)
+    return _InterpretedLaunch(kernel)
+
+
+class _InterpretedLaunch:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            if not any(isinstance(arg, torch.Tensor) and is_fake(arg) for arg in args):
+                self.kernel[grid](*args, **kwargs)
+        return run
 
 
 @jit
@@ -116,20 +138,14 @@ def row_tile(hidden: int, n_rows: int = 1, *, backward: bool = False, hip: bool 
             f"hold in registers; use the native PyTorch op (F.rms_norm / F.layer_norm) for this layer")
     block_n = _next_power_of_2(hidden)
     rows = max(1, _MIN_TILE_ELEMENTS // block_n)
-    rows = min(rows, _next_power_of_2(max(n_rows, 1)))
+    if isinstance(n_rows, int):  # under torch.compile with dynamic shapes it may be symbolic: no cap
+        rows = min(rows, _next_power_of_2(max(n_rows, 1)))
     if hip is None:
         hip = torch.version.hip is not None
     # ROCm's wavefronts are 64 wide: 16 warps already fill the 1024 threads a block may have.
     max_warps = 16 if hip else 32
     num_warps = min(max(rows * block_n // (32 * _ELEMENTS_PER_THREAD[backward]), 4), max_warps)
     return RowTile(block_n, rows, num_warps)
-
-
-def check_hidden(x: torch.Tensor) -> None:
-    """Raise :func:`row_tile`'s error now (at trace time too) for a tensor the Triton path would take."""
-    hidden = x.shape[-1] if x.dim() else 1
-    if HAS_TRITON and x.device.type in TRITON_DEVICE_TYPES and isinstance(hidden, int):
-        row_tile(hidden)
 
 
 def _next_power_of_2(n: int) -> int:
