@@ -1,6 +1,6 @@
 """Attention benchmark: hand-written attention after ``optimize`` vs eager, torch.compile and each SDPA kernel.
 
-    python benchmarks/attention.py [--quick] [--out DIR]
+    python benchmarks/attention.py [--quick] [--out DIR] [--lengths 16384 ...] [--head-dims 128 ...]
 
 bf16, head dim 64 and 128, L from 1k to 16k with batch x L = 16384 tokens and 2048 model width,
 causal and not, forward and forward+backward. FLOPs: forward 4·B·H·L²·D (halved when causal),
@@ -126,14 +126,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--lengths", type=int, nargs="+", help="only these sequence lengths (re-measuring some)")
+    parser.add_argument("--head-dims", type=int, nargs="+", help="only these head dims")
     args = parser.parse_args()
-    lengths = (1024, 4096) if args.quick else (1024, 2048, 4096, 8192, 16384)
-    head_dims = (128,) if args.quick else (128, 64)  # the targets are at hd128: measured first
+    lengths = args.lengths or ((1024, 4096) if args.quick else (1024, 2048, 4096, 8192, 16384))
+    head_dims = args.head_dims or ((128,) if args.quick else (128, 64))  # the targets are at hd128: first
     # One torch.compile'd module per case shares HandWrittenAttention.forward's cache: allow them all.
     torch._dynamo.config.cache_size_limit = 64
     compiled = {(c, b, d): torch.compile(HandWrittenAttention(c).train(b), dynamic=True)
                 for c in (False, True) for b in (False, True) for d in head_dims}
-    rows, name = [], "attention" + ("_quick" if args.quick else "")
+    partial = args.quick or args.lengths or args.head_dims
+    rows, name = [], "attention" + ("_partial" if partial else "")
     for head_dim in head_dims:
         for causal in (False, True):
             for backward in (False, True):

@@ -467,7 +467,9 @@ def test_row_tile_table():
     assert tu.row_tile(1000, n_rows=64) == tu.RowTile(1024, 2, 4)
     assert tu.row_tile(64, n_rows=1000).rows == 32
     assert tu.row_tile(64, n_rows=5).rows == 8  # no more rows per tile than the problem has
-    assert tu.row_tile(65536, hip=False).num_warps == 32 and tu.row_tile(65536, hip=True).num_warps == 16
+    assert tu.row_tile(65536, backward=True, hip=False).num_warps == 32
+    assert tu.row_tile(65536, backward=True, hip=True).num_warps == 16
+    assert tu.row_tile(16384).num_warps == 16  # forward: measured best at 16 warps
 
 
 def test_hidden_above_limit_is_a_clear_error(monkeypatch):
@@ -477,7 +479,7 @@ def test_hidden_above_limit_is_a_clear_error(monkeypatch):
         R.rms_norm_fwd(torch.randn(2, tu.MAX_HIDDEN + 1))  # before any launch: no Triton run needed
     with pytest.raises(ValueError, match="exceeds 65536"):
         L.layer_norm_bwd(torch.randn(2, 70000), torch.randn(2, 70000), None, None, torch.zeros(2), torch.ones(2))
-    # At trace time too, wherever the Triton path would run: the fake implementation checks.
+    # At trace time too, wherever the Triton path would run: the op body, traced on fake tensors, checks.
     monkeypatch.setattr(tu, "TRITON_DEVICE_TYPES", frozenset({"cuda", "meta"}))
     x = torch.empty(4, 70000, device="meta")
     for op in (lambda: R.rms_norm(x), lambda: L.layer_norm(x)):

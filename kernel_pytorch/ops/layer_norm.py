@@ -18,15 +18,18 @@ import torch.nn as nn
 from torch import Tensor
 
 from kernel_pytorch.ops import triton_utils as tu
-from kernel_pytorch.ops.triton_utils import jit, tl
+from kernel_pytorch.ops.triton_utils import jit, load_rows, tl
 
-__all__ = ["layer_norm", "LayerNorm", "layer_norm_fwd", "layer_norm_bwd", "TRITON_FWD_MIN_ELEMENTS",
+__all__ = ["layer_norm", "LayerNorm", "layer_norm_fwd", "layer_norm_bwd", "TRITON_FWD_MIN_ELEMENTS", "TRITON_BWD_MAX_HIDDEN",
            "TRITON_BWD_MIN_ELEMENTS"]
 
 # Below these sizes (rows x hidden) the native path runs instead of Triton; see rms_norm.py.
 # TO BE MEASURED on H100 (benchmarks/norms.py); 4096 x 1024 is a placeholder.
 TRITON_FWD_MIN_ELEMENTS = 0
 TRITON_BWD_MIN_ELEMENTS = 4096 * 1024
+# Wider rows take ATen's backward: ours spills registers there (H100, 16384 rows x 16384 bf16: 2.35 ms,
+# 0.23 of copy, against ATen's 1.48 ms; benchmarks/results/tune_row_kernels.json).
+TRITON_BWD_MAX_HIDDEN = 8192
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -47,7 +50,7 @@ def _layer_norm_fwd_kernel(
     ACC: tl.constexpr,  # tl.float32, or tl.float64 for fp64 inputs
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):
-    x, rows, cols, row_mask, col_mask, mask = tu.load_rows(
+    x, rows, cols, row_mask, col_mask, mask = load_rows(
         X, R, H, stride_x, stride_r, stride_h, n_rows, n_cols, HAS_RESIDUAL, ACC, BLOCK_N, ROWS)
     mean = tl.sum(x, axis=1) / n_cols
     # Two passes over the row in registers: no E[x²] - E[x]² cancellation.
@@ -243,7 +246,7 @@ def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bia
                             rstd: Tensor, dh: Optional[Tensor], weight_grad: bool, bias_grad: bool
                             ) -> tuple[Tensor, Tensor, Tensor]:
     # Returns (dx, dweight, dbias); a gradient not asked for is an empty tensor. ``bias`` gives db's dtype.
-    triton = tu.use_triton(x, TRITON_BWD_MIN_ELEMENTS)
+    triton = tu.use_triton(x, TRITON_BWD_MIN_ELEMENTS) and x.shape[-1] <= TRITON_BWD_MAX_HIDDEN
     backward = layer_norm_bwd if triton else _layer_norm_bwd_native
     dx, dw, db = backward(dy, x, weight, bias, mean, rstd, dh, weight_grad, bias_grad)
     empty = x.new_empty(0)

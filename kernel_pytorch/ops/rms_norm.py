@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from kernel_pytorch.ops import triton_utils as tu
-from kernel_pytorch.ops.triton_utils import jit, tl
+from kernel_pytorch.ops.triton_utils import jit, load_rows, tl
 
 __all__ = ["rms_norm", "RMSNorm", "rms_norm_fwd", "rms_norm_bwd", "TRITON_FWD_MIN_ELEMENTS",
            "TRITON_BWD_MIN_ELEMENTS"]
@@ -56,7 +56,7 @@ def _rms_norm_fwd_kernel(
     ACC: tl.constexpr,  # tl.float32, or tl.float64 for fp64 inputs
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):
-    x, rows, cols, row_mask, col_mask, mask = tu.load_rows(
+    x, rows, cols, row_mask, col_mask, mask = load_rows(
         X, R, H, stride_x, stride_r, stride_h, n_rows, n_cols, HAS_RESIDUAL, ACC, BLOCK_N, ROWS)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
     tl.store(RSTD + rows, rstd, mask=row_mask)

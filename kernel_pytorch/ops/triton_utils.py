@@ -100,17 +100,20 @@ def use_triton(x: torch.Tensor, min_elements: int = 0) -> bool:
 # Wider rows need a split-row (two-pass or cluster) kernel we do not have: a clear error instead.
 MAX_HIDDEN = 65536
 
+# Measured on H100, bf16, 16384 rows, GPU time only (benchmarks/tune_row_kernels.py, CUDA-graph replays;
+# results/tune_row_kernels.json): the settings below are the best or within 2% of it at hidden
+# 2048-8192, forward 0.99 of copy bandwidth, RMSNorm backward 0.84-0.99, LayerNorm backward 0.79-0.84.
+#
 # A program should move at least this many elements, so that small rows are packed several to a
-# program instead of launching one tiny program per row (hidden 64 -> 32 rows per program).
-# TO BE MEASURED on H100: 2048 matches the per-program work of a hidden-2048 row.
+# program instead of one tiny program per row (hidden 64 -> 32 rows per program); 4096 and 8192 were
+# no faster at hidden >= 2048.
 _MIN_TILE_ELEMENTS = 2048
-# Elements of a row tile each thread holds. Forward: 16 (two 16-byte bf16 vector loads), so 4 warps at
-# hidden 2048, 8 at 4096, 16 at 8192, 32 from 16384 (Liger: 8, 8, 16, 16/32); compiled for sm_90 with
-# triton 3.9 these take 53-61 registers, no spills. Backward: 8, twice the warps, because it keeps x, dy,
-# the weight and the dweight accumulator live: at 16 per thread it took 147 registers at 4096 (one
-# 8-warp program per SM) and spilled at 8192; at 8 it takes 55-64 (99 for LayerNorm at 4096), no spills
-# up to 8192. Past 8192 (forward: past 16384) the 32-warp cap makes threads hold more, and they spill.
-# TO BE MEASURED on H100.
+# Elements of a row tile each thread holds. Forward: 16 (two 16-byte bf16 vector loads): 4 warps at
+# hidden 2048, 8 at 4096, 16 from 8192 (4 and 8 per thread were 1-6% slower; 53-61 registers, no spills
+# on sm_90). Backward: 8, twice the warps, because it keeps x, dy, the weight and the dweight
+# accumulator live: 16 per thread took 147 registers at 4096 and spilled at 8192; 8 takes 55-64 (99 for
+# LayerNorm at 4096), no spills up to 8192. Past that the 32-warp cap makes threads hold more and the
+# backwards spill: LayerNorm's backward at 16384 ran at 0.23 of copy, so layer_norm.py sends it to ATen.
 _ELEMENTS_PER_THREAD = {False: 16, True: 8}  # by backward
 
 
@@ -142,8 +145,9 @@ def row_tile(hidden: int, n_rows: int = 1, *, backward: bool = False, hip: bool 
         rows = min(rows, _next_power_of_2(max(n_rows, 1)))
     if hip is None:
         hip = torch.version.hip is not None
-    # ROCm's wavefronts are 64 wide: 16 warps already fill the 1024 threads a block may have.
-    max_warps = 16 if hip else 32
+    # ROCm's wavefronts are 64 wide: 16 warps already fill the 1024 threads a block may have. The
+    # forward at hidden 16384 ran best with 16 warps (LayerNorm: 0.997 of copy against 0.73 with 32).
+    max_warps = 16 if hip or not backward else 32
     num_warps = min(max(rows * block_n // (32 * _ELEMENTS_PER_THREAD[backward]), 4), max_warps)
     return RowTile(block_n, rows, num_warps)
 
@@ -163,7 +167,7 @@ def triton_acc_dtype(dtype: torch.dtype):
 
 # Persistent backward grids: warps per SM. The backward kernels take ~64 registers per thread (above),
 # so 32 warps are what an SM's 64K registers hold at once; the per-program partial dweight buffer is
-# then ~2% of the traffic at hidden 4096. TO BE MEASURED on H100.
+# then ~2% of the traffic at hidden 4096. Measured: 16, 64 and 128 were 0-10% slower at 2048-8192.
 _WARPS_PER_SM = 32
 _PROGRAMS_OFF_GPU = 4  # under Triton's interpreter (CPU tensors): several programs, to test the reduction
 
