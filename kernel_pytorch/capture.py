@@ -33,7 +33,7 @@ from kernel_pytorch.passes.manager import PassManager
 from kernel_pytorch.report import OptimizationReport, RewriteRecord, RollbackRecord, SkipRecord
 from kernel_pytorch.verify import Run, compare, run_reference
 
-__all__ = ["GraphOptimizer", "CompilerChoice", "draws_random_numbers", "install", "without_dropout"]
+__all__ = ["GraphOptimizer", "GuardedGraph", "CompilerChoice", "draws_random_numbers", "install", "without_dropout"]
 
 # Ops whose results depend on the RNG stream: an end-to-end comparison cannot match them when the
 # compiler draws random numbers differently from eager PyTorch (Inductor does).
@@ -169,7 +169,9 @@ class GraphOptimizer:
         name = f"graph {self.report.graphs}"
         self.report.graphs += 1
         self.draws_random_numbers |= draws_random_numbers(gm)
-        ctx = PassContext(hardware=self.hardware, config=self.config, training=self.training, graph_name=name)
+        placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        ctx = PassContext(hardware=self.hardware, config=self.config, training=self.training, graph_name=name,
+                          example_inputs=dict(zip(placeholders, example_inputs)))
         started = time.perf_counter()
         candidate, results = self._apply(gm, self.passes, ctx)
         self.report.add_time("passes", time.perf_counter() - started)
@@ -181,6 +183,11 @@ class GraphOptimizer:
         started = time.perf_counter()
         compiled = self._compile(candidate, example_inputs, name)
         self.report.add_time("compile", time.perf_counter() - started)
+        guards = [guard for _, result in results for guard in result.guards]
+        if guards:
+            for guard in guards:
+                guard.bind(candidate.graph)
+            return GuardedGraph(compiled, gm, guards, self.report, name)
         return compiled
 
     def _apply(
@@ -246,6 +253,32 @@ class GraphOptimizer:
             self.report.notes.append(
                 f"{name}: compiler {self.compiler.name} failed ({type(error).__name__}: {error}); running it eagerly")
             return gm.forward
+
+
+class GuardedGraph:
+    """A compiled rewritten graph behind the runtime guards its rewrites rely on (``RuntimeGuard``).
+
+    Each call checks the guards (cached lookups: a few attribute reads); if one fails, that call runs
+    the original, unrewritten graph eagerly (correct, slower) and the report says so once. Keeps the
+    compiled function's calling convention (Inductor's are "boxed": one list argument).
+    """
+
+    def __init__(self, compiled: Callable[..., Any], original: torch.fx.GraphModule, guards: Sequence[Any],
+                 report: OptimizationReport, name: str):
+        self.compiled, self.original, self.guards = compiled, original, tuple(guards)
+        self.report, self.name, self.fallbacks = report, name, 0
+        self._boxed_call = bool(getattr(compiled, "_boxed_call", False))
+
+    def __call__(self, *args: Any) -> Any:
+        values = args[0] if self._boxed_call else args
+        failed = next((guard for guard in self.guards if not guard.holds(values)), None)
+        if failed is None:
+            return self.compiled(*args)
+        if not self.fallbacks:
+            self.report.notes.append(f"{self.name}: {failed.describe()} did not hold for a call; such calls run "
+                                     "the graph unrewritten (eager)")
+        self.fallbacks += 1
+        return self.original(*values)
 
 
 class _VerificationInputs:

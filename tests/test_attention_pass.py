@@ -31,8 +31,10 @@ from .conftest import rel_err, twin
 B, H, L, E = 2, 4, 6, 8
 
 
-def _ctx(training: bool = False) -> PassContext:
-    return PassContext(hardware=detect_hardware("cpu"), config=OptimizeConfig(), training=training)
+def _ctx(training: bool = False, gm: torch.fx.GraphModule | None = None, inputs: list[Any] = ()) -> PassContext:
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"] if gm is not None else []
+    return PassContext(hardware=detect_hardware("cpu"), config=OptimizeConfig(), training=training,
+                       example_inputs=dict(zip(names, inputs)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -57,7 +59,7 @@ class Rewritten:
             torch.compile(module, backend=backend, fullgraph=True, dynamic=dynamic)(*inputs)
         self.gm, self.example_inputs, self.user_inputs = box["gm"], box["inputs"], inputs
         Normalize().run(self.gm, _ctx(training))
-        self.result = AttentionPass().run(self.gm, _ctx(training))
+        self.result = AttentionPass().run(self.gm, _ctx(training, self.gm, self.example_inputs))
         self.gm.graph.lint()
         self.gm.recompile()
 
@@ -68,6 +70,22 @@ class Rewritten:
         args = [a.node.hint if isinstance(a, torch.SymInt) else a for a in args]
         out = self.gm(*args)
         return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+
+    def runtime_args(self, *fresh: torch.Tensor) -> list[Any]:
+        """The graph's arguments for a call with ``fresh`` inputs of any size: each symbolic size is read
+        from the fresh input that has it in its shape (as Dynamo does)."""
+        replacements = {id(old): new for old, new in zip(self.user_inputs, fresh)}
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        symbols: dict[str, int] = {}
+        for node, arg in zip(placeholders, self.example_inputs):
+            fake = node.meta.get("example_value")
+            if isinstance(fake, torch.Tensor) and id(arg) in replacements:
+                symbols.update({str(size): new for size, new in zip(fake.shape, replacements[id(arg)].shape)})
+        args = []
+        for node, arg in zip(placeholders, self.example_inputs):
+            fake = node.meta.get("example_value")
+            args.append(symbols[str(fake)] if isinstance(fake, torch.SymInt) else replacements.get(id(arg), arg))
+        return args
 
     @property
     def calls(self) -> list[torch.fx.Node]:
@@ -427,20 +445,61 @@ def test_causal_mask_with_unequal_lengths_is_passed_as_a_tensor():
     assert kwargs_of(rewritten)["is_causal"] is False and kwargs_of(rewritten)["mask"] is not None
 
 
-def test_buffer_causal_mask_is_a_tensor_with_a_note():
-    rewritten = check(BufferCausal(), _qkv, contains=("mask bool",), absent=("causal",))
-    assert kwargs_of(rewritten)["mask"] is not None
-    assert any("buffer" in r and "is_causal not used" in r for r in rewritten.reasons), rewritten.reasons
+def test_buffer_causal_mask_is_causal_with_a_runtime_guard():
+    module = BufferCausal()
+    rewritten = check(module, _qkv, contains=("causal", "no mask"))
+    assert kwargs_of(rewritten)["mask"] is None and kwargs_of(rewritten)["is_causal"] is True
+    assert any("buffer" in r and "re-checked at run time" in r for r in rewritten.reasons), rewritten.reasons
+    [guard] = rewritten.result.guards
+    guard.bind(rewritten.gm.graph)
+    args = rewritten.runtime_args(*_qkv())
+    assert guard.holds(args)
+    module.allowed[0, 1] = True  # an in-place edit (bumps _version): no longer causal
+    assert not guard.holds(args)
+    module.allowed[0, 1] = False  # causal again: re-checked, not remembered as broken
+    assert guard.holds(args)
 
 
-def test_symbolic_sizes_pass_the_causal_mask_as_a_tensor():
-    rewritten = check(CausalTriuFull(), _qkv, dynamic=True, contains=("mask additive", "symbolic"),
-                      absent=("causal,",))
-    kwargs = kwargs_of(rewritten)
-    assert kwargs["is_causal"] is False and kwargs["mask"] is not None
+def test_buffer_mask_that_is_not_causal_stays_a_tensor():
+    module = BufferCausal()
+    module.allowed[3, 5] = True
+    rewritten = check(module, _qkv, contains=("mask bool", "from a buffer"), absent=("causal",))
+    assert kwargs_of(rewritten)["mask"] is not None and not rewritten.result.guards
+
+
+def test_symbolic_sizes_causal_mask_is_causal_with_a_runtime_guard():
+    rewritten = check(CausalTriuFull(), _qkv, dynamic=True, contains=("causal", "no mask"))
+    assert kwargs_of(rewritten)["is_causal"] is True and kwargs_of(rewritten)["mask"] is None
     sizes = [n for n in rewritten.gm.graph.nodes if n.op == "placeholder" and not isinstance(
         n.meta.get("example_value"), torch.Tensor)]
     assert sizes, "the capture was expected to have symbolic sizes"
+    [guard] = rewritten.result.guards
+    guard.bind(rewritten.gm.graph)
+    for length in (1, 5, 33):  # other lengths than the captured one: checked and causal
+        assert guard.holds(rewritten.runtime_args(*_qkv(lq=length, lk=length)))
+
+
+class SizeDependentMask(nn.Module):
+    """Causal up to 8 positions; past that every query also sees key 1: a rule a guard must catch."""
+
+    def forward(self, q, k, v):
+        n = q.shape[-2]
+        i = torch.arange(n)
+        short = i[None, :] * 0 + n <= 8  # a tensor comparison, so Dynamo keeps n symbolic (no recompile)
+        blocked = (i[None, :] > i[:, None]) & ((i[None, :] != 1) | short)
+        return torch.softmax((q @ k.mT * 0.125).masked_fill(blocked, float("-inf")), -1) @ v
+
+
+def test_runtime_guard_failure_runs_the_unrewritten_graph():
+    torch.manual_seed(0)
+    module = SizeDependentMask()
+    model = optimize(twin(module), example_inputs=_qkv(), compile=False, dynamic=True)
+    assert "causal" in report_of(model).rewrites[0].replacement
+    for length in (6, 7, 12, 5):  # at 12 the mask is not causal: that call must run the original graph
+        inputs = _qkv(lq=length, lk=length)
+        assert rel_err(model(*inputs), module(*inputs)) < 1e-5, length
+    notes = report_of(model).notes
+    assert sum("did not hold" in note for note in notes) == 1, notes
 
 
 def test_two_layers_share_one_causal_mask():

@@ -3,11 +3,7 @@ monkeypatching the public torch APIs the probes read (or a fake ``torch_xla`` pa
 
 from __future__ import annotations
 
-import importlib.machinery
-import sys
-import types
 from importlib.metadata import PackageNotFoundError
-from types import SimpleNamespace
 
 import pydantic
 import pytest

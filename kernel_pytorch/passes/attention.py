@@ -72,12 +72,14 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from kernel_pytorch.ops.attention import attention
-from kernel_pytorch.passes.attention_match import (AttentionMatch, ConstantEvaluator, MaskTerm, NotAttention, Operand,
+from kernel_pytorch.passes.attention_match import (AttentionMatch, ConstantEvaluator, NotAttention, Operand,
                                                    example_value, match_attention)
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
+from kernel_pytorch.passes.causal_mask import CausalMaskGuard, decide_causal
 from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
+from kernel_pytorch.passes.shape_constants import Bindings
 
 __all__ = ["AttentionPass"]
 
@@ -161,43 +163,7 @@ class _MaskPlan:
         self.description = "no mask"
         self.notes: list[str] = []  # skip-like report lines (the rewrite still happens)
         self.dead_when_causal: list[Node] = []
-
-
-def _causal_check(term: MaskTerm, match: AttentionMatch, constants: ConstantEvaluator, plan: _MaskPlan) -> bool:
-    """Whether the single mask ``term`` is provably SDPA's top-left causal mask (see the module docstring)."""
-    shape = match.scores_shape
-    lq, lk = shape[-2], shape[-1]
-    if not (isinstance(lq, int) and isinstance(lk, int)):
-        plan.description += " (symbolic sizes: causality not checked)"
-        return False
-    if lq != lk:
-        return False
-    evaluation = constants.evaluate(term.node)
-    if evaluation.value is None:
-        if evaluation.kind == "buffer":
-            plan.notes.append(f"is_causal not used: the mask is {evaluation.reason}; a buffer's value can change "
-                              "(load_state_dict, in-place edits) without dynamo recompiling, so it is passed as a "
-                              "mask tensor")
-            plan.description += " (from a buffer)"
-        elif evaluation.kind == "symbolic":
-            plan.description += " (symbolic sizes: causality not checked)"
-        return False
-    value = evaluation.value
-    if value.dim() < 2 or value.dim() > len(shape) or tuple(value.shape[-2:]) != (lq, lk):
-        return False
-    allowed = torch.ones(lq, lk, dtype=torch.bool).tril().expand(value.shape)
-    if term.kind == "fill":
-        if value.dtype != torch.bool or not term.blocking:
-            return False
-        masked = value if term.masked_value else ~value
-        return bool(torch.equal(masked, ~allowed))
-    if not value.is_floating_point():
-        return False
-    value = value * term.multiplier if term.multiplier != 1.0 else value
-    blocked = value[~allowed]
-    exact_min = term.multiplier == 1.0
-    blocking = (blocked == -math.inf) | ((blocked <= torch.finfo(value.dtype).min) if exact_min else False)
-    return bool((value[allowed] == 0).all() and blocking.all())
+        self.guard: Optional[CausalMaskGuard] = None  # set when is_causal holds only for checked values
 
 
 def _negated(mask: Node, builder: _Builder, match: AttentionMatch) -> Node:
@@ -211,16 +177,18 @@ def _negated(mask: Node, builder: _Builder, match: AttentionMatch) -> Node:
 
 
 def _mask_node(match: AttentionMatch, builder: _Builder, q_dtype: torch.dtype, constants: ConstantEvaluator,
-               plan: _MaskPlan) -> Optional[Node]:
+               bindings: Bindings, plan: _MaskPlan) -> Optional[Node]:
     terms = match.terms
     if not terms:
         return None
     if len(terms) == 1:
         plan.description = "mask bool" if terms[0].kind == "fill" and terms[0].fill == -math.inf else "mask additive"
-        if _causal_check(terms[0], match, constants, plan):
-            plan.is_causal = True
-            plan.description = "no mask"
-            plan.dead_when_causal = constants.ancestors(terms[0].node)
+        decision = decide_causal(terms[0], match, constants, bindings)
+        plan.description += decision.detail
+        if decision.causal:
+            plan.is_causal, plan.guard, plan.description = True, decision.guard, "no mask"
+            plan.notes += [decision.note] if decision.note else []
+            plan.dead_when_causal = ConstantEvaluator(bindings).ancestors(terms[0].node)
             return None
         term = terms[0]
         if term.kind == "fill" and term.fill == -math.inf:
@@ -252,6 +220,7 @@ class AttentionPass(GraphPass):
         result = PassResult()
         graph = gm.graph
         constants = ConstantEvaluator()
+        bindings = Bindings.from_graph(graph, ctx.example_inputs)
         mask_candidates: list[Node] = []
         erased: set[Node] = set()
         for softmax in [n for n in graph.nodes if is_call(n, torch.softmax)]:
@@ -263,9 +232,11 @@ class AttentionPass(GraphPass):
             except NotAttention as reason:
                 result.skip(location, str(reason))
                 continue
-            description, plan, removed = self._rewrite(graph, match, constants, ctx)
+            description, plan, removed = self._rewrite(graph, match, constants, bindings, ctx)
             erased |= removed
             mask_candidates += plan.dead_when_causal
+            if plan.guard is not None:
+                result.guards.append(plan.guard)
             for note in plan.notes:
                 result.skip(location, note)
             result.rewrite(location, description)
@@ -274,13 +245,13 @@ class AttentionPass(GraphPass):
         return result
 
     @staticmethod
-    def _rewrite(graph: torch.fx.Graph, match: AttentionMatch, constants: ConstantEvaluator,
+    def _rewrite(graph: torch.fx.Graph, match: AttentionMatch, constants: ConstantEvaluator, bindings: Bindings,
                  ctx: PassContext) -> tuple[str, _MaskPlan, set[Node]]:
         builder = _Builder(graph, match.pv)
         q, k, v = builder.operand(match.q), builder.operand(match.k), builder.operand(match.v)
         q_dtype = example_value(q).dtype
         plan = _MaskPlan()
-        mask = _mask_node(match, builder, q_dtype, constants, plan)
+        mask = _mask_node(match, builder, q_dtype, constants, bindings, plan)
         kernel, why = _choose_kernel(example_value(q), example_value(k), example_value(v), example_value(mask),
                                      is_causal=plan.is_causal, dropout_p=match.dropout_p,
                                      enable_gqa=match.enable_gqa, ctx=ctx)

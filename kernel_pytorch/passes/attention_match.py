@@ -20,15 +20,11 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from kernel_pytorch.passes.normalize import is_call
+from kernel_pytorch.passes.shape_constants import (ConstantEvaluator, describe_node, example_value, static_int,
+                                                   static_numel)
 
 __all__ = ["AttentionMatch", "MaskTerm", "Operand", "NotAttention", "ConstantEvaluator", "match_attention",
            "example_value", "same_shape"]
-
-# A mask intermediate bigger than this (elements) is not evaluated to check causality. 2**28 covers
-# L = 16384 (a 1 GiB float32 intermediate, evaluated once per capture on the host); at 2**26 the H100
-# benchmark's L = 16384 causal attention ran with a mask tensor at 0.22-0.29 of cuDNN's is_causal speed.
-MAX_EVALUATED_ELEMENTS = 1 << 28
-
 
 class NotAttention(Exception):
     """The candidate is not (provably) attention; ``str(error)`` is the reason for the report."""
@@ -78,10 +74,6 @@ class AttentionMatch:
     removable: list[Node] = field(default_factory=list)  # erased once they have no users
 
 
-def example_value(node: Any) -> Any:
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, Node) else None
-
-
 def _known_equal(a: Any, b: Any) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
@@ -110,220 +102,6 @@ def _dtype(node: Node) -> torch.dtype:
     if not isinstance(value, torch.Tensor):
         raise NotAttention("no shape metadata")
     return value.dtype
-
-
-def _describe(node: Node) -> str:
-    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    return f"{node.op} {target} ({node.name})"
-
-
-def _static_int(value: Any) -> Optional[int]:
-    if isinstance(value, int):
-        return value
-    if isinstance(value, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import is_concrete_int
-
-        return int(value) if is_concrete_int(value) else None
-    return None
-
-
-# ---------------------------------------------------------------------------------------------------
-# Constants and shape-only subgraphs, evaluated concretely
-# ---------------------------------------------------------------------------------------------------
-
-# Functions that create a tensor from Python values only (their arguments hold no tensors).
-_CREATORS = {torch.full, torch.ones, torch.zeros, torch.arange, torch.eye, torch.tensor, torch.scalar_tensor,
-             torch.as_tensor, torch.ones_like, torch.zeros_like, torch.full_like}
-# Of those, the ones that read only the shape and dtype of their first (tensor) argument.
-_META_ONLY_FUNCTIONS = {torch.ones_like, torch.zeros_like, torch.full_like}
-_META_ONLY_METHODS = {"new_ones", "new_zeros", "new_full"}
-# Deterministic, side-effect free functions of their inputs' values.
-_PURE_FUNCTIONS = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
-    operator.neg, operator.invert, operator.and_, operator.or_, operator.xor, operator.lt, operator.le,
-    operator.gt, operator.ge, operator.eq, operator.ne, operator.getitem,
-    torch.triu, torch.tril, torch.where, torch.masked_fill, torch.unsqueeze, torch.squeeze, torch.transpose,
-    torch.permute, torch.flatten, torch.cat, torch.stack, torch.flip, torch.broadcast_to, torch.reshape,
-    torch.logical_not, torch.logical_and, torch.logical_or, torch.logical_xor, torch.bitwise_not,
-    torch.bitwise_and, torch.bitwise_or, torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge,
-    torch.abs, torch.neg, torch.sqrt, torch.rsqrt, torch.exp, torch.log, torch.minimum, torch.maximum,
-    torch.clamp, torch.add, torch.sub, torch.mul, torch.div, torch.sign, torch.reciprocal,
-}
-_PURE_METHODS = {
-    "to", "view", "reshape", "expand", "expand_as", "contiguous", "clone", "bool", "int", "long", "float",
-    "half", "bfloat16", "double", "type_as", "masked_fill", "triu", "tril", "unsqueeze", "squeeze",
-    "transpose", "permute", "flip", "logical_not", "logical_and", "logical_or", "eq", "ne", "lt", "le", "gt",
-    "ge", "__and__", "__or__", "__invert__", "__xor__", "add", "sub", "mul", "div", "neg", "abs", "sqrt",
-    "rsqrt", "exp", "flatten", "repeat", "new_ones", "new_zeros", "new_full",
-}
-_META_ONLY_ARGUMENT_METHODS = {"expand_as", "type_as"}  # their second argument is read for shape/dtype
-
-
-class _Unknown(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """A concretely evaluated node, or why it could not be (``kind`` says which sort of reason)."""
-
-    value: Optional[torch.Tensor]
-    reason: str = ""
-    kind: str = ""  # "" | "input" | "buffer" | "symbolic" | "op" | "size"
-
-
-class ConstantEvaluator:
-    """Evaluates nodes that depend on no runtime tensor value (shape-only subgraphs), on the CPU.
-
-    Leaves must create tensors from Python values (``full``, ``arange``, ``ones_like`` of any tensor...);
-    a placeholder (a model input, parameter or buffer) or ``get_attr`` makes the node not constant.
-    Results are cached per node, since one mask usually feeds every layer.
-    """
-
-    def __init__(self) -> None:
-        self._cache: dict[Node, Evaluation] = {}
-
-    def evaluate(self, node: Node) -> Evaluation:
-        if node in self._cache:
-            return self._cache[node]
-        order, failure = self._ancestors(node)
-        if failure is not None:
-            self._cache[node] = failure
-            return failure
-        values: dict[Node, Any] = {}
-        try:
-            for current in order:
-                values[current] = self._run(current, values)
-        except _Unknown as error:
-            result = Evaluation(None, str(error), "op")
-        except Exception as error:  # an op that fails on the CPU copy: not a proof, so no constant
-            result = Evaluation(None, f"could not evaluate ({type(error).__name__}: {error})", "op")
-        else:
-            value = values[node]
-            if isinstance(value, (int, float, bool)):
-                value = torch.tensor(value)
-            result = Evaluation(value) if isinstance(value, torch.Tensor) else Evaluation(None, "not a tensor", "op")
-        self._cache[node] = result
-        return result
-
-    def ancestors(self, node: Node) -> list[Node]:
-        """The nodes a constant ``node`` was computed from (itself included), in graph order."""
-        order, failure = self._ancestors(node)
-        return [] if failure is not None else order
-
-    def _ancestors(self, root: Node) -> tuple[list[Node], Optional[Evaluation]]:
-        """The nodes to evaluate, in graph order, or the reason the root is not a constant."""
-        seen: set[Node] = set()
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            if node in seen:
-                continue
-            seen.add(node)
-            failure = self._leaf_failure(node)
-            if failure is not None:
-                return [], failure
-            value = example_value(node)
-            if isinstance(value, torch.Tensor):
-                numel = _static_numel(value)
-                if numel is None:
-                    return [], Evaluation(None, f"{node.name} has symbolic sizes", "symbolic")
-                if numel > MAX_EVALUATED_ELEMENTS:
-                    return [], Evaluation(None, f"{node.name} has {numel} elements, too many to evaluate", "size")
-            for argument in self._value_arguments(node):
-                stack.append(argument)
-        order = [n for n in root.graph.nodes if n in seen]
-        return order, None
-
-    def _leaf_failure(self, node: Node) -> Optional[Evaluation]:
-        if node.op == "placeholder":
-            value = example_value(node)
-            if not isinstance(value, torch.Tensor):
-                return Evaluation(None, f"{node.name} is a symbolic size", "symbolic")
-            if "_buffers_" in str(node.target).lower() or "_buffers_" in node.name:
-                return Evaluation(None, f"held in buffer {node.target}", "buffer")
-            return Evaluation(None, f"depends on the model input or parameter {node.target}", "input")
-        if node.op == "get_attr":
-            return Evaluation(None, f"held in buffer {node.target}", "buffer")
-        if node.op == "call_function":
-            if node.target in _CREATORS or node.target in _PURE_FUNCTIONS:
-                return None
-            return Evaluation(None, f"{_describe(node)} is not a known shape-only op", "op")
-        if node.op == "call_method":
-            if node.target in _PURE_METHODS:
-                return None
-            return Evaluation(None, f"{_describe(node)} is not a known shape-only op", "op")
-        return Evaluation(None, f"{_describe(node)} is not a known shape-only op", "op")
-
-    @staticmethod
-    def _value_arguments(node: Node) -> list[Node]:
-        """The argument nodes whose values (not only metadata) the node reads."""
-        nodes: list[Node] = []
-        meta_only_first = node.target in _META_ONLY_FUNCTIONS or (
-            node.op == "call_method" and node.target in _META_ONLY_METHODS)
-        meta_only_second = node.op == "call_method" and node.target in _META_ONLY_ARGUMENT_METHODS
-        for index, argument in enumerate(node.args):
-            if (index == 0 and meta_only_first) or (index == 1 and meta_only_second):
-                continue
-            torch.fx.node.map_arg(argument, nodes.append)
-        torch.fx.node.map_arg(dict(node.kwargs), nodes.append)
-        return nodes
-
-    def _run(self, node: Node, values: dict[Node, Any]) -> Any:
-        meta_first = node.target in _META_ONLY_FUNCTIONS or (
-            node.op == "call_method" and node.target in _META_ONLY_METHODS)
-        meta_second = node.op == "call_method" and node.target in _META_ONLY_ARGUMENT_METHODS
-
-        def load(argument: Node, meta_only: bool = False) -> Any:
-            if meta_only:
-                value = example_value(argument)
-                if not isinstance(value, torch.Tensor) or _static_numel(value) is None:
-                    raise _Unknown(f"{argument.name} has no static shape")
-                return torch.zeros([int(s) for s in value.shape], dtype=value.dtype)
-            return values[argument]
-
-        args = [torch.fx.node.map_arg(a, lambda n, i=i: load(n, (i == 0 and meta_first) or (i == 1 and meta_second)))
-                for i, a in enumerate(node.args)]
-        kwargs = {k: torch.fx.node.map_arg(v, load) for k, v in node.kwargs.items()}
-        if "device" in kwargs:
-            kwargs["device"] = "cpu"
-        if node.op == "call_method" and node.target == "to":
-            args = [a for a in args if not isinstance(a, (torch.device, str))]
-            kwargs.pop("device", None)
-            if len(args) == 1 and not kwargs:
-                return args[0]
-        if node.op == "call_function":
-            return node.target(*args, **kwargs)
-        self_, *rest = args
-        return getattr(self_, node.target)(*rest, **kwargs)
-
-    def scalar(self, argument: Any) -> tuple[Optional[float], str]:
-        """A Python number, or a constant one-element tensor, as a float; else (None, reason)."""
-        if isinstance(argument, bool):
-            return None, "a bool"
-        if isinstance(argument, (int, float)):
-            return float(argument), ""
-        if not isinstance(argument, Node):
-            return None, f"{type(argument).__name__} {argument!r}"
-        value = example_value(argument)
-        if not isinstance(value, torch.Tensor):
-            return None, f"{argument.name} is a symbolic value"
-        evaluation = self.evaluate(argument)
-        if evaluation.value is None:
-            return None, f"{argument.name} is a tensor that is not a provable constant ({evaluation.reason})"
-        if evaluation.value.numel() != 1:
-            return None, f"{argument.name} is a tensor of shape {tuple(evaluation.value.shape)}, not a scalar"
-        return float(evaluation.value.reshape(()).item()), ""
-
-
-def _static_numel(value: torch.Tensor) -> Optional[int]:
-    total = 1
-    for size in value.shape:
-        size = _static_int(size)
-        if size is None:
-            return None
-        total *= size
-    return total
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -474,7 +252,7 @@ class _Matcher:
                 if _product_kind(user) != "einsum" and node in user.args[1:]:
                     raise NotAttention("attention probabilities are also the second operand of ·V")
                 return dropout_p, user
-            raise NotAttention(f"attention probabilities are modified before ·V ({_describe(user)})")
+            raise NotAttention(f"attention probabilities are modified before ·V ({describe_node(user)})")
 
     @staticmethod
     def _first_operand(product: Node) -> Any:
@@ -533,7 +311,7 @@ class _Matcher:
                 continue
             if isinstance(node, Node) and node.op in ("placeholder", "get_attr"):
                 raise NotAttention("softmax input is not a Q·Kᵀ product")
-            raise NotAttention(f"scores pass through {_describe(node)} between the softmax and Q·Kᵀ")
+            raise NotAttention(f"scores pass through {describe_node(node)} between the softmax and Q·Kᵀ")
 
     def _scaled(self, node: Node) -> tuple[Node, float]:
         a, b = node.args
@@ -609,7 +387,7 @@ class _Matcher:
         if side is None:
             raise NotAttention(f"cannot tell the scores from the fill value in {node.name}")
         path, value, masked_value = (a, b, False) if side == 0 else (b, a, True)
-        if isinstance(value, Node) and not same_shape(_shape(value), ()) and _static_numel(example_value(value)) != 1:
+        if isinstance(value, Node) and not same_shape(_shape(value), ()) and static_numel(example_value(value)) != 1:
             raise NotAttention(f"where fills with a tensor of shape {_shape(value)}, not a scalar")
         fill = self._fill_value(value, after, node)
         return path, MaskTerm("fill", condition, fill=fill, masked_value=masked_value,
@@ -758,7 +536,7 @@ class _Matcher:
         if not same_shape(q_shape[:-3], k_shape[:-3]) or not same_shape(q_shape[-1:], k_shape[-1:]):
             raise NotAttention(f"Q {q_shape} and K {k_shape} differ in batch axes (broadcast) or head size")
         if not _known_equal(q_shape[-3], k_shape[-3]):
-            hq, hk = _static_int(q_shape[-3]), _static_int(k_shape[-3])
+            hq, hk = static_int(q_shape[-3]), static_int(k_shape[-3])
             if len(q_shape) < 4 or hq is None or hk is None or hq % hk:
                 raise NotAttention(f"Q {q_shape} and K {k_shape}: head counts not a multiple")
             enable_gqa, heads = True, (hq, hk)
@@ -811,7 +589,7 @@ class _Matcher:
         src = _shape(source)
         if len(src) != len(shape):
             return None
-        groups = _static_int(_shape(expanded)[heads_axis + 1])
+        groups = static_int(_shape(expanded)[heads_axis + 1])
         batch, kv_heads, rest = src[:heads_axis], src[heads_axis], src[heads_axis + 1:]
         if groups is None:
             return None
@@ -819,7 +597,7 @@ class _Matcher:
         expected_expanded = (*batch, kv_heads, groups, *rest)
         if not (same_shape(_shape(inserted), expected_inserted) and same_shape(_shape(expanded), expected_expanded)):
             return None
-        hk = _static_int(kv_heads)
+        hk = static_int(kv_heads)
         if hk is None or not same_shape(shape, (*batch, hk * groups, *rest)):
             return None
         return source, groups, [node, expanded, inserted]

@@ -6,8 +6,9 @@ Both return a :class:`PassResult` saying what they rewrote and what they skipped
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
 
 import torch.fx
 import torch.nn as nn
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
     from kernel_pytorch.config import OptimizeConfig
     from kernel_pytorch.hardware import HardwareInfo
 
-__all__ = ["GraphPass", "ModulePass", "PassContext", "PassResult", "Rewrite", "Skip", "replace_module"]
+__all__ = ["GraphPass", "ModulePass", "PassContext", "PassResult", "Rewrite", "Skip", "RuntimeGuard",
+           "replace_module"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,19 @@ class Skip:
     reason: str
 
 
+class RuntimeGuard(Protocol):
+    """A condition a rewrite relies on that a later call could break (a buffer's contents, a symbolic
+    size): checked before each call of the compiled graph, which runs unrewritten where it fails."""
+
+    def bind(self, graph: torch.fx.Graph) -> None:
+        """Locate the guard's inputs among ``graph``'s placeholders (the graph that gets compiled)."""
+
+    def holds(self, args: Sequence[Any]) -> bool:
+        """Whether the rewrite is valid for this call's arguments (in placeholder order); cheap."""
+
+    def describe(self) -> str: ...
+
+
 @dataclass
 class PassResult:
     """What one run of one pass did. ``changed`` counts nodes touched, rewrites included."""
@@ -44,6 +59,8 @@ class PassResult:
     changed: int = 0
     # Module passes record how to put each swapped module back, newest last.
     undo: list[Callable[[], None]] = field(default_factory=list)
+    # Conditions the rewrites rely on, checked at run time (see RuntimeGuard).
+    guards: list[RuntimeGuard] = field(default_factory=list)
 
     @property
     def matched(self) -> int:
@@ -66,6 +83,9 @@ class PassContext:
     config: OptimizeConfig
     training: bool
     graph_name: str = "graph"
+    # The capture's example values by placeholder name (sizes as ints): what shape-only subgraphs
+    # that read sizes or buffers are evaluated with. Empty when unknown (a graph built by hand).
+    example_inputs: Mapping[str, Any] = field(default_factory=dict)
 
 
 class _Pass(abc.ABC):
