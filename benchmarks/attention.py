@@ -99,7 +99,7 @@ def run_case(head_dim, length, causal, backward, compiled, runs):
     return row
 
 
-def plot(rows, path):
+def plot(rows, path, device: str):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,7 +117,7 @@ def plot(rows, path):
         ax.set_xlabel("sequence length")
         ax.set_ylabel("TFLOP/s")
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"attention, bf16, {torch.cuda.get_device_name()}")
+    fig.suptitle(f"attention, bf16, {device}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -144,7 +144,7 @@ def main():
                     rows.append(run_case(head_dim, length, causal, backward, compiled, runs=5 if args.quick else 10))
                     print(rows[-1], flush=True)
                     path = write_result(name, {"rows": rows}, args.out)  # kept up to date if cut off
-    plot(rows, args.out / f"{name}.png")
+    plot(rows, args.out / f"{name}.png", torch.cuda.get_device_name())
     print(f"wrote {path}")
 
 

@@ -15,46 +15,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import RESULTS_DIR, write_result  # noqa: E402
-from benchmarks.norms import EPS, bytes_moved  # noqa: E402
+from benchmarks.harness import RESULTS_DIR, measure_gpu_time, write_result  # noqa: E402
+from benchmarks.kernels import EPS, bytes_moved  # noqa: E402
 
 L = importlib.import_module("kernel_pytorch.ops.layer_norm")
 R = importlib.import_module("kernel_pytorch.ops.rms_norm")
 tu = importlib.import_module("kernel_pytorch.ops.triton_utils")
 
 DTYPE = torch.bfloat16
-CALLS_PER_GRAPH = 20
-
-
-def graph_time_ms(fn) -> float:
-    """Median GPU time of one ``fn()`` from CUDA-graph replays (no host overhead)."""
-    fn()  # compile, allocate
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / CALLS_PER_GRAPH)
-    return statistics.median(times)
 
 
 def _case(op: str, backward: bool, hidden: int, rows: int):
@@ -82,9 +56,8 @@ def sweep(quick: bool) -> list[dict]:
     for hidden in ((2048, 8192) if quick else (2048, 4096, 8192, 16384)):
         src = torch.empty(bytes_moved("rms_norm", rows, hidden, False) // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-        copy_ms = graph_time_ms(lambda: dst.copy_(src))
+        copy_ms = measure_gpu_time(lambda: dst.copy_(src))
         copy_gbps = 2 * src.numel() / copy_ms / 1e6
-        del src, dst
         for op, backward in itertools.product(("rms_norm", "layer_norm"), (False, True)):
             n_bytes = bytes_moved(op, rows, hidden, backward)
             for per_thread, tile, warps_per_sm in settings(backward, quick):
@@ -97,7 +70,7 @@ def sweep(quick: bool) -> list[dict]:
                          "min_tile_elements": tile, "warps_per_sm": warps_per_sm, "rows_per_tile": shape.rows,
                          "num_warps": shape.num_warps}
                 try:
-                    ms = graph_time_ms(_case(op, backward, hidden, rows))
+                    ms = measure_gpu_time(_case(op, backward, hidden, rows))
                     entry.update(ms=round(ms, 4), gbps=round(n_bytes / ms / 1e6, 1),
                                  fraction_of_copy=round(n_bytes / ms / 1e6 / copy_gbps, 3))
                 except Exception as error:  # a setting that does not compile (registers) is a result too
