@@ -21,7 +21,8 @@ from .hf_models import bert as _bert, gpt2 as _gpt2, llama as _llama, vit as _vi
 import kernel_pytorch.passes.attention as attention_pass  # noqa: F401  (registers "attention")
 from kernel_pytorch import optimize, report_of
 from kernel_pytorch.config import OptimizeConfig
-from kernel_pytorch.hardware import detect_hardware
+from kernel_pytorch.attention import choose_kernel
+from kernel_pytorch.hardware import HardwareInfo, detect_hardware
 from kernel_pytorch.passes.attention import AttentionPass, _attention_op
 from kernel_pytorch.passes.base import PassContext
 from kernel_pytorch.passes.normalize import Normalize
@@ -677,14 +678,16 @@ def test_zoo_module_end_to_end_through_optimize():
 
 
 def test_hugging_face_bert_training_passes_its_attention_dropout():
-    # Captured directly: through optimize(), verification of this graph currently rolls the pass back on
-    # the key-bias gradient, which is mathematically zero (softmax ignores a per-row shift) and compares
-    # as ~1e-17 vs ~1e-17 noise; the lead owns that tolerance.
     torch.manual_seed(0)
     model, inputs, _ = _bert()
     model.train()
-    rewritten = Rewritten(model, (inputs["input_ids"], inputs["attention_mask"]), training=True)
-    assert len(rewritten.calls) == 2 and all("dropout 0.1" in d for d in rewritten.descriptions)
+    captured = twin(model)
+    optimize(model, example_inputs=inputs, extra_passes=("attention",))
+    report = report_of(model)
+    rewrites = [r.replacement for r in report.rewrites if r.pass_name == "attention"]
+    assert len(rewrites) == 2 and all("dropout 0.1" in r for r in rewrites), rewrites
+    assert report.rollbacks == []
+    rewritten = Rewritten(captured, (inputs["input_ids"], inputs["attention_mask"]), training=True)
     assert [n.kwargs["dropout_p"] for n in rewritten.calls] == [0.1, 0.1]
 
 
@@ -693,3 +696,38 @@ def test_graph_without_shape_metadata_is_skipped_with_a_reason():
     Normalize().run(gm, _ctx())
     result = AttentionPass().run(gm, _ctx())
     assert result.rewrites == [] and [s.reason for s in result.skipped] == ["no shape metadata"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The dispatch choice per backend, for every zoo spelling (bf16 on each simulated device, unmeasured)
+# --------------------------------------------------------------------------------------------------
+
+_HARDWARE = {
+    "nvidia-h100": HardwareInfo(vendor="nvidia", device_name="sim H100", compute_capability=(9, 0),
+                                cudnn_attention=True, bf16=True, triton_usable=True),
+    "amd-mi300": HardwareInfo(vendor="amd", device_name="sim MI300X", gfx_arch="gfx942", bf16=True),
+    "cpu": HardwareInfo(vendor="cpu", device_name="sim CPU"),
+}
+
+
+def _on_device(value):
+    if not isinstance(value, torch.Tensor):
+        return value
+    dtype = torch.bfloat16 if value.is_floating_point() else value.dtype
+    return torch.empty(tuple(int(s) for s in value.shape), dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_dispatch_choice_per_backend(name):
+    cls, make_inputs, _, _ = ZOO[name]
+    torch.manual_seed(0)
+    rewritten = Rewritten(cls(), make_inputs())
+    [call] = rewritten.calls
+    assert call.kwargs["kernel"] == "sdpa"  # on this CPU: PyTorch's own SDPA dispatch
+    q, k, v, mask = (_on_device(a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a)
+                     for a in call.args[:4])
+    chosen = {hw: choose_kernel(q, k, v, mask, is_causal=call.kwargs["is_causal"], dropout_p=0.0,
+                                enable_gqa=call.kwargs["enable_gqa"], hardware=info, training=False)[0]
+              for hw, info in _HARDWARE.items()}
+    assert chosen == {"nvidia-h100": "cudnn", "amd-mi300": "flash" if mask is None else "efficient", "cpu": "sdpa"}, \
+        chosen

@@ -35,12 +35,13 @@ What is matched, and how each part is decided:
   to ``finfo.min``, so fully masked rows stay uniform as in eager); several terms are summed into one
   additive mask, cast to Q's dtype.
 * **Causal**: a single mask term built only from shape-only ops (``full``/``arange``/``triu``/
-  comparisons/``where``/``expand``...) with static sizes is evaluated concretely; if it is exactly
-  top-left causal and ``Lq == Lk``, the call gets ``is_causal=True`` and no mask. A mask with symbolic
-  sizes, one that depends on an input (padding: HF BERT/Llama with ``attention_mask``), or ``Lq != Lk``
-  is passed as a tensor. A mask held in a **buffer** is passed as a tensor too, never ``is_causal``:
-  the buffer's value can change (``load_state_dict``, in-place edits) without Dynamo recompiling; the
-  report gets a skip-like line saying so.
+  comparisons/``where``/``expand``...) is evaluated concretely; if it is exactly top-left causal and
+  ``Lq == Lk``, the call gets ``is_causal=True`` and no mask. With static sizes that is a proof. A mask
+  that reads **symbolic sizes** or a **buffer** is evaluated at the capture's values and, if causal there,
+  rewritten behind a runtime guard that re-checks it for each new size or buffer state (in-place edits
+  bump the buffer's version); calls where it fails run the unrewritten graph
+  (:mod:`kernel_pytorch.passes.causal_mask`). A mask that depends on an input (padding: HF BERT/Llama
+  with ``attention_mask``), or ``Lq != Lk``, is passed as a tensor.
 * **Softmax**: over the last axis only (``-1`` or ``ndim - 1``), computed in float32 (``dtype=`` or an
   upcast) and cast back: fused kernels accumulate in float32.
 * **Dropout** on the probabilities: ``dropout_p`` is ``p`` when the graph trains, ``0.0`` otherwise.
