@@ -76,7 +76,9 @@ class Backend:
     compiler: ClassVar[str]  # "inductor" | "openxla" | "eager"
     compile_by_default: ClassVar[bool]
     # Every backend runs these; the attention pass's kernel choice is per backend (attention/dispatch.py).
-    graph_passes: ClassVar[tuple[str, ...]] = ("normalize", "norms", "attention")
+    # "rope" before "attention": the attention matcher takes Q and K from the RoPE call's outputs as it
+    # does from any other node (either order matches; this one keeps attention's Q, K operands final).
+    graph_passes: ClassVar[tuple[str, ...]] = ("normalize", "norms", "activations", "rope", "attention")
     module_passes: ClassVar[tuple[str, ...]] = ()
     kernels: ClassVar[tuple[Kernel, ...]] = ()
 

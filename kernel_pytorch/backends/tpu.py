@@ -12,6 +12,7 @@ class TpuBackend(Backend):
     vendor = "tpu"
     compiler = "openxla"
     compile_by_default = True
-    # No norms pass: its ops are Triton or native custom ops, opaque to XLA, which fuses norms itself.
+    # No norms, activations or rope passes: their ops are Triton or native custom ops, opaque to XLA,
+    # which fuses such elementwise and row-wise code itself.
     graph_passes = ("normalize", "attention")
     kernels = (sdpa_kernel,)
