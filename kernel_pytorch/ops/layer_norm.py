@@ -140,13 +140,15 @@ def layer_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Te
     rstd = torch.empty(x.shape[:-1], dtype=acc, device=x.device)
     if n_rows == 0:
         return y, h, mean, rstd
-    r2 = tu.as_rows(residual) if residual is not None else x2
-    h2 = h.view(-1, hidden) if h is not None else x2
     y2 = y.view(-1, hidden)
+    # Pointers the kernel does not touch get y2, never an input: Inductor's mutation analysis may count
+    # them as written, and an input it thinks written is copied first (H100: forward at 0.4 of copy).
+    r2 = tu.as_rows(residual) if residual is not None else y2
+    h2 = h.view(-1, hidden) if h is not None else y2
     with tu.device_guard(x):
         tu.launch(_layer_norm_fwd_kernel)[(tu.triton.cdiv(n_rows, tile.rows),)](
             x2, r2, h2,
-            weight.contiguous() if weight is not None else x2, bias.contiguous() if bias is not None else x2,
+            weight.contiguous() if weight is not None else y2, bias.contiguous() if bias is not None else y2,
             y2, mean, rstd,
             x2.stride(0), r2.stride(0), h2.stride(0), y2.stride(0),
             n_rows, hidden, eps,
@@ -176,13 +178,14 @@ def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Option
     rows_per_program = tu.triton.cdiv(n_tiles, programs) * tile.rows
     programs = tu.triton.cdiv(n_rows, rows_per_program)
     acc = tu.acc_dtype(x.dtype)
-    dw_partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if weight_grad else rstd
-    db_partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if bias_grad else rstd
-    dh2 = tu.as_rows(dh) if dh is not None else x2
     dx2 = dx.view(-1, hidden)
+    # Untouched pointers get dx2, never an input (see layer_norm_fwd).
+    dw_partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if weight_grad else dx2
+    db_partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if bias_grad else dx2
+    dh2 = tu.as_rows(dh) if dh is not None else dx2
     with tu.device_guard(x):
         tu.launch(_layer_norm_bwd_kernel)[(programs,)](
-            dy2, x2, weight.contiguous() if weight is not None else x2,
+            dy2, x2, weight.contiguous() if weight is not None else dx2,
             mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous(), dh2, dx2, dw_partial, db_partial,
             dy2.stride(0), x2.stride(0), dh2.stride(0), dx2.stride(0),
             n_rows, hidden, rows_per_program,

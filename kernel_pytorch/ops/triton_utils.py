@@ -183,8 +183,9 @@ def reduction_programs(device: torch.device, n_tiles: int, num_warps: int) -> in
 
 
 def device_guard(tensor: torch.Tensor):
-    """Triton launches on the current CUDA device; make it the tensor's (multi-GPU processes)."""
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+    """Triton launches on the current CUDA device; make it the tensor's (multi-GPU processes). Nothing
+    to do while tracing (fake tensors launch nothing)."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda and not is_fake(tensor) else contextlib.nullcontext()
 
 
 def as_rows(tensor: torch.Tensor) -> torch.Tensor:
