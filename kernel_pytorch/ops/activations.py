@@ -327,9 +327,9 @@ def gated_activation_packed_bwd(dy: Tensor, gate_up: Tensor, kind: str, gate_fir
     n = g2.shape[-1]
     dgu = dgate_up.view(g2.shape[0], 2 * n)
     dg_col, du_col = (0, n) if gate_first else (n, 0)
-    # dgu twice: the kernel writes through the first only (PACKED); a second, distinct buffer would cost
-    # an allocation for nothing.
-    _launch(_gated_bwd_kernel, [tu.as_rows(dy), g2, u2, dgu, dgu], kind, gate_up.dtype, dg_col, du_col,
+    # The kernel writes through dgu only (PACKED); DU gets a zero-size stand-in, never an alias of dgu.
+    du_unused = tu.unused_pointer(dgu).view(0, 1)
+    _launch(_gated_bwd_kernel, [tu.as_rows(dy), g2, u2, dgu, du_unused], kind, gate_up.dtype, dg_col, du_col,
             PACKED=True)
     return dgate_up
 

@@ -20,8 +20,8 @@ from torch import Tensor
 from kernel_pytorch.ops import triton_utils as tu
 from kernel_pytorch.ops.triton_utils import jit, load_rows, tl
 
-__all__ = ["layer_norm", "LayerNorm", "layer_norm_fwd", "layer_norm_bwd", "TRITON_FWD_MIN_ELEMENTS", "TRITON_BWD_MAX_HIDDEN",
-           "TRITON_BWD_MIN_ELEMENTS"]
+__all__ = ["layer_norm", "LayerNorm", "layer_norm_fwd", "layer_norm_bwd", "TRITON_FWD_MIN_ELEMENTS",
+           "TRITON_BWD_MIN_ELEMENTS", "TRITON_BWD_MAX_HIDDEN"]
 
 # Below these sizes (rows x hidden) the native path runs instead of Triton; see rms_norm.py.
 # TO BE MEASURED on H100 (benchmarks/norms.py); 4096 x 1024 is a placeholder.
@@ -141,14 +141,14 @@ def layer_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Te
     if n_rows == 0:
         return y, h, mean, rstd
     y2 = y.view(-1, hidden)
-    # Pointers the kernel does not touch get y2, never an input: Inductor's mutation analysis may count
-    # them as written, and an input it thinks written is copied first (H100: forward at 0.4 of copy).
-    r2 = tu.as_rows(residual) if residual is not None else y2
-    h2 = h.view(-1, hidden) if h is not None else y2
+    unused = tu.unused_pointer
+    r2 = tu.as_rows(residual) if residual is not None else unused(x)
+    h2 = h.view(-1, hidden) if h is not None else unused(x)
     with tu.device_guard(x):
         tu.launch(_layer_norm_fwd_kernel)[(tu.triton.cdiv(n_rows, tile.rows),)](
             x2, r2, h2,
-            weight.contiguous() if weight is not None else y2, bias.contiguous() if bias is not None else y2,
+            weight.contiguous() if weight is not None else unused(x),
+            bias.contiguous() if bias is not None else unused(x),
             y2, mean, rstd,
             x2.stride(0), r2.stride(0), h2.stride(0), y2.stride(0),
             n_rows, hidden, eps,
@@ -179,13 +179,13 @@ def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Option
     programs = tu.triton.cdiv(n_rows, rows_per_program)
     acc = tu.acc_dtype(x.dtype)
     dx2 = dx.view(-1, hidden)
-    # Untouched pointers get dx2, never an input (see layer_norm_fwd).
-    dw_partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if weight_grad else dx2
-    db_partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if bias_grad else dx2
-    dh2 = tu.as_rows(dh) if dh is not None else dx2
+    unused = tu.unused_pointer
+    dw_partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if weight_grad else unused(rstd)
+    db_partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if bias_grad else unused(rstd)
+    dh2 = tu.as_rows(dh) if dh is not None else unused(x)
     with tu.device_guard(x):
         tu.launch(_layer_norm_bwd_kernel)[(programs,)](
-            dy2, x2, weight.contiguous() if weight is not None else dx2,
+            dy2, x2, weight.contiguous() if weight is not None else unused(x),
             mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous(), dh2, dx2, dw_partial, db_partial,
             dy2.stride(0), x2.stride(0), dh2.stride(0), dx2.stride(0),
             n_rows, hidden, rows_per_program,

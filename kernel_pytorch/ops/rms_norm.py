@@ -136,11 +136,9 @@ def rms_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, residual: Optional[
     if n_rows == 0:
         return y, h, rstd
     y2 = y.view(-1, hidden)
-    # Pointers the kernel does not touch get y2, never an input: Inductor's mutation analysis may count
-    # them as written, and an input it thinks written is copied first (H100: forward at 0.4 of copy).
-    r2 = tu.as_rows(residual) if residual is not None else y2
-    h2 = h.view(-1, hidden) if h is not None else y2
-    w = weight.contiguous() if weight is not None else y2
+    r2 = tu.as_rows(residual) if residual is not None else tu.unused_pointer(x)
+    h2 = h.view(-1, hidden) if h is not None else tu.unused_pointer(x)
+    w = weight.contiguous() if weight is not None else tu.unused_pointer(x)
     with tu.device_guard(x):
         tu.launch(_rms_norm_fwd_kernel)[(tu.triton.cdiv(n_rows, tile.rows),)](
             x2, r2, h2, w, y2, rstd,
@@ -175,12 +173,11 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, 
     programs = tu.triton.cdiv(n_rows, rows_per_program)
     acc = tu.acc_dtype(x.dtype)
     dx2 = dx.view(-1, hidden)
-    # Untouched pointers get dx2, never an input (see rms_norm_fwd).
-    partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if weight_grad else dx2
-    dh2 = tu.as_rows(dh) if dh is not None else dx2
+    partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if weight_grad else tu.unused_pointer(rstd)
+    dh2 = tu.as_rows(dh) if dh is not None else tu.unused_pointer(x)
     with tu.device_guard(x):
         tu.launch(_rms_norm_bwd_kernel)[(programs,)](
-            dy2, x2, weight.contiguous() if weight is not None else dx2, rstd.reshape(-1).contiguous(),
+            dy2, x2, weight.contiguous() if weight is not None else tu.unused_pointer(x), rstd.reshape(-1).contiguous(),
             dh2, dx2, partial,
             dy2.stride(0), x2.stride(0), dh2.stride(0), dx2.stride(0),
             n_rows, hidden, rows_per_program,
