@@ -259,6 +259,7 @@ def triton_on_cpu(monkeypatch):
     for module in (R, L):
         monkeypatch.setattr(module, "TRITON_FWD_MIN_ELEMENTS", 0)
         monkeypatch.setattr(module, "TRITON_BWD_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(module, "TRITON_BWD_MIN_HIDDEN", 0)
         for name in [n for n in module.__all__ if n.endswith(("_fwd", "_bwd"))]:
             def counted(*args, _fn=getattr(module, name), _name=name, **kwargs):
                 calls[_name] = calls.get(_name, 0) + 1
@@ -588,9 +589,10 @@ def test_gpu_small_problems_take_the_native_path_with_the_same_result(cuda, monk
         L.layer_norm(x, w, w).square().sum().backward()
         return x.grad.clone(), w.grad.clone()
 
-    native = grads()  # 64 x 1024 is below TRITON_BWD_MIN_ELEMENTS
+    native = grads()  # 64 x 1024 is below TRITON_BWD_MIN_ELEMENTS and TRITON_BWD_MIN_HIDDEN
     for module in (R, L):
         monkeypatch.setattr(module, "TRITON_BWD_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(module, "TRITON_BWD_MIN_HIDDEN", 0)
     for got, want in zip(grads(), native):
         assert rel(got, want) < 1e-5
 

@@ -66,8 +66,8 @@ ACTIVATION_KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 # Below this many elements (of the op's output) the native path runs instead of Triton. An elementwise
 # kernel is one launch either way, so the floor only pays off where ATen's launch is cheaper than
-# Triton's (a few microseconds of Python launch overhead outside torch.compile).
-# TO BE MEASURED on H100.
+# Triton's (a few microseconds of Python launch overhead outside torch.compile). Measured on H100 (GPU
+# time, results/kernels.json thresholds, gated SiLU): Triton won from the smallest size, 64 x 512, up.
 TRITON_MIN_ELEMENTS = 0
 
 # linear_activation(..., kind="gelu_tanh") with a bias and no gradient required, on CUDA: one cuBLASLt

@@ -21,12 +21,14 @@ from kernel_pytorch.ops import triton_utils as tu
 from kernel_pytorch.ops.triton_utils import jit, load_rows, tl
 
 __all__ = ["layer_norm", "LayerNorm", "layer_norm_fwd", "layer_norm_bwd", "TRITON_FWD_MIN_ELEMENTS",
-           "TRITON_BWD_MIN_ELEMENTS", "TRITON_BWD_MAX_HIDDEN"]
+           "TRITON_BWD_MIN_ELEMENTS", "TRITON_BWD_MIN_HIDDEN", "TRITON_BWD_MAX_HIDDEN"]
 
-# Below these sizes (rows x hidden) the native path runs instead of Triton; see rms_norm.py.
-# TO BE MEASURED on H100 (benchmarks/norms.py); 4096 x 1024 is a placeholder.
+# Below these sizes (rows x hidden) the native path runs instead of Triton; see rms_norm.py. Measured
+# on H100 (results/kernels.json thresholds): the forward won everywhere; the backward lost to ATen's up to
+# 8M elements and at hidden <= 1024 (16384 x 1024: 0.28 against 0.12 ms), won from 4096 x 4096 up.
 TRITON_FWD_MIN_ELEMENTS = 0
-TRITON_BWD_MIN_ELEMENTS = 4096 * 1024
+TRITON_BWD_MIN_ELEMENTS = 1 << 24
+TRITON_BWD_MIN_HIDDEN = 2048
 # Wider rows take ATen's backward: ours spills registers there (H100, 16384 rows x 16384 bf16: 2.35 ms,
 # 0.23 of copy, against ATen's 1.48 ms; benchmarks/results/tune_row_kernels.json).
 TRITON_BWD_MAX_HIDDEN = 8192
@@ -249,7 +251,8 @@ def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bia
                             rstd: Tensor, dh: Optional[Tensor], weight_grad: bool, bias_grad: bool
                             ) -> tuple[Tensor, Tensor, Tensor]:
     # Returns (dx, dweight, dbias); a gradient not asked for is an empty tensor. ``bias`` gives db's dtype.
-    triton = tu.use_triton(x, TRITON_BWD_MIN_ELEMENTS) and x.shape[-1] <= TRITON_BWD_MAX_HIDDEN
+    triton = tu.use_triton(x, TRITON_BWD_MIN_ELEMENTS) and \
+        TRITON_BWD_MIN_HIDDEN <= x.shape[-1] <= TRITON_BWD_MAX_HIDDEN
     backward = layer_norm_bwd if triton else _layer_norm_bwd_native
     dx, dw, db = backward(dy, x, weight, bias, mean, rstd, dh, weight_grad, bias_grad)
     empty = x.new_empty(0)

@@ -30,14 +30,16 @@ from kernel_pytorch.ops import triton_utils as tu
 from kernel_pytorch.ops.triton_utils import jit, load_rows, tl
 
 __all__ = ["rms_norm", "RMSNorm", "rms_norm_fwd", "rms_norm_bwd", "TRITON_FWD_MIN_ELEMENTS",
-           "TRITON_BWD_MIN_ELEMENTS"]
+           "TRITON_BWD_MIN_ELEMENTS", "TRITON_BWD_MIN_HIDDEN"]
 
-# Below these sizes (rows x hidden) the native path runs instead of Triton. The forward is one launch
-# either way, so it has no floor; the backward's partial weight-gradient buffer and its sum are fixed
-# costs (Liger's RMSNorm backward is slower than eager up to hidden 8192 on H100).
-# TO BE MEASURED on H100 (benchmarks/norms.py); 4096 x 1024 is a placeholder.
+# Below these sizes (rows x hidden) the native path (ATen's fused RMSNorm) runs instead of Triton.
+# Measured on H100, bf16, GPU time (benchmarks/kernels.py thresholds, results/kernels.json): the Triton
+# forward won at every size from 64 x 512 up; the backward (its partial weight-gradient buffer and sum
+# are fixed costs: Liger's is slower than eager up to hidden 8192) lost up to 4M elements and at hidden
+# 512 at any row count, tied at 16384 x 1024, and won from 4096 x 2048 (0.034 against 0.039 ms) up.
 TRITON_FWD_MIN_ELEMENTS = 0
-TRITON_BWD_MIN_ELEMENTS = 4096 * 1024
+TRITON_BWD_MIN_ELEMENTS = 1 << 23
+TRITON_BWD_MIN_HIDDEN = 2048
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -263,7 +265,7 @@ def _rms_norm_op(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor]
 def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, dh: Optional[Tensor],
                           cast_before_weight: bool, weight_grad: bool) -> tuple[Tensor, Tensor]:
     # Returns (dx, dweight); dweight is empty when not asked for.
-    triton = tu.use_triton(x, TRITON_BWD_MIN_ELEMENTS)
+    triton = tu.use_triton(x, TRITON_BWD_MIN_ELEMENTS) and x.shape[-1] >= TRITON_BWD_MIN_HIDDEN
     backward = rms_norm_bwd if triton else _rms_norm_bwd_native
     dx, dw = backward(dy, x, weight, rstd, dh, cast_before_weight, weight_grad)
     return dx, (dw if dw is not None else x.new_empty(0))

@@ -49,7 +49,8 @@ __all__ = ["TRITON_MIN_ELEMENTS", "apply_rope", "rope_bwd", "rope_fwd"]
 
 # Below this many elements (q and k together) the native path runs instead of Triton. Both paths are
 # one pass over q and k, but the native one is ~4-6 elementwise kernels plus a cat; the fused kernel
-# should win at every size, hence 0. TO BE MEASURED on H100.
+# should win at every size, hence 0. Measured on H100 (GPU time, results/kernels.json thresholds): it
+# did, from the smallest size, 64 tokens x 512 features, up.
 TRITON_MIN_ELEMENTS = 0
 
 
