@@ -259,26 +259,24 @@ class GuardedGraph:
     """A compiled rewritten graph behind the runtime guards its rewrites rely on (``RuntimeGuard``).
 
     Each call checks the guards (cached lookups: a few attribute reads); if one fails, that call runs
-    the original, unrewritten graph eagerly (correct, slower) and the report says so once. Keeps the
-    compiled function's calling convention (Inductor's are "boxed": one list argument).
+    the original, unrewritten graph eagerly (correct, slower) and the report says so once. Dynamo
+    calls it, and it calls the compiled function, with the graph's arguments unpacked.
     """
 
     def __init__(self, compiled: Callable[..., Any], original: torch.fx.GraphModule, guards: Sequence[Any],
                  report: OptimizationReport, name: str):
         self.compiled, self.original, self.guards = compiled, original, tuple(guards)
         self.report, self.name, self.fallbacks = report, name, 0
-        self._boxed_call = bool(getattr(compiled, "_boxed_call", False))
 
     def __call__(self, *args: Any) -> Any:
-        values = args[0] if self._boxed_call else args
-        failed = next((guard for guard in self.guards if not guard.holds(values)), None)
+        failed = next((guard for guard in self.guards if not guard.holds(args)), None)
         if failed is None:
             return self.compiled(*args)
         if not self.fallbacks:
             self.report.notes.append(f"{self.name}: {failed.describe()} did not hold for a call; such calls run "
                                      "the graph unrewritten (eager)")
         self.fallbacks += 1
-        return self.original(*values)
+        return self.original(*args)
 
 
 class _VerificationInputs:
