@@ -24,6 +24,7 @@ from _common import RESULT_PREFIX
 DEMOS = (
     ("hardware and backends", "hardware_and_backends.py"),
     ("attention rewriting", "attention_rewrite.py"),
+    ("fused kernels, training", "fused_kernels.py"),
     ("optimize a transformer LM", "optimize_transformer.py"),
 )
 HERE = Path(__file__).resolve().parent
