@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,13 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .triton_interpreter import EAGER_OPCHECKS, INTERPRETED, cuda_device, interp, route_to_triton, run_interpreted_tests
+
 # The module, not the functions kernel_pytorch.ops might export under the same names.
 A = importlib.import_module("kernel_pytorch.ops.activations")
 tu = importlib.import_module("kernel_pytorch.ops.triton_utils")
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Deselected (tests/conftest.py) unless TRITON_INTERPRET=1; test_triton_kernels_in_a_subprocess runs them.
-interp = pytest.mark.triton_interpret
 
 KINDS = tuple(A.ACTIVATION_KINDS)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -225,19 +220,7 @@ def test_interp_empty_and_scalar_inputs():
 def triton_on_cpu(monkeypatch):
     """Route the ops' CPU tensors to the Triton launchers (interpreted kernels); counts the launches so a
     test can tell which path ran."""
-    monkeypatch.setattr(tu, "TRITON_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
-    monkeypatch.setattr(A, "TRITON_MIN_ELEMENTS", 0)
-    calls = {}
-
-    def counting(name, fn):
-        def counted(*args, **kwargs):
-            calls[name] = calls.get(name, 0) + 1
-            return fn(*args, **kwargs)
-        return counted
-
-    for name in LAUNCHERS:
-        monkeypatch.setattr(A, name, counting(name, getattr(A, name)))
-    return calls
+    return route_to_triton(monkeypatch, A, LAUNCHERS, ("TRITON_MIN_ELEMENTS",))
 
 
 def _gradcheck_cases(x, g, u, gu, xt):
@@ -295,9 +278,6 @@ def test_interp_ops_triton_path_matches_native_path(triton_on_cpu, dtype, monkey
         assert rel(got, want) < 2 * TOL[dtype]
 
 
-# The AOT-dispatch checks trace the op's body; under the interpreter its kernels cannot be traced
-# (wrap_triton refuses interpreted kernels): those run on the GPU (test_gpu_opcheck_triton_path).
-EAGER_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 
 def _opcheck_all(device="cpu", test_utils=None):
@@ -336,16 +316,7 @@ def test_interp_opcheck_triton_path(triton_on_cpu):
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_* tests itself")
 @pytest.mark.skipif(not tu.HAS_TRITON, reason="Triton is not installed: no kernels to interpret")
 def test_triton_kernels_in_a_subprocess():
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
-         "-k", "interp", "-m", "not gpu"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False)
-    report = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, report
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, report
+    run_interpreted_tests(__file__)
 
 
 # --------------------------------------------------------------------------------- the native path
@@ -587,9 +558,7 @@ def test_linear_activation_epilogue_dispatch_on_fake_cuda_tensors(monkeypatch):
 
 @pytest.fixture
 def cuda():
-    if not torch.cuda.is_available():
-        pytest.fail("gpu tests were selected (-m gpu) but torch.cuda.is_available() is False")
-    return torch.device("cuda")
+    return cuda_device()
 
 
 GPU_SHAPES = ((4096, 4096), (4096, 11008), (8, 512, 2048), (3, 1000, 129), (1,), (100003,))

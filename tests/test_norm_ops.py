@@ -16,24 +16,19 @@ below, but not bitwise; the GPU tests check bitwise where it holds.
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .triton_interpreter import EAGER_OPCHECKS, INTERPRETED, cuda_device, interp, route_to_triton, run_interpreted_tests
+
 # The modules, not the functions kernel_pytorch.ops exports under the same names.
 L = importlib.import_module("kernel_pytorch.ops.layer_norm")
 R = importlib.import_module("kernel_pytorch.ops.rms_norm")
 tu = importlib.import_module("kernel_pytorch.ops.triton_utils")
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Deselected (tests/conftest.py) unless TRITON_INTERPRET=1; test_triton_kernels_in_a_subprocess runs them.
-interp = pytest.mark.triton_interpret
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Relative-norm error allowed against a float64 reference, per input dtype (rounding of the output).
@@ -254,17 +249,11 @@ def test_interp_zero_rows():
 def triton_on_cpu(monkeypatch):
     """Route the ops' CPU tensors to the Triton kernels (interpreted), small problems included; counts
     the launches so a test can tell which path ran."""
-    monkeypatch.setattr(tu, "TRITON_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
     calls = {}
     for module in (R, L):
-        monkeypatch.setattr(module, "TRITON_FWD_MIN_ELEMENTS", 0)
-        monkeypatch.setattr(module, "TRITON_BWD_MIN_ELEMENTS", 0)
-        monkeypatch.setattr(module, "TRITON_BWD_MIN_HIDDEN", 0)
-        for name in [n for n in module.__all__ if n.endswith(("_fwd", "_bwd"))]:
-            def counted(*args, _fn=getattr(module, name), _name=name, **kwargs):
-                calls[_name] = calls.get(_name, 0) + 1
-                return _fn(*args, **kwargs)
-            monkeypatch.setattr(module, name, counted)
+        launchers = [n for n in module.__all__ if n.endswith(("_fwd", "_bwd"))]
+        thresholds = ("TRITON_FWD_MIN_ELEMENTS", "TRITON_BWD_MIN_ELEMENTS", "TRITON_BWD_MIN_HIDDEN")
+        route_to_triton(monkeypatch, module, launchers, thresholds, calls)
     return calls
 
 
@@ -313,10 +302,6 @@ def test_interp_ops_triton_path_matches_native_path(triton_on_cpu, dtype, monkey
         assert rel(got, want) < 2 * TOL[dtype]
 
 
-# The AOT-dispatch checks trace the op's body; under the interpreter its kernels cannot be traced
-# (wrap_triton refuses interpreted kernels, so tu.launch skips them on fake tensors): those checks run
-# on the GPU (test_gpu_opcheck_triton_path).
-EAGER_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 
 @interp
@@ -334,16 +319,7 @@ def test_interp_opcheck_triton_path(triton_on_cpu):
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_* tests itself")
 @pytest.mark.skipif(not tu.HAS_TRITON, reason="Triton is not installed: no kernels to interpret")
 def test_triton_kernels_in_a_subprocess():
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
-         "-k", "interp", "-m", "not gpu"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    report = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, report
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, report
+    run_interpreted_tests(__file__)
 
 
 # --------------------------------------------------------------------------------- the native path
@@ -536,9 +512,7 @@ GPU_HIDDENS = (2048, 4096, 8192, 16384)
 
 @pytest.fixture
 def cuda():
-    if not torch.cuda.is_available():
-        pytest.fail("gpu tests were selected (-m gpu) but torch.cuda.is_available() is False")
-    return torch.device("cuda")
+    return cuda_device()
 
 
 @pytest.mark.gpu

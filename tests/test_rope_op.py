@@ -17,10 +17,6 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,12 +28,11 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from .triton_interpreter import EAGER_OPCHECKS, INTERPRETED, cuda_device, interp, route_to_triton, run_interpreted_tests
+
 RP = importlib.import_module("kernel_pytorch.ops.rope")
 tu = importlib.import_module("kernel_pytorch.ops.triton_utils")
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Deselected (tests/conftest.py) unless TRITON_INTERPRET=1; test_triton_kernels_in_a_subprocess runs them.
-interp = pytest.mark.triton_interpret
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Relative-norm error allowed against a float64 reference, per input dtype (one rounding of the output;
@@ -167,19 +162,7 @@ def check_op(q, k, cos, sin, interleaved, table_grads=True):
 @pytest.fixture
 def triton_on_cpu(monkeypatch):
     """Route the op's CPU tensors to the Triton kernel (interpreted); counts launcher calls."""
-    monkeypatch.setattr(tu, "TRITON_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
-    monkeypatch.setattr(RP, "TRITON_MIN_ELEMENTS", 0)
-    calls = {}
-
-    def counting(name, fn):
-        def counted(*args, **kwargs):
-            calls[name] = calls.get(name, 0) + 1
-            return fn(*args, **kwargs)
-        return counted
-
-    for name in ("rope_fwd", "rope_bwd"):
-        monkeypatch.setattr(RP, name, counting(name, getattr(RP, name)))
-    return calls
+    return route_to_triton(monkeypatch, RP, ("rope_fwd", "rope_bwd"), ("TRITON_MIN_ELEMENTS",))
 
 
 @pytest.fixture
@@ -312,11 +295,6 @@ def test_interp_wider_table_dtype(triton_on_cpu):
     assert triton_on_cpu.get("rope_fwd")
 
 
-# The AOT-dispatch checks trace the op's body; under the interpreter its kernel cannot be traced
-# (wrap_triton refuses interpreted kernels, so tu.launch skips it on fake tensors): those checks run on
-# the GPU (test_gpu_opcheck_triton_path). For the same reason torch.compile of the Triton path (AOT
-# autograd traces triton_op bodies into the graph) is tested on the GPU only.
-EAGER_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 
 @interp
@@ -337,16 +315,7 @@ def test_interp_opcheck_triton_path(triton_on_cpu):
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_* tests itself")
 @pytest.mark.skipif(not tu.HAS_TRITON, reason="Triton is not installed: no kernels to interpret")
 def test_triton_kernels_in_a_subprocess():
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
-         "-k", "interp", "-m", "not gpu"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False)
-    report = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, report
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, report
+    run_interpreted_tests(__file__)
 
 
 # --------------------------------------------------------------- shared by both paths (native, Triton)
@@ -644,9 +613,7 @@ def test_rope_tile_table():
 
 @pytest.fixture
 def cuda():
-    if not torch.cuda.is_available():
-        pytest.fail("gpu tests were selected (-m gpu) but torch.cuda.is_available() is False")
-    return torch.device("cuda")
+    return cuda_device()
 
 
 # name: (layout, B, Hq, Hkv, L, D, R, table) at model sizes (layouts as CASES).

@@ -9,25 +9,42 @@ backend's preference order is taken, and the reason says so.
 DESIGN.md's H100 figures motivate the preference order: forward hd128 L=8192 bf16, cuDNN 613 TFLOP/s,
 flash 349, memory-efficient below both; but cuDNN is not always fastest (and has had correctness bugs),
 hence the measurement and the numerics check.
+
+Besides PyTorch's own kernels, NVIDIA and AMD GPUs consider FlexAttention (``"flex"``, when Triton is
+usable) and the flash-attn package (``"flash_attn"``, when installed). A problem one kernel cannot run as
+SDPA would (a mask tensor, dropout, a head dim, a dtype, a causal alignment) is simply not eligible for it,
+and the next eligible kernel in the order is used; ``"sdpa"`` is always eligible, so the fallback is never a
+wrong result. FlexAttention is fused only when compiled, so it is measured compiled and picked only by a
+measurement, never as an unmeasured guess.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from kernel_pytorch.attention.flex import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM
 from kernel_pytorch.hardware import HardwareInfo
 
-__all__ = ["AttentionProblem", "choose_kernel", "eligible_kernels", "PREFERENCE"]
+__all__ = ["AttentionProblem", "choose_kernel", "eligible_kernels", "PREFERENCE", "MEASURED_ONLY"]
 
 # Kernels each vendor may use, fastest-first as measured or documented; "sdpa" (PyTorch's own
 # dispatch) is always last, the universal fallback.
+#
+# nvidia: cuDNN first (DESIGN.md's H100 figures); flash-attn before aten's flash: the same FlashAttention-2
+# algorithm, but the package is usually a newer release than the copy built into PyTorch. FlexAttention
+# after both flash kernels (PyTorch's FlexAttention paper and blog report ~85-90% of FlashAttention-2's
+# forward speed) and before the memory-efficient kernel, which both flash kernels beat. flex's place only
+# orders the measured candidates' listing: it is never the unmeasured pick (MEASURED_ONLY).
+# amd: no cuDNN; flash-attn's ROCm build (CK or Triton backend) and FlexAttention (Triton runs on ROCm)
+# in the same order as on NVIDIA.
 PREFERENCE: dict[str, tuple[str, ...]] = {
-    "nvidia": ("cudnn", "flash", "efficient", "sdpa"),
-    "amd": ("flash", "efficient", "sdpa"),
+    "nvidia": ("cudnn", "flash_attn", "flash", "flex", "efficient", "sdpa"),
+    "amd": ("flash_attn", "flash", "flex", "efficient", "sdpa"),
     # PyTorch's CPU dispatch already picks its flash kernel where eligible; going through it keeps
     # mask gradients and dropout available.
     "cpu": ("sdpa",),
@@ -35,7 +52,18 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     "tpu": ("sdpa",),  # XLA lowers SDPA itself
 }
 
+# Kernels taken only when a measurement on the GPU found them fastest, never as the unmeasured first
+# eligible kernel: FlexAttention is fused only inside a compiled graph, and whether it beats the
+# hand-written kernels depends on the shapes (and, eagerly, it is the unfused reference).
+MEASURED_ONLY = frozenset({"flex"})
+
 _HALF = (torch.float16, torch.bfloat16)
+# flash-attn 2.7.0 is the first release whose kernels are torch.library custom ops with fake implementations
+# (Dao-AILab/flash-attention PR #1139, merged after 2.6.3): older ones call their CUDA extension directly,
+# which torch.compile cannot trace (a graph break; an error with fullgraph=True or under AOTAutograd).
+_FLASH_ATTN_MIN_VERSION = (2, 7)
+# flash-attn's README: head dim > 192 backward with dropout needs A100/H100-class shared memory (sm80/sm90).
+_FLASH_ATTN_BIG_HEAD_BWD_CC = ((8, 0), (9, 0))
 # Relative error (norm) a fused kernel may show against the math kernel on the same bf16/fp16 inputs;
 # measured fused-vs-math differences are ~3e-3; a wrong kernel is off by O(1).
 _NUMERICS_LIMIT = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-4}
@@ -57,18 +85,25 @@ class AttentionProblem:
     dropout: bool
     enable_gqa: bool
     training: bool
+    # Whether the rewritten graph will be compiled (Inductor): FlexAttention is fused only then.
+    compiled: bool = True
 
     @classmethod
-    def from_tensors(cls, q, k, v, attn_mask, *, is_causal, dropout_p, enable_gqa, training) -> AttentionProblem:
+    def from_tensors(cls, q, k, v, attn_mask, *, is_causal, dropout_p, enable_gqa, training,
+                     compiled: bool = True) -> AttentionProblem:
         mask_kind = None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "additive")
         return cls(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device.type, mask_kind,
                    None if attn_mask is None else tuple(attn_mask.shape),
                    bool(attn_mask is not None and attn_mask.requires_grad and training), bool(is_causal),
-                   bool(dropout_p > 0), bool(enable_gqa), bool(training))
+                   bool(dropout_p > 0), bool(enable_gqa), bool(training), bool(compiled))
 
     @property
     def head_dim(self) -> int:
         return self.q_shape[-1]
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_shape[-1]
 
 
 def _why_not(kernel: str, p: AttentionProblem, hardware: HardwareInfo) -> str | None:
@@ -76,6 +111,10 @@ def _why_not(kernel: str, p: AttentionProblem, hardware: HardwareInfo) -> str | 
     cc = hardware.compute_capability
     if kernel == "sdpa":
         return None
+    if kernel == "flex":
+        return _why_not_flex(p, hardware)
+    if kernel == "flash_attn":
+        return _why_not_flash_attn(p, hardware)
     if kernel in ("cudnn", "flash") and p.dtype not in _HALF:
         return f"{kernel} needs fp16/bf16, not {p.dtype}"
     if kernel == "efficient" and p.dtype not in (*_HALF, torch.float32):
@@ -104,6 +143,62 @@ def _why_not(kernel: str, p: AttentionProblem, hardware: HardwareInfo) -> str | 
     return None
 
 
+def _why_not_flex(p: AttentionProblem, hardware: HardwareInfo) -> str | None:
+    """FlexAttention's limits (see :mod:`kernel_pytorch.attention.flex` for where each was found)."""
+    cc = hardware.compute_capability
+    if p.mask is not None:
+        return ("flex takes no mask tensor here: FlexAttention could read it in a score_mod, but that is slower "
+                "than the fused SDPA kernels that take a bias")
+    if p.dropout:
+        return "flex has no dropout"
+    if p.dtype not in (*_HALF, torch.float32):
+        return f"flex needs fp16/bf16/fp32, not {p.dtype}"
+    if not (FLEX_MIN_HEAD_DIM <= p.head_dim <= FLEX_MAX_HEAD_DIM
+            and FLEX_MIN_HEAD_DIM <= p.value_dim <= FLEX_MAX_HEAD_DIM):
+        return (f"flex needs head dims in [{FLEX_MIN_HEAD_DIM}, {FLEX_MAX_HEAD_DIM}] "
+                f"(got {p.head_dim} for q/k, {p.value_dim} for v)")
+    if not hardware.triton_usable:
+        return "flex needs Triton (its fused kernel is an Inductor Triton template); Triton is not usable here"
+    if not p.compiled:
+        return "flex is fused only in a compiled graph; eagerly it is the unfused reference (scores materialized)"
+    if hardware.vendor == "nvidia" and (cc is None or cc < (7, 0)):
+        return "flex needs compute capability >= 7.0 (Triton)"
+    if hardware.vendor == "nvidia" and p.dtype == torch.bfloat16 and cc < (8, 0):
+        return "flex in bf16 needs compute capability >= 8.0 (Triton's bf16 dot)"
+    return None
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """(major, minor) of a version string such as ``"2.8.3"`` or ``"2.7.0.post2"``; () if unparsable."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else ()
+
+
+def _why_not_flash_attn(p: AttentionProblem, hardware: HardwareInfo) -> str | None:
+    """flash-attn 2's limits (its README and ``flash_attn_interface.py``)."""
+    cc = hardware.compute_capability
+    if hardware.flash_attn_version is None:
+        return "flash_attn: the flash-attn package is not installed"
+    if _version_tuple(hardware.flash_attn_version) < _FLASH_ATTN_MIN_VERSION:
+        return (f"flash_attn: flash-attn {hardware.flash_attn_version} is older than 2.7, whose kernels are the first "
+                "that torch.compile can trace")
+    if p.mask is not None:
+        return "flash_attn takes no mask tensor"
+    if p.dtype not in _HALF:
+        return f"flash_attn needs fp16/bf16, not {p.dtype}"
+    if p.head_dim > 256 or p.value_dim != p.head_dim:
+        return f"flash_attn needs head dim <= 256 and equal for q/k and v (got {p.head_dim} and {p.value_dim})"
+    if p.is_causal and p.q_shape[-2] != p.k_shape[-2]:
+        # flash-attn >= 2.1 aligns causal to the bottom right; SDPA to the top left (equal when Lq == Lk)
+        return "flash_attn's causal mask is bottom-right aligned when query and key lengths differ"
+    if hardware.vendor == "nvidia":
+        if cc is None or cc < (8, 0):
+            return "flash_attn needs compute capability >= 8.0 (FlashAttention-2)"
+        if p.training and p.dropout and p.head_dim > 192 and cc not in _FLASH_ATTN_BIG_HEAD_BWD_CC:
+            return "flash_attn's backward for head dim > 192 with dropout needs an sm80/sm90 GPU"
+    return None
+
+
 def eligible_kernels(problem: AttentionProblem, hardware: HardwareInfo) -> tuple[list[str], dict[str, str]]:
     """The kernels that can run ``problem`` in preference order, and why each other one cannot."""
     eligible, rejected = [], {}
@@ -117,10 +212,13 @@ def eligible_kernels(problem: AttentionProblem, hardware: HardwareInfo) -> tuple
 
 
 def choose_kernel(q, k, v, attn_mask, *, is_causal: bool, dropout_p: float, enable_gqa: bool,
-                  hardware: HardwareInfo, training: bool) -> tuple[str, str]:
-    """The kernel for this call and the reason, from example tensors (real or fake) of its inputs."""
+                  hardware: HardwareInfo, training: bool, compiled: bool = True) -> tuple[str, str]:
+    """The kernel for this call and the reason, from example tensors (real or fake) of its inputs.
+
+    ``compiled``: whether the graph the call lands in will be compiled (Inductor); ``False`` rules out
+    ``"flex"``, which is fused only when compiled."""
     problem = AttentionProblem.from_tensors(q, k, v, attn_mask, is_causal=is_causal, dropout_p=dropout_p,
-                                            enable_gqa=enable_gqa, training=training)
+                                            enable_gqa=enable_gqa, training=training, compiled=compiled)
     key = (problem, hardware.model_dump_json())
     if key not in _CHOICES:
         _CHOICES[key] = _choose(problem, hardware)
@@ -136,7 +234,11 @@ def _choose(problem: AttentionProblem, hardware: HardwareInfo) -> tuple[str, str
     if len(eligible) == 1:
         reason = "only eligible kernel"
     elif problem.device_type != "cuda" or not torch.cuda.is_available():
+        unmeasured = [k for k in eligible if k in MEASURED_ONLY]
+        eligible = [k for k in eligible if k not in MEASURED_ONLY]  # never empty: "sdpa" is always eligible
         reason = "first eligible in preference order, not measured (no GPU at rewrite time)"
+        passed_over = "; ".join(filter(None, [passed_over, *(
+            f"{k}: eligible, but taken only when measured fastest on a GPU" for k in unmeasured)]))
     else:
         timings, failures = _measure(problem, eligible)
         passed_over = "; ".join(filter(None, [passed_over, *failures]))
@@ -150,23 +252,51 @@ def _choose(problem: AttentionProblem, hardware: HardwareInfo) -> tuple[str, str
 def _measure(problem: AttentionProblem, kernels: list[str]) -> tuple[dict[str, float], list[str]]:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from kernel_pytorch.ops.attention import attention
-
     with unset_fake_temporarily(), torch.random.fork_rng(devices=[torch.cuda.current_device()]):
         inputs = _random_inputs(problem)
-        reference = _run(attention, inputs, "sdpa", problem, with_dropout=False)
+        reference = _run(_attention_fn("sdpa"), inputs, "sdpa", problem, with_dropout=False)
         timings, failures = {}, []
         for kernel in kernels:
             try:
-                result = _run(attention, inputs, kernel, problem, with_dropout=False)
+                # The numerics run comes first, so a compiled kernel is compiled (once) before the timing.
+                fn = _attention_fn(kernel)
+                with _compile_limits_lifted():
+                    result = _run(fn, inputs, kernel, problem, with_dropout=False)
                 error = _relative_error(result, reference)
                 if not error <= _NUMERICS_LIMIT.get(problem.dtype, 1e-4):
                     failures.append(f"{kernel}: differs from math by {error:.1e}")
                     continue
-                timings[kernel] = _median_ms(lambda: _run(attention, inputs, kernel, problem, with_dropout=True))
-            except (RuntimeError, ValueError) as error:  # a limit not modelled above: not eligible here
-                failures.append(f"{kernel}: {str(error).splitlines()[0][:120]}")
+                timings[kernel] = _median_ms(lambda: _run(fn, inputs, kernel, problem, with_dropout=True))
+            except Exception as error:  # noqa: BLE001 - a limit not modelled above, a failed compile, a
+                # missing package: the kernel is passed over with the error, the choice goes on.
+                first_line = (str(error).strip().splitlines() or [""])[0][:160]
+                failures.append(f"{kernel}: {type(error).__name__}: {first_line}")
     return timings, failures
+
+
+def _attention_fn(kernel: str) -> Callable[..., torch.Tensor]:
+    """What runs ``kernel`` as a rewritten graph would: ``attention`` itself, or for ``"flex"`` a fresh
+    Inductor compile of it (static shapes), which lowers FlexAttention into its fused Triton kernel;
+    eagerly FlexAttention is the unfused reference, whose timing would say nothing."""
+    from kernel_pytorch.ops.attention import attention
+
+    if kernel != "flex":
+        return attention
+    return torch.compile(_flex_for_measurement, fullgraph=True, dynamic=False)
+
+
+def _flex_for_measurement(q, k, v, attn_mask, **kwargs) -> torch.Tensor:
+    """``attention`` under another code object: Dynamo keeps compiled entries per code object, so the
+    measurement's compiles stay off ``attention``'s own."""
+    from kernel_pytorch.ops.attention import attention
+
+    return attention(q, k, v, attn_mask, **kwargs)
+
+
+def _compile_limits_lifted():
+    """Dynamo's recompile limits (8 per code object by default) lifted while a measurement compiles: one
+    entry per attention problem would otherwise push a model's later problems back to eager."""
+    return torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16)
 
 
 def _random_inputs(p: AttentionProblem) -> dict:

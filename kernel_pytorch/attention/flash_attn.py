@@ -18,7 +18,6 @@ it is optional, heavy, and initializes CUDA.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, Optional
 
 from torch import Tensor
@@ -29,11 +28,11 @@ __all__ = ["flash_attn_forward", "flash_attn_func"]
 def flash_attn_func() -> Callable[..., Any]:
     """``flash_attn.flash_attn_func``, imported now; ``ImportError`` names the package when it is missing."""
     try:
-        module = importlib.import_module("flash_attn")
+        import flash_attn  # an import statement, not importlib: Dynamo traces this one (module in sys.modules)
     except ImportError as error:
         raise ImportError("attention kernel 'flash_attn' needs the flash-attn package "
                           "(pip install 'kernel-pytorch[flash]' or flash-attn)") from error
-    return module.flash_attn_func
+    return flash_attn.flash_attn_func
 
 
 def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float, is_causal: bool,

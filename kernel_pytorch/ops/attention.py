@@ -36,6 +36,18 @@ math backend's) for the same seed; it equals what SDPA gives when PyTorch picks 
 Head-dim and sequence-length limits are the dispatcher's business: the aten kernel raises on them (on
 2.11, E % 8 != 0 in fp16/bf16 for cudnn and efficient; flash gets E padded to a multiple of 8, as SDPA
 does it).
+
+Two kernels do not go through the custom ops, because they already trace and differentiate under
+torch.compile on their own:
+
+* ``flex``: PyTorch's FlexAttention (:mod:`kernel_pytorch.attention.flex`), with a top-left causal
+  ``BlockMask`` or no mask. Inductor compiles it into a fused Triton kernel; run eagerly it is PyTorch's
+  unfused reference (correct, slow: it materializes the scores), and on the CPU it has no backward
+  (``flex_attention`` raises ``NotImplementedError`` for inputs that require grad). No ``attn_mask``, no
+  dropout (both raise ``ValueError``); any device FlexAttention supports (CUDA/ROCm, CPU, XPU).
+* ``flash_attn``: the flash-attn package's ``flash_attn_func`` (:mod:`kernel_pytorch.attention.flash_attn`),
+  imported on first use. CUDA/ROCm, fp16/bf16, native GQA, dropout; no ``attn_mask``, and no
+  ``is_causal`` with Lq != Lk (flash-attn aligns it to the bottom right), both ``ValueError``.
 """
 
 from __future__ import annotations
@@ -47,11 +59,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernel_pytorch.attention.flash_attn import flash_attn_forward
+from kernel_pytorch.attention.flex import flex_attention_forward
+
 __all__ = ["attention", "ATTENTION_KERNELS", "kernel_device"]
 
-ATTENTION_KERNELS = ("sdpa", "cudnn", "flash", "efficient", "cpu_flash")
+ATTENTION_KERNELS = ("sdpa", "cudnn", "flash", "efficient", "cpu_flash", "flex", "flash_attn")
 
-_DEVICE = {"sdpa": "any", "cudnn": "cuda", "flash": "cuda", "efficient": "cuda", "cpu_flash": "cpu"}
+# "flex" is "any": FlexAttention runs where PyTorch has it (CUDA/ROCm fused when compiled; CPU forward only).
+_DEVICE = {"sdpa": "any", "cudnn": "cuda", "flash": "cuda", "efficient": "cuda", "cpu_flash": "cpu", "flex": "any",
+           "flash_attn": "cuda"}
+# Kernels called directly by attention(), not through the custom ops: each traces under torch.compile and
+# has its own autograd (FlexAttention's higher-order op; flash-attn's own custom ops).
+_DIRECT = frozenset({"flex", "flash_attn"})
+_FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_ATTN_MAX_HEAD_DIM = 256
 
 # Kernels whose aten forward and backward take Hk != Hq (K/V head h serving query heads h*G .. h*G+G-1),
 # each checked against the float64 reference, forward and gradients: flash and cudnn on torch 2.11 (H100,
@@ -65,7 +87,8 @@ _CUDNN_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def kernel_device(kernel: str) -> str:
-    """The device type a kernel runs on: ``"cuda"`` (also ROCm), ``"cpu"``, or ``"any"`` (``"sdpa"``)."""
+    """The device type a kernel runs on: ``"cuda"`` (also ROCm), ``"cpu"``, or ``"any"`` (``"sdpa"``, and
+    ``"flex"``, which is fused on GPUs and forward-only on the CPU)."""
     _check_kernel_name(kernel)
     return _DEVICE[kernel]
 
@@ -86,8 +109,8 @@ def _check_kernel_name(kernel: str) -> None:
 def _check_supported(kernel: str, q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool) -> None:
     """Refuse what a kernel would compute differently from SDPA (or not at all) with a clear message."""
     _check_kernel_name(kernel)
-    if kernel == "sdpa":
-        raise ValueError("kernel 'sdpa' does not go through the custom ops; call attention(..., kernel='sdpa')")
+    if kernel == "sdpa" or kernel in _DIRECT:
+        raise ValueError(f"kernel {kernel!r} does not go through the custom ops; call attention(..., kernel={kernel!r})")
     if attn_mask is not None and kernel not in _TAKES_MASK:
         raise ValueError(f"attention kernel {kernel!r} takes no attn_mask; use one of "
                          f"{', '.join(sorted(_TAKES_MASK))} or 'sdpa'")
@@ -315,6 +338,8 @@ def attention(
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     _check_shapes(q, k, v, enable_gqa)
+    if kernel in _DIRECT:
+        return _direct_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, kernel)
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled() and kernel not in _MASK_GRAD:
         raise ValueError(f"attention kernel {kernel!r} cannot return a gradient for attn_mask, which requires "
                          f"grad; use one of {', '.join(sorted(_MASK_GRAD))} or 'sdpa', or detach the mask")
@@ -331,6 +356,36 @@ def attention(
         t is not None and t.requires_grad for t in (q, k, v, mask))
     out = attention_fwd(q, k, v, mask, dropout_p, is_causal, scale, kernel, needs_grad)[0]
     return out[..., :value_dim].reshape(out_shape)
+
+
+def _direct_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
+                      is_causal: bool, scale: Optional[float], kernel: str) -> Tensor:
+    """``flex`` and ``flash_attn``: refuse what they would compute differently from SDPA, call them on
+    (B, H, L, E) views (autograd and tracing are theirs), and give the output q's leading dims back."""
+    if attn_mask is not None:
+        # FlexAttention could read a mask tensor in a score_mod, but slower than the kernels taking a bias.
+        raise ValueError(f"attention kernel {kernel!r} takes no attn_mask; use one of "
+                         f"{', '.join(sorted(_TAKES_MASK))} or 'sdpa'")
+    if kernel == "flex" and dropout_p != 0.0:
+        raise ValueError(f"attention kernel 'flex' has no dropout (got dropout_p={dropout_p}); use another kernel")
+    if kernel == "flash_attn":
+        if is_causal and q.shape[-2] != k.shape[-2]:
+            raise ValueError("attention kernel 'flash_attn' aligns is_causal to the bottom right when Lq != Lk, SDPA "
+                             f"to the top left (got Lq={q.shape[-2]}, Lk={k.shape[-2]}); use another kernel")
+        if q.dtype not in _FLASH_ATTN_DTYPES:
+            raise ValueError(f"attention kernel 'flash_attn' supports float16 and bfloat16, got {q.dtype}")
+        if q.shape[-1] > _FLASH_ATTN_MAX_HEAD_DIM or v.shape[-1] != q.shape[-1]:
+            raise ValueError(f"attention kernel 'flash_attn' needs head dims <= {_FLASH_ATTN_MAX_HEAD_DIM}, equal for "
+                             f"q/k and v (got {q.shape[-1]} and {v.shape[-1]})")
+        if q.device.type not in ("cuda", "meta"):
+            raise ValueError(f"attention kernel 'flash_attn' runs on cuda tensors, got {q.device.type}")
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    q, k, v = _to_4d(q), _to_4d(k), _to_4d(v)
+    if kernel == "flex":
+        out = flex_attention_forward(q, k, v, is_causal=is_causal, scale=scale)
+    else:
+        out = flash_attn_forward(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    return out.reshape(out_shape)
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None:
