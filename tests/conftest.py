@@ -34,6 +34,21 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm())
 
 
+def assert_same_values_and_gradients(model: torch.nn.Module, reference: torch.nn.Module, x: torch.Tensor) -> None:
+    """``model`` (rewritten) and ``reference`` (the original) agree on fresh input ``x`` in fp32: outputs
+    within 1e-5, input and parameter gradients within 1e-4 (relative norm)."""
+    x = x.detach().requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    out, expected = model(x), reference(x_ref)
+    assert rel_err(out, expected) < 1e-5
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    assert rel_err(x.grad, x_ref.grad) < 1e-4
+    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
+        assert rel_err(p.grad, p_ref.grad) < 1e-4, name
+
+
 def pytest_collection_modifyitems(config, items):
     # Triton kernel tests need TRITON_INTERPRET=1 set before Triton is imported; in a process without
     # it they are deselected, and test_norm_ops.py::test_triton_kernels_in_a_subprocess runs them.

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kernel_pytorch import optimize, report_of
 
-from .conftest import rel_err, twin
+from .conftest import assert_same_values_and_gradients, rel_err, twin
 
 D, F_DIM = 24, 40  # model and MLP widths
 
@@ -138,16 +138,7 @@ def test_zoo_rewrites_and_numerics(module_type):
     described = " ".join(r.replacement for r in rewrites)
     assert all(word in described for word in words), described
     assert not report_of(model).rollbacks
-    x = torch.randn(2, 7, D, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_()
-    out, expected = model(x), reference(x_ref)
-    assert rel_err(out, expected) < 1e-5
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    expected.backward(grad)
-    assert rel_err(x.grad, x_ref.grad) < 1e-4
-    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
-        assert rel_err(p.grad, p_ref.grad) < 1e-4, name
+    assert_same_values_and_gradients(model, reference, torch.randn(2, 7, D))
 
 
 class WrongConstant(nn.Module):  # looks like GELU, is not: 0.5 instead of 0.044715

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from kernel_pytorch import optimize, report_of
 from kernel_pytorch.testing import RMSNorm
 
-from .conftest import rel_err, twin
+from .conftest import assert_same_values_and_gradients, rel_err, twin
 
 H = 40  # hidden size, odd on purpose
 
@@ -120,16 +120,7 @@ def test_zoo_rewrites_and_numerics(module_type):
     described = " ".join(r.replacement for r in rewrites)
     assert all(word in described for word in ZOO[module_type]), described
     assert not report_of(model).rollbacks
-    x = torch.randn(2, 7, H, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_()
-    out, expected = model(x), reference(x_ref)
-    assert rel_err(out, expected) < 1e-5
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    expected.backward(grad)
-    assert rel_err(x.grad, x_ref.grad) < 1e-4
-    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
-        assert rel_err(p.grad, p_ref.grad) < 1e-4, name
+    assert_same_values_and_gradients(model, reference, torch.randn(2, 7, H))
 
 
 def test_bf16_llama_norm_keeps_its_rounding():
