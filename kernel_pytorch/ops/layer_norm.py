@@ -57,7 +57,9 @@ def _layer_norm_fwd_kernel(
     mean = tl.sum(x, axis=1) / n_cols
     # Two passes over the row in registers: no E[x²] - E[x]² cancellation.
     d = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = tl.math.rsqrt(tl.sum(d * d, axis=1) / n_cols + eps)
+    # .to(ACC): Inductor passes a Python-float eps as fp64 (eager Triton as fp32), which made the whole
+    # tile fp64 inside compiled graphs (H100, LayerNorm 16384 x 8192: 235 us against 181 us eager).
+    rstd = tl.math.rsqrt(tl.sum(d * d, axis=1) / n_cols + eps).to(ACC)
     tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
     y = d * rstd[:, None]

@@ -60,7 +60,9 @@ def _rms_norm_fwd_kernel(
 ):
     x, rows, cols, row_mask, col_mask, mask = load_rows(
         X, R, H, stride_x, stride_r, stride_h, n_rows, n_cols, HAS_RESIDUAL, ACC, BLOCK_N, ROWS)
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    # .to(ACC): Inductor passes a Python-float eps as fp64 (eager Triton as fp32), which made the whole
+    # tile fp64 inside compiled graphs (H100, LayerNorm 16384 x 8192: 235 us against 181 us eager).
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps).to(ACC)
     tl.store(RSTD + rows, rstd, mask=row_mask)
     y = x * rstd[:, None]
     if HAS_WEIGHT:
