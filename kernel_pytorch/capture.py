@@ -171,7 +171,8 @@ class GraphOptimizer:
         self.draws_random_numbers |= draws_random_numbers(gm)
         placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         ctx = PassContext(hardware=self.hardware, config=self.config, training=self.training, graph_name=name,
-                          example_inputs=dict(zip(placeholders, example_inputs)))
+                          example_inputs=dict(zip(placeholders, example_inputs)),
+                          compiled=self.compiler.name != "eager")
         started = time.perf_counter()
         candidate, results = self._apply(gm, self.passes, ctx)
         self.report.add_time("passes", time.perf_counter() - started)

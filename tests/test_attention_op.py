@@ -1,12 +1,16 @@
 """kernel_pytorch.ops.attention: every kernel against a float64 softmax(q kᵀ · scale + mask) v.
 
-The CPU part runs in CI ("cpu_flash" and "sdpa"); the ``gpu``-marked part (``pytest -m gpu``) checks the
-CUDA kernels and fails, not skips, when selected without CUDA.
+The CPU part runs in CI ("cpu_flash", "sdpa", "flex" forward, and "flash_attn"'s adapter around a
+stand-in flash_attn module); the ``gpu``-marked part (``pytest -m gpu``) checks the CUDA kernels and
+fails, not skips, when selected without CUDA.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+import types
+import warnings
 
 import pytest
 import torch
@@ -225,7 +229,8 @@ def test_unknown_kernel_names_the_valid_ones():
 
 def test_kernel_device():
     assert {name: kernel_device(name) for name in ATTENTION_KERNELS} == {
-        "sdpa": "any", "cudnn": "cuda", "flash": "cuda", "efficient": "cuda", "cpu_flash": "cpu"}
+        "sdpa": "any", "cudnn": "cuda", "flash": "cuda", "efficient": "cuda", "cpu_flash": "cpu", "flex": "any",
+        "flash_attn": "cuda"}
 
 
 def test_mask_requiring_grad_is_refused_by_kernels_without_a_mask_gradient():
@@ -279,6 +284,206 @@ def test_cpu_flash_refuses_dropout():
     q, k, v = _qkv((1, 2, 4, 8), (1, 2, 4, 8))
     with pytest.raises(RuntimeError, match="dropout"):
         attention(q, k, v, dropout_p=0.1, kernel="cpu_flash")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU: "flex" (FlexAttention runs forward on the CPU, eagerly as its unfused reference) and "flash_attn"
+# (a stand-in module: flash-attn itself needs a CUDA GPU and is not installed here)
+# ---------------------------------------------------------------------------------------------------------
+
+# CASES without a mask tensor: what "flex" and "flash_attn" take.
+MASKLESS_CASES = [name for name, case in CASES.items() if case[2] is None]
+
+
+@pytest.fixture
+def quiet_flex():
+    # Eager flex_attention warns (once per process) that it is the unfused implementation; expected here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        yield
+
+
+@pytest.mark.usefixtures("quiet_flex")
+@pytest.mark.parametrize("case", MASKLESS_CASES + ["3d_maskless", "5d_maskless", "2d"])
+def test_flex_forward_matches_sdpa_on_cpu(case):
+    torch.manual_seed(12)
+    extra = {"3d_maskless": ((5, LQ, E), (5, LK, E), False, None, False),
+             "5d_maskless": ((2, B, H, LQ, E), (2, B, H, LK, E), True, 0.2, False),
+             "2d": ((LK, E), (LK, E), True, None, False)}
+    if case in extra:
+        shape_q, shape_kv, is_causal, scale, gqa = extra[case]
+        q, k, v = _qkv(shape_q, shape_kv)
+        kwargs = dict(is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    else:
+        q, k, v, kwargs = _case_inputs(case, torch.float32)
+        kwargs.pop("attn_mask")
+    out = attention(q, k, v, **kwargs, kernel="flex")
+    expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert out.shape == expected.shape and out.dtype == torch.float32, (out.shape, out.dtype)
+    assert rel_err(out, expected) < 1e-5, f"{case}: relative error {rel_err(out, expected):.2e}"
+    float64 = reference(q, k, v, None, kwargs["is_causal"], kwargs["scale"])
+    assert rel_err(out, float64) < 1e-5
+
+
+@pytest.mark.usefixtures("quiet_flex")
+def test_flex_value_dim_may_differ_and_causal_is_top_left():
+    q, k, v = _qkv((1, 2, LQ, 32), (1, 2, LK, 32), value_dim=24)
+    out = attention(q, k, v, is_causal=True, kernel="flex")
+    assert out.shape == (1, 2, LQ, 24)
+    torch.testing.assert_close(out[:, :, 0], v[:, :, 0])  # query 0 sees key 0 alone: top-left aligned
+    assert rel_err(out, F.scaled_dot_product_attention(q, k, v, is_causal=True)) < 1e-5
+
+
+@pytest.mark.usefixtures("quiet_flex")
+def test_flex_backward_on_cpu_is_pytorchs_limit():
+    # FlexAttention has no CPU backward (flex_attention raises, not us); the dispatcher never picks flex
+    # for the CPU, and the GPU tests below check the gradients.
+    q, k, v = _qkv((1, 2, 8, 16), (1, 2, 8, 16), requires_grad=True)
+    with pytest.raises(NotImplementedError, match="backward on CPU"):
+        attention(q, k, v, kernel="flex")
+
+
+@pytest.mark.usefixtures("quiet_flex")
+@pytest.mark.parametrize("case", ["plain", "causal_square", "causal_lq_lt_lk", "causal_lq_gt_lk", "gqa", "scale"])
+def test_flex_gradients_match_sdpa_through_the_eager_reference(case, monkeypatch):
+    """Our adapter (block mask, GQA, scale, layouts) differentiated through FlexAttention's own autograd.
+
+    PyTorch refuses CPU inputs that require grad in flex_attention's argument check only; with that check
+    lifted, the eager higher-order op differentiates with its dense reference backward, the same code as
+    eager flex on a GPU. (The fused GPU backward is test_gpu_flex_matches_float64_under_inductor's.)"""
+    import torch.nn.attention.flex_attention as flex_module
+
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
+    torch.manual_seed(13)
+    q, k, v, kwargs = _case_inputs(case, torch.float32, requires_grad=True)
+    kwargs.pop("attn_mask")
+    out = attention(q, k, v, **kwargs, kernel="flex")
+    expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert rel_err(out, expected) < 1e-5
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q, k, v), grad)
+    for name, g, w in zip("qkv", got, want):
+        assert g.shape == w.shape, (case, name, g.shape, w.shape)
+        assert rel_err(g, w) < 1e-4, f"{case}: d{name} relative error {rel_err(g, w):.2e}"
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_flex_compiles_without_graph_break(dynamic):
+    torch.manual_seed(14)
+    q, k, v = _qkv((2, 8, LK, 32), (2, 2, LK, 32))  # no grad: FlexAttention has no CPU backward
+
+    def step(q, k, v):
+        return attention(q, k, v, is_causal=True, scale=0.2, enable_gqa=True, kernel="flex")
+
+    recorder = _RecordGraphs("aot_eager")
+    out = torch.compile(step, backend=recorder, fullgraph=True, dynamic=dynamic)(q, k, v)
+    graphs = [gm for gm in recorder.graphs if any(node.op == "call_function" for node in gm.graph.nodes)]
+    assert len(graphs) == 1, [gm.code for gm in graphs]
+    # The higher-order op is in the graph, for Inductor to lower into its fused kernel.
+    assert any(node.op == "call_function" and "flex_attention" in str(node.target) for node in graphs[0].graph.nodes)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2, enable_gqa=True)
+    assert rel_err(out, expected) < 1e-5
+
+
+def test_flex_under_inductor_on_a_graph_as_optimize_hands_it_over():
+    # optimize() gives Inductor an FX graph that calls attention() (no Dynamo trace of it): AOTAutograd
+    # traces flex_attention into its higher-order op, which Inductor lowers (its CPU template here).
+    from torch._inductor.compile_fx import compile_fx
+
+    torch.manual_seed(15)
+    q, k, v = _qkv((2, 8, 64, 32), (2, 2, 64, 32))
+    graph = torch.fx.Graph()
+    inputs = [graph.placeholder(name) for name in "qkv"]
+    graph.output((graph.call_function(attention, (*inputs, None),
+                                      {"is_causal": True, "enable_gqa": True, "kernel": "flex"}),))
+    compiled = compile_fx(torch.fx.GraphModule(torch.nn.Module(), graph), [q, k, v])
+    [out] = compiled(q, k, v)
+    assert rel_err(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)) < 1e-5
+
+
+def test_flex_and_flash_attn_refusals():
+    q, k, v = _qkv((1, 2, 4, 16), (1, 2, 6, 16), torch.bfloat16)
+    for kernel in ("flex", "flash_attn"):
+        with pytest.raises(ValueError, match=f"'{kernel}' takes no attn_mask"):
+            attention(q, k, v, torch.zeros(4, 6, dtype=torch.bool), kernel=kernel)
+    with pytest.raises(ValueError, match="'flex' has no dropout"):
+        attention(q, k, v, dropout_p=0.1, kernel="flex")
+    with pytest.raises(ValueError, match="'flash_attn' aligns is_causal to the bottom right"):
+        attention(q, k, v, is_causal=True, kernel="flash_attn")
+    with pytest.raises(ValueError, match="'flash_attn' supports float16 and bfloat16"):
+        attention(q.float(), k.float(), v.float(), kernel="flash_attn")
+    big = torch.zeros(1, 2, 4, 288, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'flash_attn' needs head dims <= 256"):
+        attention(big, big, big, kernel="flash_attn")
+    with pytest.raises(ValueError, match="does not go through the custom ops"):
+        torch.ops.kernel_pytorch.attention_fwd(q, k, v, None, 0.0, False, None, "flex", False)
+
+
+def _stand_in_flash_attn(calls):
+    """A ``flash_attn`` module whose ``flash_attn_func`` takes flash-attn's (B, L, H, E) layout and
+    computes with SDPA, recording what it was given."""
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
+        calls.append(dict(q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape), dropout_p=dropout_p,
+                          softmax_scale=softmax_scale, causal=causal))
+        # flash-attn's GQA: query head h reads K/V head h // (Hq / Hk), which is SDPA's enable_gqa grouping.
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             dropout_p=dropout_p, is_causal=causal, scale=softmax_scale,
+                                             enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)
+
+    module = types.ModuleType("flash_attn")
+    module.flash_attn_func = flash_attn_func
+    return module
+
+
+@pytest.mark.parametrize("case", ["plain", "causal_square", "gqa", "scale", "5d_gqa_causal"])
+def test_flash_attn_adapter_layout_and_values(case, monkeypatch):
+    """Our adapter around flash-attn (transposes to (B, L, H, E) and back, GQA heads, scale, causal) against
+    the float64 reference, with a stand-in ``flash_attn`` module computing SDPA on flash-attn's layout.
+    This checks the adapter, not flash-attn: the package is not installed here and needs a CUDA GPU."""
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_attn", _stand_in_flash_attn(calls))
+    torch.manual_seed(16)
+    if case == "5d_gqa_causal":
+        q, k, v = _qkv((2, B, 8, LK, E), (2, B, 2, LK, E), torch.bfloat16, requires_grad=True)
+        kwargs = dict(is_causal=True, scale=None, enable_gqa=True)
+    else:
+        q, k, v, kwargs = _case_inputs(case, torch.bfloat16, requires_grad=True)
+        kwargs.pop("attn_mask")
+    out = attention(q, k, v, **kwargs, kernel="flash_attn")
+    expected = reference(q, k, v, None, kwargs["is_causal"], kwargs["scale"])
+    assert out.shape == expected.shape and out.dtype == torch.bfloat16, (out.shape, out.dtype)
+    assert rel_err(out, expected) < TOLERANCE[torch.bfloat16], f"relative error {rel_err(out, expected):.2e}"
+    [call] = calls
+    heads_q, heads_k, seq_q, seq_k = q.shape[-3], k.shape[-3], q.shape[-2], k.shape[-2]
+    assert call["q"][1:] == (seq_q, heads_q, E) and call["k"][1:] == (seq_k, heads_k, E), call  # (B, L, H, E)
+    assert call["softmax_scale"] == kwargs["scale"] and call["causal"] == kwargs["is_causal"]
+    assert call["dropout_p"] == 0.0
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q, k, v), grad.double())
+    for name, g, w in zip("qkv", got, want):
+        assert g.shape == w.shape and rel_err(g, w) < 5e-2, f"d{name} relative error {rel_err(g, w):.2e}"
+
+
+def test_flash_attn_adapter_traces_without_graph_break(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", _stand_in_flash_attn([]))
+    q, k, v = _qkv((2, 8, LK, E), (2, 2, LK, E), torch.bfloat16)
+
+    def step(q, k, v):
+        return attention(q, k, v, is_causal=True, enable_gqa=True, kernel="flash_attn")
+
+    out = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v)
+    assert rel_err(out, reference(q, k, v, None, True)) < TOLERANCE[torch.bfloat16]
+
+
+def test_flash_attn_missing_package_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # None in sys.modules: "import flash_attn" fails
+    q, k, v = _qkv((1, 2, 4, 16), (1, 2, 4, 16), torch.bfloat16)
+    with pytest.raises(ImportError, match="needs the flash-attn package"):
+        attention(q, k, v, kernel="flash_attn")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -459,3 +664,63 @@ def test_gpu_inductor_fullgraph(kernel, dropout_p):
     assert rel_err(compiled_out, eager_out) < 1e-3
     for name, compiled, t in zip("qkv", compiled_grads, (q, k, v)):
         assert rel_err(compiled, t.grad) < 1e-2, f"d{name}: {rel_err(compiled, t.grad):.2e}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU (pytest -m gpu): "flex", compiled as optimize() runs it, and eagerly (the unfused reference)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.fail("gpu tests were selected (-m gpu) but torch.cuda.is_available() is False")
+    return torch.device("cuda")
+
+
+FLEX_GPU_CASES = {  # name -> (q shape, k/v shape, is_causal, enable_gqa, scale)
+    "plain": ((2, 16, 256, 64), (2, 16, 256, 64), False, False, None),
+    "causal": ((2, 16, 256, 64), (2, 16, 256, 64), True, False, None),
+    "causal_gqa": ((2, 16, 300, 128), (2, 4, 300, 128), True, True, None),  # 300: a partial last block
+    "causal_lq_lt_lk": ((2, 8, 77, 64), (2, 8, 200, 64), True, False, 0.1),
+    "causal_lq_gt_lk": ((2, 8, 200, 64), (2, 8, 77, 64), True, False, None),
+    "head_dim_80": ((2, 8, 256, 80), (2, 8, 256, 80), True, False, None),  # padded to 128 inside the kernel
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [True, False], ids=["inductor", "eager"])
+@pytest.mark.parametrize("case", list(FLEX_GPU_CASES))
+def test_gpu_flex_matches_float64_under_inductor(cuda, case, compiled):
+    torch.manual_seed(17)
+    shape_q, shape_kv, is_causal, gqa, scale = FLEX_GPU_CASES[case]
+    q, k, v = _qkv(shape_q, shape_kv, torch.bfloat16, cuda, requires_grad=True)
+
+    def step(q, k, v):
+        return attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa, kernel="flex")
+
+    fn = torch.compile(step, fullgraph=True) if compiled else step
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out = fn(q, k, v)
+    expected = reference(q, k, v, None, is_causal, scale)
+    out_tol, grad_tol = GPU_TOLERANCE[torch.bfloat16]
+    assert out.shape == expected.shape and out.dtype == torch.bfloat16
+    assert rel_err(out, expected) < out_tol, f"output relative error {rel_err(out, expected):.2e}"
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q, k, v), grad.double())
+    for name, g, w in zip("qkv", got, want):
+        assert g.shape == w.shape and g.dtype == torch.bfloat16, (name, g.shape, g.dtype)
+        assert rel_err(g, w) < grad_tol, f"d{name} relative error {rel_err(g, w):.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_flex_is_lowered_to_a_fused_kernel(cuda):
+    # Inductor names template kernels triton_tem_*: the flex template, not an unfused decomposition.
+    from torch._inductor.utils import run_and_get_code
+
+    q, k, v = _qkv((1, 8, 1024, 64), (1, 8, 1024, 64), torch.bfloat16, cuda)
+    fn = torch.compile(lambda q, k, v: attention(q, k, v, is_causal=True, kernel="flex"), fullgraph=True)
+    _, codes = run_and_get_code(fn, q, k, v)
+    assert any("triton_tem_" in code for code in codes), codes[0][:2000]

@@ -252,7 +252,9 @@ def _choose(problem: AttentionProblem, hardware: HardwareInfo) -> tuple[str, str
 def _measure(problem: AttentionProblem, kernels: list[str]) -> tuple[dict[str, float], list[str]]:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily(), torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+    # The problem's device is "cuda" whenever this runs from _choose; tests run it on the CPU.
+    rng_devices = [torch.cuda.current_device()] if problem.device_type == "cuda" else []
+    with unset_fake_temporarily(), torch.random.fork_rng(devices=rng_devices):
         inputs = _random_inputs(problem)
         reference = _run(_attention_fn("sdpa"), inputs, "sdpa", problem, with_dropout=False)
         timings, failures = {}, []
@@ -266,7 +268,8 @@ def _measure(problem: AttentionProblem, kernels: list[str]) -> tuple[dict[str, f
                 if not error <= _NUMERICS_LIMIT.get(problem.dtype, 1e-4):
                     failures.append(f"{kernel}: differs from math by {error:.1e}")
                     continue
-                timings[kernel] = _median_ms(lambda: _run(fn, inputs, kernel, problem, with_dropout=True))
+                timings[kernel] = _median_ms(
+                    lambda fn=fn, kernel=kernel: _run(fn, inputs, kernel, problem, with_dropout=True))
             except Exception as error:  # noqa: BLE001 - a limit not modelled above, a failed compile, a
                 # missing package: the kernel is passed over with the error, the choice goes on.
                 first_line = (str(error).strip().splitlines() or [""])[0][:160]
@@ -301,13 +304,13 @@ def _compile_limits_lifted():
 
 def _random_inputs(p: AttentionProblem) -> dict:
     def make(shape):
-        return torch.randn(shape, device="cuda", dtype=p.dtype, requires_grad=p.training)
+        return torch.randn(shape, device=p.device_type, dtype=p.dtype, requires_grad=p.training)
 
     mask = None
     if p.mask == "bool":
-        mask = torch.ones(p.mask_shape, device="cuda", dtype=torch.bool)
+        mask = torch.ones(p.mask_shape, device=p.device_type, dtype=torch.bool)
     elif p.mask == "additive":
-        mask = torch.randn(p.mask_shape, device="cuda", dtype=p.dtype, requires_grad=p.mask_requires_grad)
+        mask = torch.randn(p.mask_shape, device=p.device_type, dtype=p.dtype, requires_grad=p.mask_requires_grad)
     return {"q": make(p.q_shape), "k": make(p.k_shape), "v": make(p.v_shape), "mask": mask}
 
 

@@ -22,22 +22,22 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor
 
-__all__ = ["flash_attn_forward", "flash_attn_func"]
+__all__ = ["flash_attn_forward", "load_flash_attn_func"]
 
 
-def flash_attn_func() -> Callable[..., Any]:
+def load_flash_attn_func() -> Callable[..., Any]:
     """``flash_attn.flash_attn_func``, imported now; ``ImportError`` names the package when it is missing."""
     try:
         import flash_attn  # an import statement, not importlib: Dynamo traces this one (module in sys.modules)
     except ImportError as error:
-        raise ImportError("attention kernel 'flash_attn' needs the flash-attn package "
-                          "(pip install 'kernel-pytorch[flash]' or flash-attn)") from error
+        raise ImportError("attention kernel 'flash_attn' needs the flash-attn package (>= 2.7: "
+                          "pip install flash-attn --no-build-isolation)") from error
     return flash_attn.flash_attn_func
 
 
 def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float, is_causal: bool,
                        scale: Optional[float]) -> Tensor:
     """flash-attn on 4-D (B, H, L, E) inputs; returns (B, Hq, Lq, E) (a transposed view of its output)."""
-    out = flash_attn_func()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                            dropout_p=dropout_p, softmax_scale=scale, causal=is_causal)
+    out = load_flash_attn_func()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                 dropout_p=dropout_p, softmax_scale=scale, causal=is_causal)
     return out.transpose(1, 2)

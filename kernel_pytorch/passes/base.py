@@ -86,6 +86,9 @@ class PassContext:
     # The capture's example values by placeholder name (sizes as ints): what shape-only subgraphs
     # that read sizes or buffers are evaluated with. Empty when unknown (a graph built by hand).
     example_inputs: Mapping[str, Any] = field(default_factory=dict)
+    # Whether the rewritten graph goes to a compiler (Inductor, XLA) or runs eagerly: some kernels
+    # (FlexAttention) are fast only compiled.
+    compiled: bool = True
 
 
 class _Pass(abc.ABC):
