@@ -56,11 +56,11 @@ def _step(fn, q, k, v, backward):
     return run
 
 
-def _providers(causal, training, q, k, v, compiled):
+def _providers(causal, training, q, k, v, compiled, compile_mode):
     hand = HandWrittenAttention(causal).train(training)
     # Verification runs the eager original once: at 16k its fp32 scores alone take 16-32 GB.
-    optimized = optimize(HandWrittenAttention(causal).train(training), example_inputs=(q, k, v), compile=False,
-                         verify=q.shape[-2] <= 8192)
+    optimized = optimize(HandWrittenAttention(causal).train(training), example_inputs=(q, k, v),
+                         compile=compile_mode, verify=q.shape[-2] <= 8192)
     report = report_of(optimized)
     providers = {"eager (hand-written)": hand, "torch.compile (hand-written)": compiled,
                  "kernel_pytorch.optimize": optimized}
@@ -72,13 +72,13 @@ def _providers(causal, training, q, k, v, compiled):
     return providers, report
 
 
-def run_case(head_dim, length, causal, backward, compiled, runs):
+def run_case(head_dim, length, causal, backward, compiled, runs, compile_mode="auto"):
     heads = 2048 // head_dim
     batch = max(1, 16384 // length)
     make = lambda: torch.randn(batch, heads, length, head_dim, device="cuda", dtype=torch.bfloat16,
                                requires_grad=backward)
     q, k, v = make(), make(), make()
-    providers, report = _providers(causal, backward, q, k, v, compiled[(causal, backward, head_dim)])
+    providers, report = _providers(causal, backward, q, k, v, compiled[(causal, backward, head_dim)], compile_mode)
     rewrite = next((r.replacement for r in report.rewrites if r.pass_name == "attention"), "not rewritten")
     row = {"head_dim": head_dim, "length": length, "batch": batch, "heads": heads, "causal": causal,
            "backward": backward, "rewrite": rewrite, "tflops": {}, "ms": {}}
@@ -128,6 +128,9 @@ def main():
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--lengths", type=int, nargs="+", help="only these sequence lengths (re-measuring some)")
     parser.add_argument("--head-dims", type=int, nargs="+", help="only these head dims")
+    parser.add_argument("--optimize-compile", choices=("auto", "off"), default="auto",
+                        help="optimize's compile setting: 'auto' (its default: Inductor on GPUs) or 'off' (the "
+                             "rewritten graph runs eagerly; results/attention.json until 2026-11-21)")
     args = parser.parse_args()
     lengths = args.lengths or ((1024, 4096) if args.quick else (1024, 2048, 4096, 8192, 16384))
     head_dims = args.head_dims or ((128,) if args.quick else (128, 64))  # the targets are at hd128: first
@@ -141,7 +144,8 @@ def main():
         for causal in (False, True):
             for backward in (False, True):
                 for length in lengths:
-                    rows.append(run_case(head_dim, length, causal, backward, compiled, runs=5 if args.quick else 10))
+                    rows.append(run_case(head_dim, length, causal, backward, compiled, runs=5 if args.quick else 10,
+                                         compile_mode="auto" if args.optimize_compile == "auto" else False))
                     print(rows[-1], flush=True)
                     path = write_result(name, {"rows": rows}, args.out)  # kept up to date if cut off
     plot(rows, args.out / f"{name}.png", torch.cuda.get_device_name())
