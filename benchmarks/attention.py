@@ -81,7 +81,7 @@ def run_case(head_dim, length, causal, backward, compiled, runs, compile_mode="a
     providers, report = _providers(causal, backward, q, k, v, compiled[(causal, backward, head_dim)], compile_mode)
     rewrite = next((r.replacement for r in report.rewrites if r.pass_name == "attention"), "not rewritten")
     row = {"head_dim": head_dim, "length": length, "batch": batch, "heads": heads, "causal": causal,
-           "backward": backward, "rewrite": rewrite, "tflops": {}, "ms": {}}
+           "backward": backward, "rewrite": rewrite, "optimize_compile": compile_mode, "tflops": {}, "ms": {}}
     flops = _flops(batch, heads, length, head_dim, causal, backward)
     for name, fn in providers.items():
         if name.startswith("eager") and length > 8192:
