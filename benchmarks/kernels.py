@@ -16,7 +16,8 @@ The backward is timed alone (``torch.autograd.grad`` over a retained graph). Iss
 
 A second table, ``thresholds``, compares kernel_pytorch's Triton path with its native path (ATen) at
 small sizes, GPU time only (``harness.measure_gpu_time``): where Triton stops winning is what each op's
-``TRITON_*MIN_ELEMENTS`` should be. Writes kernels.json and kernels.png.
+``TRITON_*MIN_ELEMENTS`` should be. A third, ``epilogue``, times inference ``gelu_tanh(linear(x, w, b))`` with cuBLASLt's GEMM epilogue
+(``linear_activation``) against the GEMM followed by the activation. Writes kernels.json and kernels.png.
 """
 
 from __future__ import annotations
@@ -334,6 +335,35 @@ def suggested_thresholds(sweep: list[dict]) -> dict[str, int | None]:
     return out
 
 
+def epilogue_rows(quick: bool) -> list[dict]:
+    """Inference ``gelu_tanh(linear(x, w, b))``: cuBLASLt's GEMM + bias + GELU epilogue
+    (``linear_activation``) against the GEMM then a separate activation, eager and compiled, and the
+    GEMM alone as the floor. TFLOP/s of the GEMM (2 M N K), per call."""
+    rows = []
+    model_code = lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh")  # noqa: E731
+    providers = {
+        "eager (linear, then gelu)": model_code,
+        "torch.compile (linear, then gelu)": torch.compile(model_code),
+        "kernel_pytorch linear_activation (epilogue)": lambda x, w, b: ACT.linear_activation(x, w, b, "gelu_tanh"),
+        "kernel_pytorch (compiled graph)": torch.compile(lambda x, w, b: ACT.linear_activation(x, w, b, "gelu_tanh")),
+        "F.linear alone (floor)": F.linear,
+    }
+    for hidden in ((2048,) if quick else (2048, 4096)):
+        x, w, b = _randn(16384, hidden), _randn(4 * hidden, hidden), _randn(4 * hidden)
+        flops = 2 * 16384 * hidden * 4 * hidden
+        row = {"tokens": 16384, "in_features": hidden, "out_features": 4 * hidden, "results": {}}
+        with torch.no_grad():
+            for name, fn in providers.items():
+                try:
+                    ms = measure_gpu_time(lambda fn=fn: fn(x, w, b))
+                    row["results"][name] = {"gpu_ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
+                except Exception as error:  # one provider's failure must not end the run
+                    row["results"][name] = {"error": _error(error)}
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def check_targets(rows: list[dict]) -> list[dict]:
     """The issue's targets, row by row, on GPU time (the kernels' bandwidth; per-call times add the host
     overhead of autograd and dispatch, the same for every provider): True, False, or None where a
@@ -392,6 +422,7 @@ def main():
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--ops", nargs="+", choices=list(CASES), help="only these ops")
     parser.add_argument("--no-thresholds", action="store_true", help="skip the small-size Triton/native sweep")
+    parser.add_argument("--no-epilogue", action="store_true", help="skip the linear + GELU epilogue comparison")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA (or ROCm) GPU")
@@ -420,6 +451,8 @@ def main():
                       {name: (r.get("gpu_fraction_of_copy"), r.get("fraction_of_copy", r.get("error")))
                        for name, r in rows[-1]["results"].items()}, flush=True)
     payload = {"rows": rows, "targets": check_targets(rows)}
+    if not args.no_epilogue:
+        payload["epilogue"] = epilogue_rows(args.quick)
     path = write_result(name, payload, args.out)
     if not args.no_thresholds:
         payload["thresholds"] = threshold_sweep(args.quick)

@@ -163,6 +163,47 @@ def test_lookalikes_are_left_alone_with_reasons():
     assert rel_err(other(x), SigmoidOfAnother.forward(other, x)) == 0.0
 
 
+def test_gelu_tanh_after_a_biased_linear_becomes_linear_activation():
+    from kernel_pytorch.ops.activations import linear_activation
+
+    torch.manual_seed(0)
+    model = GPT2Gelu()
+    reference = twin(model)
+    example = torch.randn(3, D)
+    rewritten, inputs = _capture_rewritten(model, example)
+    calls = [n for n in rewritten.graph.nodes if n.target is linear_activation]
+    assert len(calls) == 1 and calls[0].args[3] == "gelu_tanh"
+    assert not [n for n in rewritten.graph.nodes if n.target is F.linear and n.users and
+                all(u.target is linear_activation for u in n.users)]
+    x = torch.randn(3, D)
+    assert rel_err(rewritten(*[x if a is example else a for a in inputs])[0], reference(x)) < 1e-5
+
+
+def _capture_rewritten(model: nn.Module, x: torch.Tensor) -> tuple[torch.fx.GraphModule, list]:
+    """``model``'s Dynamo graph after normalize + the activations pass, and its example arguments."""
+    from kernel_pytorch.config import OptimizeConfig
+    from kernel_pytorch.hardware import detect_hardware
+    from kernel_pytorch.passes.activations import ActivationPass
+    from kernel_pytorch.passes.base import PassContext
+    from kernel_pytorch.passes.normalize import Normalize
+
+    box = {}
+
+    def backend(gm, example_inputs):
+        box["gm"], box["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(x)
+    ctx = PassContext(hardware=detect_hardware("cpu"), config=OptimizeConfig(), training=False)
+    gm = box["gm"]
+    Normalize().run(gm, ctx)
+    ActivationPass().run(gm, ctx)
+    gm.graph.lint()
+    gm.recompile()
+    return gm, box["inputs"]
+
+
 def test_bf16_gated_mlp_within_bf16_tolerance():
     torch.manual_seed(0)
     model = SwiGLU().to(torch.bfloat16)
@@ -199,6 +240,7 @@ def test_transformers_activation_classes_are_matched():
         model = nn.Sequential(nn.Linear(D, D), act)
         reference = twin(model)
         rewrites = _optimized(model, torch.randn(2, D))
-        assert [r.replacement for r in rewrites] == [kind], (name, rewrites)
+        expected = "linear + gelu_tanh (GEMM epilogue in inference)" if kind == "gelu_tanh" else kind
+        assert [r.replacement for r in rewrites] == [expected], (name, rewrites)
         x = torch.randn(5, D)
         assert rel_err(model(x), reference(x)) < 1e-5

@@ -192,6 +192,16 @@ def _chunk_half(node: Node) -> Optional[tuple[Node, int]]:
     return source, index
 
 
+def _biased_linear_feeding(match: _Activation) -> Optional[Node]:
+    """The ``F.linear(x, w, b)`` with a bias whose only use is this tanh GELU (the one activation
+    cuBLASLt fuses into the GEMM), else None."""
+    x = match.x
+    if match.kind != "gelu_tanh" or not is_call(x, F.linear) or len(x.args) < 3 or x.args[2] is None:
+        return None
+    users = set(x.users) - set(match.internal) - {match.output}
+    return x if not users else None
+
+
 def _same_tensor_type(a: Any, b: Any) -> bool:
     va, vb = example_value(a), example_value(b)
     return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype and \
@@ -224,14 +234,23 @@ class ActivationPass(GraphPass):
 
     @staticmethod
     def _rewrite(graph: torch.fx.Graph, match: _Activation) -> str:
-        from kernel_pytorch.ops.activations import activation, gated_activation, gated_activation_packed
+        from kernel_pytorch.ops.activations import (activation, gated_activation, gated_activation_packed,
+                                                    linear_activation)
 
         user = next(iter(match.output.users)) if len(match.output.users) == 1 else None
         up = None
         if is_call(user, operator.mul) and match.output in user.args[:2]:
             up = user.args[1] if user.args[0] is match.output else user.args[0]
             up = up if isinstance(up, Node) and up is not match.output and _same_tensor_type(up, match.x) else None
-        if up is None:
+        linear = _biased_linear_feeding(match)
+        if up is None and linear is not None:
+            # linear_activation: cuBLASLt's GEMM + bias + GELU epilogue where nothing needs a gradient
+            # (inference on CUDA), F.linear + the activation kernel otherwise (ops/activations.py).
+            with graph.inserting_after(match.output):
+                call = graph.call_function(linear_activation, (*linear.args[:3], match.kind))
+            replaced, description = match.output, f"linear + {match.kind} (GEMM epilogue in inference)"
+            match.internal.append(linear)
+        elif up is None:
             with graph.inserting_after(match.output):
                 call = graph.call_function(activation, (match.x, match.kind))
             replaced, description = match.output, f"{match.kind}"
