@@ -82,6 +82,14 @@ class OptimizeConfig(BaseModel):
     strict: bool = Field(
         False, description="Raise when a pass fails instead of skipping it with a report line (for development)."
     )
+    checkpointing: Literal["off", "full", "selective"] = Field(
+        "off", description="Activation checkpointing of the model's repeated blocks (kernel_pytorch.memory."
+        "apply_checkpointing): 'full' recomputes whole blocks, 'selective' saves matmul/attention outputs."
+    )
+    memory_budget_gb: Union[PositiveFloat, None] = Field(
+        None, description="With checkpointing: the GiB of saved activations to fit, measured on the example "
+        "inputs; just enough blocks are checkpointed (None: all of them)."
+    )
 
     @field_validator("device", mode="before")
     @classmethod

@@ -395,3 +395,48 @@ def test_transformers_models_train_the_same_and_drop_the_kv_cache(build, group, 
     # on the longer keys): it is left out, with a warning, as transformers' own checkpointing does.
     dropped = [w for w in caught if "checkpointed blocks do not use a KV cache" in str(w.message)]
     assert bool(dropped) == writes_cache
+
+
+def test_optimize_rewrites_inside_checkpointed_blocks():
+    # Dynamo captures each checkpointed block as a tag_activation_checkpoint subgraph; the passes rewrite
+    # those bodies too, and the result trains like the original.
+    from kernel_pytorch import optimize, report_of
+    from kernel_pytorch.testing import LlamaStyleConfig, LlamaStyleLM
+
+    torch.manual_seed(0)
+    config = LlamaStyleConfig(vocab_size=100, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+    model = LlamaStyleLM(config).train()
+    reference = copy.deepcopy(model)
+    apply_checkpointing(model, policy="full")
+    optimize(model, example_inputs=(torch.randint(0, 100, (2, 16)),))
+    report = report_of(model)
+    inside = {r.pass_name for r in report.rewrites if r.location.startswith("layers.")}
+    assert inside == {"norms", "activations", "rope", "attention"}, report.rewrites
+    assert not any("forward.__self__" in r.location for r in report.rewrites)
+    assert not report.rollbacks
+    tokens = torch.randint(0, 100, (2, 16))
+    out, expected = model(tokens), reference(tokens)
+    assert float((out - expected).norm() / expected.norm()) < 1e-5
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert float((p.grad - q.grad).norm() / q.grad.norm()) < 1e-4, name
+
+
+def test_optimize_config_applies_checkpointing_and_reports_it():
+    from kernel_pytorch import optimize, report_of
+    from kernel_pytorch.testing import LlamaStyleConfig, LlamaStyleLM
+
+    torch.manual_seed(0)
+    config = LlamaStyleConfig(vocab_size=100, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+    tokens = torch.randint(0, 100, (2, 16))
+    model = LlamaStyleLM(config).train()
+    full = saved_activation_bytes(copy.deepcopy(model), (tokens,))
+    optimize(model, example_inputs=(tokens,), checkpointing="full", memory_budget_gb=full * 0.6 / 2**30)
+    note = next(n for n in report_of(model).notes if n.startswith("checkpointing (full)"))
+    assert "blocks of 'layers' wrapped" in note and not note.startswith("checkpointing (full): 0/"), note
+    assert "4/4" not in note, note  # a budget of 60% of the unwrapped bytes needs only some blocks
+    with pytest.raises(ValueError, match="memory_budget_gb needs example_inputs"):
+        optimize(LlamaStyleLM(config), checkpointing="selective", memory_budget_gb=1.0)
+    with pytest.raises(ValueError, match="set checkpointing"):
+        optimize(LlamaStyleLM(config), memory_budget_gb=1.0)

@@ -6,7 +6,7 @@ import re
 
 import torch.fx
 
-__all__ = ["clone_graph_module", "module_path_of", "count_calls", "erase_unused"]
+__all__ = ["clone_graph_module", "checkpointed_subgraphs", "module_path_of", "count_calls", "erase_unused"]
 
 # Dynamo records module paths as "L['self'].layers.0.attn" (the root is the forward's first argument).
 _ROOT_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
@@ -25,7 +25,25 @@ def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph.output(output)
     copy = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
     copy.meta = dict(getattr(gm, "meta", {}))
+    for name, body in checkpointed_subgraphs(copy):  # rewritten too: each copy gets its own
+        setattr(copy, name, clone_graph_module(body))
     return copy
+
+
+def checkpointed_subgraphs(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphModule]]:
+    """The bodies of activation-checkpointed regions in ``gm``: Dynamo captures a non-reentrant
+    ``torch.utils.checkpoint`` (``kernel_pytorch.memory.apply_checkpointing``) as a
+    ``tag_activation_checkpoint`` call on a subgraph module, which the graph passes rewrite too."""
+    bodies = []
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and getattr(target, "__name__", "") == "tag_activation_checkpoint":
+            body = node.args[0] if node.args else None
+            if isinstance(body, torch.fx.Node) and body.op == "get_attr":
+                module = getattr(gm, str(body.target), None)
+                if isinstance(module, torch.fx.GraphModule):
+                    bodies.append((str(body.target), module))
+    return bodies
 
 
 def module_path_of(node: torch.fx.Node, default: str = "") -> str:
@@ -36,7 +54,8 @@ def module_path_of(node: torch.fx.Node, default: str = "") -> str:
     stack = node.meta.get("nn_module_stack")
     if stack:
         path, _module_type = list(stack.values())[-1]
-        return _ROOT_PREFIX.sub("", str(path)) or default
+        # A block whose forward was wrapped (activation checkpointing) is recorded through its bound method.
+        return _ROOT_PREFIX.sub("", str(path)).replace(".forward.__self__", "") or default
     if node.op == "call_module":
         return str(node.target)
     return default

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch.fx
 
 from kernel_pytorch.errors import PassError
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
+from kernel_pytorch.passes.graph_utils import checkpointed_subgraphs
 
 __all__ = ["PassManager"]
 
@@ -31,6 +33,20 @@ class PassManager:
 
     @staticmethod
     def run_one(graph_pass: GraphPass, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        """``graph_pass`` on ``gm`` and on the bodies of its activation-checkpointed regions (their
+        results merged into one). Bodies get no example inputs: their placeholders are not the
+        graph's, so nothing there is decided from example values."""
+        result = PassManager._run_on(graph_pass, gm, ctx)
+        for name, body in checkpointed_subgraphs(gm):
+            inner = PassManager._run_on(graph_pass, body, replace(ctx, graph_name=f"{ctx.graph_name}/{name}",
+                                                                   example_inputs={}))
+            result.rewrites += inner.rewrites
+            result.skipped += inner.skipped
+            result.changed += inner.changed
+        return result
+
+    @staticmethod
+    def _run_on(graph_pass: GraphPass, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         try:
             result = graph_pass.run(gm, ctx)
             if not isinstance(result, PassResult):
