@@ -413,6 +413,8 @@ def test_optimize_rewrites_inside_checkpointed_blocks():
     inside = {r.pass_name for r in report.rewrites if r.location.startswith("layers.")}
     assert inside == {"norms", "activations", "rope", "attention"}, report.rewrites
     assert not any("forward.__self__" in r.location for r in report.rewrites)
+    attention = [r.replacement for r in report.rewrites if r.pass_name == "attention"]
+    assert attention and all("causal" in r and "no mask" in r for r in attention), attention  # mask built outside
     assert not report.rollbacks
     tokens = torch.randint(0, 100, (2, 16))
     out, expected = model(tokens), reference(tokens)

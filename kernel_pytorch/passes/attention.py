@@ -220,7 +220,7 @@ class AttentionPass(GraphPass):
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
         graph = gm.graph
-        constants = ConstantEvaluator()
+        constants = ConstantEvaluator(known=ctx.constant_inputs)
         bindings = Bindings.from_graph(graph, ctx.example_inputs)
         mask_candidates: list[Node] = []
         erased: set[Node] = set()

@@ -86,6 +86,9 @@ class PassContext:
     # The capture's example values by placeholder name (sizes as ints): what shape-only subgraphs
     # that read sizes or buffers are evaluated with. Empty when unknown (a graph built by hand).
     example_inputs: Mapping[str, Any] = field(default_factory=dict)
+    # Placeholders whose values are proven constants (a checkpointed region's causal mask built outside it
+    # from shape-only ops), by name: passes may rely on them as on constants in the graph.
+    constant_inputs: Mapping[str, Any] = field(default_factory=dict)
     # Whether the rewritten graph goes to a compiler (Inductor, XLA) or runs eagerly: some kernels
     # (FlexAttention) are fast only compiled.
     compiled: bool = True

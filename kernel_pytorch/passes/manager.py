@@ -10,8 +10,9 @@ import torch.fx
 from kernel_pytorch.errors import PassError
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
 from kernel_pytorch.passes.graph_utils import checkpointed_subgraphs
+from kernel_pytorch.passes.shape_constants import ConstantEvaluator
 
-__all__ = ["PassManager"]
+__all__ = ["PassManager", "constant_operands"]
 
 
 class PassManager:
@@ -37,9 +38,11 @@ class PassManager:
         results merged into one). Bodies get no example inputs: their placeholders are not the
         graph's, so nothing there is decided from example values."""
         result = PassManager._run_on(graph_pass, gm, ctx)
+        evaluator = ConstantEvaluator()  # one for every body: the layers share one mask, evaluated once
         for name, body in checkpointed_subgraphs(gm):
-            inner = PassManager._run_on(graph_pass, body, replace(ctx, graph_name=f"{ctx.graph_name}/{name}",
-                                                                   example_inputs={}))
+            inner_ctx = replace(ctx, graph_name=f"{ctx.graph_name}/{name}", example_inputs={},
+                                constant_inputs=constant_operands(gm, name, body, evaluator))
+            inner = PassManager._run_on(graph_pass, body, inner_ctx)
             result.rewrites += inner.rewrites
             result.skipped += inner.skipped
             result.changed += inner.changed
@@ -56,3 +59,22 @@ class PassManager:
         except Exception as error:
             raise PassError(graph_pass.name, ctx.graph_name, error) from error
         return result
+
+
+def constant_operands(gm: torch.fx.GraphModule, name: str, body: torch.fx.GraphModule,
+                      evaluator: ConstantEvaluator) -> dict:
+    """The body placeholders of checkpointed region ``name`` whose operands ``gm`` computes from
+    shape-only ops with static sizes (a causal mask built before the blocks), with their values."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.args and
+             getattr(n.args[0], "target", None) == name and
+             getattr(n.target, "__name__", "") == "tag_activation_checkpoint"]
+    if len(calls) != 1:  # a body used twice could get different operands
+        return {}
+    placeholders = [n.name for n in body.graph.nodes if n.op == "placeholder"]
+    known = {}
+    for placeholder, operand in zip(placeholders, calls[0].args[1:]):
+        if isinstance(operand, torch.fx.Node):
+            evaluation = evaluator.evaluate(operand)
+            if evaluation.value is not None and not evaluation.bound:
+                known[placeholder] = evaluation.value
+    return known

@@ -148,9 +148,12 @@ class ConstantEvaluator:
     since one mask usually feeds every layer.
     """
 
-    def __init__(self, bindings: Optional[Bindings] = None) -> None:
+    def __init__(self, bindings: Optional[Bindings] = None, known: Optional[Mapping[str, torch.Tensor]] = None) -> None:
         self._cache: dict[Node, Evaluation] = {}
         self.bindings = bindings or Bindings()
+        # Placeholders whose value is a proven constant (an activation-checkpointed region's input that the
+        # enclosing graph computes from shape-only ops): constants like any other, no guard needed.
+        self.known = dict(known or {})
 
     def evaluate(self, node: Node) -> Evaluation:
         if node in self._cache:
@@ -171,7 +174,7 @@ class ConstantEvaluator:
             value = values[node]
             if isinstance(value, (int, float, bool)):
                 value = torch.tensor(value)
-            bound = frozenset(n.name for n in order if n.op == "placeholder")
+            bound = frozenset(n.name for n in order if n.op == "placeholder" and n.name not in self.known)
             result = Evaluation(value, bound=bound) if isinstance(value, torch.Tensor) else \
                 Evaluation(None, "not a tensor", "op")
         self._cache[node] = result
@@ -207,6 +210,8 @@ class ConstantEvaluator:
         return order, None
 
     def _leaf_failure(self, node: Node) -> Optional[Evaluation]:
+        if node.op == "placeholder" and node.name in self.known:
+            return None
         if node.op == "placeholder":
             value = example_value(node)
             if not isinstance(value, torch.Tensor):
@@ -258,7 +263,9 @@ class ConstantEvaluator:
                 return torch.zeros(shape, dtype=value.dtype)
             return values[argument]
 
-        if node.op == "placeholder":  # a bound size or buffer (_leaf_failure let only those through)
+        if node.op == "placeholder":  # known, or a bound size or buffer (_leaf_failure let only those through)
+            if node.name in self.known:
+                return self.known[node.name]
             if node.name in self.bindings.buffers:
                 return self.bindings.buffers[node.name].detach().cpu()
             return self.bindings.size(example_value(node))
