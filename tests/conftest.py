@@ -34,6 +34,24 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm())
 
 
+def capture_graph(module: torch.nn.Module, inputs: tuple, dynamic: bool = False) -> tuple[torch.fx.GraphModule, list]:
+    """``module``'s one Dynamo graph on ``inputs`` (fullgraph), with the example arguments Dynamo passed
+    (parameters and buffers included), for tests that run passes by hand."""
+    import warnings
+
+    torch._dynamo.reset()
+    box: dict = {}
+
+    def backend(gm, example_inputs):
+        box["gm"], box["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.compile(module, backend=backend, fullgraph=True, dynamic=dynamic)(*inputs)
+    return box["gm"], box["inputs"]
+
+
 def assert_same_values_and_gradients(model: torch.nn.Module, reference: torch.nn.Module, x: torch.Tensor) -> None:
     """``model`` (rewritten) and ``reference`` (the original) agree on fresh input ``x`` in fp32: outputs
     within 1e-5, input and parameter gradients within 1e-4 (relative norm)."""

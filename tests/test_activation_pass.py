@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kernel_pytorch import optimize, report_of
 
-from .conftest import assert_same_values_and_gradients, rel_err, twin
+from .conftest import assert_same_values_and_gradients, capture_graph, rel_err, twin
 
 D, F_DIM = 24, 40  # model and MLP widths
 
@@ -187,21 +187,13 @@ def _capture_rewritten(model: nn.Module, x: torch.Tensor) -> tuple[torch.fx.Grap
     from kernel_pytorch.passes.base import PassContext
     from kernel_pytorch.passes.normalize import Normalize
 
-    box = {}
-
-    def backend(gm, example_inputs):
-        box["gm"], box["inputs"] = gm, list(example_inputs)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(x)
+    gm, inputs = capture_graph(model, (x,))
     ctx = PassContext(hardware=detect_hardware("cpu"), config=OptimizeConfig(), training=False)
-    gm = box["gm"]
     Normalize().run(gm, ctx)
     ActivationPass().run(gm, ctx)
     gm.graph.lint()
     gm.recompile()
-    return gm, box["inputs"]
+    return gm, inputs
 
 
 def test_bf16_gated_mlp_within_bf16_tolerance():

@@ -6,7 +6,6 @@ Hugging Face eager attention end to end; and what must not match.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Callable
 
 import pytest
@@ -27,7 +26,7 @@ from kernel_pytorch.passes.attention import AttentionPass, _attention_op
 from kernel_pytorch.passes.base import PassContext
 from kernel_pytorch.passes.normalize import Normalize
 
-from .conftest import rel_err, twin
+from .conftest import capture_graph, rel_err, twin
 
 B, H, L, E = 2, 4, 6, 8
 
@@ -48,17 +47,8 @@ class Rewritten:
 
     def __init__(self, module: nn.Module, inputs: tuple[torch.Tensor, ...], dynamic: bool = False,
                  training: bool = False):
-        torch._dynamo.reset()
-        box: dict[str, Any] = {}
-
-        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]):
-            box["gm"], box["inputs"] = gm, list(example_inputs)
-            return gm.forward
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.compile(module, backend=backend, fullgraph=True, dynamic=dynamic)(*inputs)
-        self.gm, self.example_inputs, self.user_inputs = box["gm"], box["inputs"], inputs
+        self.gm, self.example_inputs = capture_graph(module, inputs, dynamic)
+        self.user_inputs = inputs
         Normalize().run(self.gm, _ctx(training))
         self.result = AttentionPass().run(self.gm, _ctx(training, self.gm, self.example_inputs))
         self.gm.graph.lint()

@@ -9,7 +9,6 @@ tensors, and a rewrite that relied on the tables' structure would fail here.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import pytest
@@ -27,7 +26,7 @@ from kernel_pytorch.passes.base import PassContext
 from kernel_pytorch.passes.normalize import Normalize
 from kernel_pytorch.passes.rope import RopePass, _rope_op
 
-from .conftest import rel_err, twin
+from .conftest import capture_graph, rel_err, twin
 from .hf_models import llama as _llama
 
 B, H, HK, L, D = 2, 4, 2, 5, 12  # GQA (4 query heads, 2 key heads), head dim 12 (not a power of two)
@@ -42,17 +41,8 @@ class Rewritten:
     """``module`` captured by dynamo (one graph), normalized and passed through the RoPE pass."""
 
     def __init__(self, module: nn.Module, inputs: tuple[torch.Tensor, ...]):
-        torch._dynamo.reset()
-        box: dict[str, Any] = {}
-
-        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]):
-            box["gm"], box["inputs"] = gm, list(example_inputs)
-            return gm.forward
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.compile(module, backend=backend, fullgraph=True)(*inputs)
-        self.gm, self.example_inputs, self.user_inputs = box["gm"], box["inputs"], inputs
+        self.gm, self.example_inputs = capture_graph(module, inputs)
+        self.user_inputs = inputs
         Normalize().run(self.gm, _ctx())
         self.result = RopePass().run(self.gm, _ctx())
         self.gm.graph.lint()
