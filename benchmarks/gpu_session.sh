@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install what its image lacks, run the GPU tests, then each step
 # named: "info" (kernel-pytorch info), "cpu-suite" (the CPU tests on this torch, GPU hidden), "demos",
-# or a benchmark script's name ("attention", "norms"). Everything lands in $OUT.
+# or a benchmark script's name ("attention", "kernels", "tune_row_kernels"). Everything lands in $OUT.
 #   run(command="GPU_TESTS=none bash benchmarks/gpu_session.sh info attention", carry=[".whl"])
 set -uo pipefail
 export PYTHONUNBUFFERED=1
