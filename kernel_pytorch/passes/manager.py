@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch.fx
@@ -41,7 +41,7 @@ class PassManager:
         evaluator = ConstantEvaluator()  # one for every body: the layers share one mask, evaluated once
         for name, body in checkpointed_subgraphs(gm):
             inner_ctx = replace(ctx, graph_name=f"{ctx.graph_name}/{name}", example_inputs={},
-                                constant_inputs=constant_operands(gm, name, body, evaluator))
+                                constant_inputs=_LazyConstants(gm, name, body, evaluator))
             inner = PassManager._run_on(graph_pass, body, inner_ctx)
             result.rewrites += inner.rewrites
             result.skipped += inner.skipped
@@ -59,6 +59,29 @@ class PassManager:
         except Exception as error:
             raise PassError(graph_pass.name, ctx.graph_name, error) from error
         return result
+
+
+class _LazyConstants(Mapping):
+    """:func:`constant_operands`, computed on first use: only the attention pass reads them, and a
+    causal mask at L = 16384 costs about a second to evaluate, so the other passes should not pay it."""
+
+    def __init__(self, gm: torch.fx.GraphModule, name: str, body: torch.fx.GraphModule,
+                 evaluator: ConstantEvaluator):
+        self._arguments, self._values = (gm, name, body, evaluator), None
+
+    def _resolved(self) -> dict:
+        if self._values is None:
+            self._values = constant_operands(*self._arguments)
+        return self._values
+
+    def __getitem__(self, key):
+        return self._resolved()[key]
+
+    def __iter__(self):
+        return iter(self._resolved())
+
+    def __len__(self) -> int:
+        return len(self._resolved())
 
 
 def constant_operands(gm: torch.fx.GraphModule, name: str, body: torch.fx.GraphModule,
