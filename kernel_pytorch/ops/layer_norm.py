@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from kernel_pytorch.ops import triton_utils as tu
-from kernel_pytorch.ops.triton_utils import jit, load_rows, tl
+from kernel_pytorch.ops.triton_utils import jit, load_grad_rows, load_rows, store_grad_rows, tl
 
 __all__ = ["layer_norm", "LayerNorm", "layer_norm_fwd", "layer_norm_bwd", "TRITON_FWD_MIN_ELEMENTS",
            "TRITON_BWD_MIN_ELEMENTS", "TRITON_BWD_MIN_HIDDEN", "TRITON_BWD_MAX_HIDDEN"]
@@ -98,12 +98,8 @@ def _layer_norm_bwd_kernel(
     dw = tl.zeros((BLOCK_N,), ACC)
     db = tl.zeros((BLOCK_N,), ACC)
     for start in range(row_start, row_end, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        row_mask = rows < row_end
-        mask = row_mask[:, None] & col_mask[None, :]
-        rows = rows.to(tl.int64)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        x, dy, rows, row_mask, mask = load_grad_rows(X, DY, start, row_end, stride_x, stride_dy, cols, col_mask,
+                                                     ACC, ROWS)
         mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         # Padding columns hold -mean * rstd here, but only ever meet dy = 0 and g = 0: no mask needed.
@@ -118,9 +114,7 @@ def _layer_norm_bwd_kernel(
         mean_g = tl.sum(g, axis=1) / n_cols
         mean_gx = tl.sum(g * xhat, axis=1) / n_cols
         dx = rstd[:, None] * (g - mean_g[:, None] - xhat * mean_gx[:, None])
-        if HAS_DH:
-            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(ACC)
-        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        store_grad_rows(DX, DH, dx, rows, cols, mask, stride_dx, stride_dh, HAS_DH)
     if WEIGHT_GRAD:
         tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
     if BIAS_GRAD:

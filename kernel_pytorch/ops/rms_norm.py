@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from kernel_pytorch.ops import triton_utils as tu
-from kernel_pytorch.ops.triton_utils import jit, load_rows, tl
+from kernel_pytorch.ops.triton_utils import jit, load_grad_rows, load_rows, store_grad_rows, tl
 
 __all__ = ["rms_norm", "RMSNorm", "rms_norm_fwd", "rms_norm_bwd", "TRITON_FWD_MIN_ELEMENTS",
            "TRITON_BWD_MIN_ELEMENTS", "TRITON_BWD_MIN_HIDDEN"]
@@ -98,12 +98,8 @@ def _rms_norm_bwd_kernel(
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
     dw = tl.zeros((BLOCK_N,), ACC)
     for start in range(row_start, row_end, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        row_mask = rows < row_end
-        mask = row_mask[:, None] & col_mask[None, :]
-        rows = rows.to(tl.int64)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        x, dy, rows, row_mask, mask = load_grad_rows(X, DY, start, row_end, stride_x, stride_dy, cols, col_mask,
+                                                     ACC, ROWS)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         n = x * rstd[:, None]
         g = dy
@@ -115,9 +111,7 @@ def _rms_norm_bwd_kernel(
             else:
                 dw += tl.sum(dy * n, axis=0)
         dx = rstd[:, None] * (g - n * (tl.sum(g * n, axis=1) / n_cols)[:, None])
-        if HAS_DH:
-            dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(ACC)
-        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        store_grad_rows(DX, DH, dx, rows, cols, mask, stride_dx, stride_dh, HAS_DH)
     if WEIGHT_GRAD:
         tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
 

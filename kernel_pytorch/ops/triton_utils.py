@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["load_rows", "HAS_TRITON", "MAX_HIDDEN", "TRITON_DEVICE_TYPES", "RowTile", "row_tile", "use_triton",
-           "jit", "launch", "unused_pointer", "acc_dtype", "triton_acc_dtype", "reduction_programs", "device_guard",
-           "as_rows", "triton", "tl"]
+__all__ = ["load_rows", "load_grad_rows", "store_grad_rows", "HAS_TRITON", "MAX_HIDDEN", "TRITON_DEVICE_TYPES",
+           "RowTile", "row_tile", "use_triton", "jit", "launch", "unused_pointer", "acc_dtype", "triton_acc_dtype",
+           "reduction_programs", "device_guard", "as_rows", "triton", "tl"]
 
 try:
     import triton
@@ -82,6 +82,35 @@ def load_rows(
         x = (x.to(ACC) + r.to(ACC)).to(X.dtype.element_ty)
         tl.store(H + rows[:, None] * stride_h + cols[None, :], x, mask=mask)
     return x.to(ACC), rows, cols, row_mask, col_mask, mask
+
+
+@jit
+def load_grad_rows(
+    X,  # (n_rows, n_cols) the norm's input, row stride stride_x
+    DY,  # (n_rows, n_cols) gradient of its output, row stride stride_dy
+    start, row_end, stride_x, stride_dy, cols, col_mask, ACC: tl.constexpr, ROWS: tl.constexpr,
+):
+    """The backward norm kernels' per-tile start: rows ``start .. start + ROWS`` (below ``row_end``) of x
+    and dy as ACC. Returns (x, dy, rows as int64, row mask, tile mask)."""
+    rows = start + tl.arange(0, ROWS)
+    row_mask = rows < row_end
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+    return x, dy, rows, row_mask, mask
+
+
+@jit
+def store_grad_rows(
+    DX,  # (n_rows, n_cols) output: the input's gradient, row stride stride_dx
+    DH,  # (n_rows, n_cols) gradient of the fused residual sum, added to dx; read only if HAS_DH
+    dx, rows, cols, mask, stride_dx, stride_dh, HAS_DH: tl.constexpr,
+):
+    """The backward norm kernels' per-tile end: dx (plus the residual sum's gradient) stored."""
+    if HAS_DH:
+        dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(dx.dtype)
+    tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
 
 
 # Device types whose tensors go to the Triton kernels (ROCm tensors are "cuda" too); everything else
