@@ -220,17 +220,13 @@ def _gated_bwd_kernel(
 
 # -------------------------------------------------------------------------------------------- launches
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def _launch(kernel, views: list, kind: str, dtype: torch.dtype, *extra, **constexprs) -> None:
     """Launch ``kernel`` over (rows, cols) views with unit column stride, shaped like the first (inputs
     first, then outputs, in the kernel's pointer order), passing each view's row stride after them, then
     the sizes, then ``extra`` scalars and ``constexprs``."""
     n_rows, n_cols = views[0].shape
     if isinstance(n_rows, int) and isinstance(n_cols, int) and n_rows > 1:
-        block_n = min(_next_power_of_2(max(n_cols, 1)), _BLOCK)
+        block_n = min(tu.next_power_of_2(max(n_cols, 1)), _BLOCK)
     else:
         # One row (the flat view of contiguous inputs: one compiled tile for every size), or sizes that are
         # symbolic under torch.compile(dynamic=True): full-width tiles, no specialization on the size.

@@ -110,7 +110,8 @@ def _check_supported(kernel: str, q: Tensor, k: Tensor, attn_mask: Optional[Tens
     """Refuse what a kernel would compute differently from SDPA (or not at all) with a clear message."""
     _check_kernel_name(kernel)
     if kernel == "sdpa" or kernel in _DIRECT:
-        raise ValueError(f"kernel {kernel!r} does not go through the custom ops; call attention(..., kernel={kernel!r})")
+        raise ValueError(f"kernel {kernel!r} does not go through the custom ops; "
+                         f"call attention(..., kernel={kernel!r})")
     if attn_mask is not None and kernel not in _TAKES_MASK:
         raise ValueError(f"attention kernel {kernel!r} takes no attn_mask; use one of "
                          f"{', '.join(sorted(_TAKES_MASK))} or 'sdpa'")

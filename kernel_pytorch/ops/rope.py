@@ -194,18 +194,14 @@ def _rope_tile(head_dim: int, rotary_dim: int, n_rows=None) -> _Tile:
         raise ValueError(f"head dim {head_dim} exceeds {tu.MAX_HIDDEN}, the widest row kernel_pytorch's Triton "
                          f"RoPE kernel holds in registers")
     half = rotary_dim // 2
-    block_h = _next_power_of_2(max(half, 1))
-    block_p = _next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 1
+    block_h = tu.next_power_of_2(max(half, 1))
+    block_p = tu.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 1
     row_block = 2 * block_h + (block_p if head_dim > rotary_dim else 0)
     rows = 1 << max(0, (_TILE_ELEMENTS // row_block).bit_length() - 1)  # a power of two (tl.arange)
     if isinstance(n_rows, int):  # symbolic under torch.compile with dynamic shapes: no cap
-        rows = min(rows, _next_power_of_2(max(n_rows, 1)))
+        rows = min(rows, tu.next_power_of_2(max(n_rows, 1)))
     num_warps = min(max(rows * row_block // (32 * _ELEMENTS_PER_THREAD), _MIN_WARPS), _MAX_WARPS)
     return _Tile(block_h, block_p, rows, num_warps)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def _as_4d(x: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:

@@ -17,8 +17,8 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["load_rows", "load_grad_rows", "store_grad_rows", "HAS_TRITON", "MAX_HIDDEN", "TRITON_DEVICE_TYPES",
-           "RowTile", "row_tile", "use_triton", "jit", "launch", "unused_pointer", "acc_dtype", "triton_acc_dtype",
-           "reduction_programs", "device_guard", "as_rows", "triton", "tl"]
+           "RowTile", "row_tile", "use_triton", "jit", "launch", "next_power_of_2", "unused_pointer", "acc_dtype",
+           "triton_acc_dtype", "reduction_programs", "device_guard", "as_rows", "triton", "tl"]
 
 try:
     import triton
@@ -169,10 +169,10 @@ def row_tile(hidden: int, n_rows: int = 1, *, backward: bool = False, hip: bool 
         raise ValueError(
             f"hidden size {hidden} exceeds {MAX_HIDDEN}, the largest row kernel_pytorch's Triton norm kernels "
             f"hold in registers; use the native PyTorch op (F.rms_norm / F.layer_norm) for this layer")
-    block_n = _next_power_of_2(hidden)
+    block_n = next_power_of_2(hidden)
     rows = max(1, _MIN_TILE_ELEMENTS // block_n)
     if isinstance(n_rows, int):  # under torch.compile with dynamic shapes it may be symbolic: no cap
-        rows = min(rows, _next_power_of_2(max(n_rows, 1)))
+        rows = min(rows, next_power_of_2(max(n_rows, 1)))
     if hip is None:
         hip = torch.version.hip is not None
     # ROCm's wavefronts are 64 wide: 16 warps already fill the 1024 threads a block may have. The
@@ -182,7 +182,8 @@ def row_tile(hidden: int, n_rows: int = 1, *, backward: bool = False, hip: bool 
     return RowTile(block_n, rows, num_warps)
 
 
-def _next_power_of_2(n: int) -> int:
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (n >= 1): Triton block sizes."""
     return 1 << (n - 1).bit_length()
 
 

@@ -73,14 +73,13 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from kernel_pytorch.ops.attention import attention
-from kernel_pytorch.passes.attention_match import (AttentionMatch, ConstantEvaluator, NotAttention, Operand,
-                                                   example_value, match_attention)
+from kernel_pytorch.passes.attention_match import AttentionMatch, NotAttention, Operand, match_attention
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
 from kernel_pytorch.passes.causal_mask import CausalMaskGuard, decide_causal
 from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
-from kernel_pytorch.passes.shape_constants import Bindings
+from kernel_pytorch.passes.shape_constants import Bindings, ConstantEvaluator, example_value
 
 __all__ = ["AttentionPass"]
 

@@ -20,11 +20,16 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from kernel_pytorch.passes.normalize import is_call
-from kernel_pytorch.passes.shape_constants import (ConstantEvaluator, describe_node, example_value, static_int,
-                                                   static_numel)
+from kernel_pytorch.passes.shape_constants import (
+    ConstantEvaluator,
+    describe_node,
+    example_value,
+    same_shape,
+    static_int,
+    static_numel,
+)
 
-__all__ = ["AttentionMatch", "MaskTerm", "Operand", "NotAttention", "ConstantEvaluator", "match_attention",
-           "example_value", "same_shape"]
+__all__ = ["AttentionMatch", "MaskTerm", "Operand", "NotAttention", "match_attention"]
 
 class NotAttention(Exception):
     """The candidate is not (provably) attention; ``str(error)`` is the reason for the report."""
@@ -72,22 +77,6 @@ class AttentionMatch:
     heads: Optional[tuple[int, int]] = None  # (query heads, key/value heads) when they differ
     out_dims: Optional[tuple[int, ...]] = None  # permute of SDPA's output (einsum ·V with another layout)
     removable: list[Node] = field(default_factory=list)  # erased once they have no users
-
-
-def _known_equal(a: Any, b: Any) -> bool:
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    try:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-        return bool(statically_known_true(a == b))
-    except Exception:  # sizes that cannot be compared count as different: the match is then skipped
-        return False
-
-
-def same_shape(a: Any, b: Any) -> bool:
-    """Equal shapes, SymInts compared without adding guards (unknown counts as different)."""
-    return len(a) == len(b) and all(_known_equal(x, y) for x, y in zip(a, b))
 
 
 def _shape(node: Node) -> tuple:
@@ -535,7 +524,7 @@ class _Matcher:
             raise NotAttention(f"K {k_shape} and V {v_shape} differ before the last axis")
         if not same_shape(q_shape[:-3], k_shape[:-3]) or not same_shape(q_shape[-1:], k_shape[-1:]):
             raise NotAttention(f"Q {q_shape} and K {k_shape} differ in batch axes (broadcast) or head size")
-        if not _known_equal(q_shape[-3], k_shape[-3]):
+        if not same_shape(q_shape[-3:-2], k_shape[-3:-2]):
             hq, hk = static_int(q_shape[-3]), static_int(k_shape[-3])
             if len(q_shape) < 4 or hq is None or hk is None or hq % hk:
                 raise NotAttention(f"Q {q_shape} and K {k_shape}: head counts not a multiple")

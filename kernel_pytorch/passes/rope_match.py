@@ -14,9 +14,8 @@ import torch.fx
 from torch.fx import Node
 
 from kernel_pytorch.ops.triton_utils import MAX_HIDDEN
-from kernel_pytorch.passes.attention_match import same_shape
 from kernel_pytorch.passes.normalize import is_call
-from kernel_pytorch.passes.shape_constants import example_value, static_int
+from kernel_pytorch.passes.shape_constants import example_value, same_shape, static_int
 
 __all__ = ["RopeMatch", "match_rope_formula", "validate_match", "fold_partial_rotary", "tensor_of"]
 

@@ -21,7 +21,7 @@ import torch.fx
 from torch.fx import Node
 
 __all__ = ["Bindings", "ConstantEvaluator", "Evaluation", "example_value", "describe_node", "is_buffer",
-           "static_int", "static_numel", "MAX_EVALUATED_ELEMENTS"]
+           "static_int", "static_numel", "same_shape", "MAX_EVALUATED_ELEMENTS"]
 
 # A mask intermediate bigger than this (elements) is not evaluated to check causality. 2**28 covers
 # L = 16384 (a 1 GiB float32 intermediate, evaluated once per capture on the host); at 2**26 the H100
@@ -310,6 +310,22 @@ class ConstantEvaluator:
     def _numel(self, value: torch.Tensor) -> Optional[int]:
         shape = self._shape(value)
         return None if shape is None else int(torch.Size(shape).numel())
+
+
+def _known_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return bool(statically_known_true(a == b))
+    except Exception:  # sizes that cannot be compared count as different: the match is then skipped
+        return False
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    """Equal shapes, SymInts compared without adding guards (unknown counts as different)."""
+    return len(a) == len(b) and all(_known_equal(x, y) for x, y in zip(a, b))
 
 
 def static_numel(value: torch.Tensor) -> Optional[int]:
