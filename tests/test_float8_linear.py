@@ -125,11 +125,11 @@ def test_scale_formulas():
     t = torch.tensor([[1.0, -4.0], [0.0, 0.0], [2.0, 0.5]])
     e4m3 = torch.float8_e4m3fn
     fmax = torch.finfo(e4m3).max
-    assert float(F8.tensorwise_scale(t, e4m3)) == pytest.approx(fmax / 4.0)
-    rows = F8.rowwise_scale(t, e4m3)
-    assert rows.shape == (3, 1) and rows.dtype == torch.float32
-    torch.testing.assert_close(rows.squeeze(1), torch.tensor([fmax / 4, fmax / F8.EPS, fmax / 2]))
+    _, inv = F8.quantize(t, e4m3, "tensorwise")
+    assert inv.shape == () and float(inv) == pytest.approx(4.0 / fmax)
     q, inv = F8.quantize(t, e4m3, "rowwise")
+    assert inv.shape == (3, 1) and inv.dtype == torch.float32
+    torch.testing.assert_close(inv.squeeze(1), torch.tensor([4 / fmax, F8.EPS / fmax, 2 / fmax]))
     assert q.dtype == e4m3 and float(q.float().abs().max()) == fmax  # each row's amax maps to fp8_max
     torch.testing.assert_close(q.float() * inv, t)  # these values are exact in e4m3
     with pytest.raises(ValueError, match="recipe"):
@@ -180,10 +180,13 @@ def test_opcheck():
     b = torch.randn(32, requires_grad=True)
     for recipe in RECIPES:
         torch.library.opcheck(torch.ops.kernel_pytorch.float8_linear.default,
-                              (x, w, b, recipe, True, torch.float8_e4m3fn, torch.float8_e5m2))
-        torch.library.opcheck(torch.ops.kernel_pytorch.float8_linear_backward.default,
-                              (torch.randn(20, 32), x.detach(), w.detach(), recipe, True,
-                               torch.float8_e4m3fn, torch.float8_e5m2, True, False))
+                              (x, w, b, recipe, True, torch.float8_e4m3fn, torch.float8_e5m2, True))
+        _, x_t, x_t_inv, w_amax = torch.ops.kernel_pytorch.float8_linear(x.detach(), w.detach(), None, recipe, True,
+                                                                         torch.float8_e4m3fn, torch.float8_e5m2, True)
+        for need_x, need_w in ((True, False), (False, True), (True, True)):
+            torch.library.opcheck(torch.ops.kernel_pytorch.float8_linear_backward.default,
+                                  (torch.randn(20, 32), x_t, x_t_inv, w.detach(), w_amax, recipe, True,
+                                   torch.float8_e4m3fn, torch.float8_e5m2, need_x, need_w))
 
 
 # --------------------------------------------------------------------------------------- module, state

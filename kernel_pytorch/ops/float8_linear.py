@@ -10,12 +10,11 @@
 ``q(t, dtype)`` casts ``t * scale`` to the float8 ``dtype`` (saturating at its largest finite value); the
 matmul then multiplies its fp32 accumulator by ``1 / scale`` of each operand. ``fwd`` is E4M3 (more
 mantissa, for values), ``bwd`` is E5M2 (more range, for gradients), the split torchao's Float8Linear uses.
-The backward requantizes x and W from the high-precision copies autograd saves (x as nn.Linear saves it,
-W is the Parameter), because rowwise scales run along each matmul's reduction dimension, which differs
-between the three matmuls.
+Rowwise scales run along each matmul's reduction dimension, which differs between the three matmuls,
+so each operand is quantized once per use (x along K and along M, W along K and along N, dy along N
+and along M); tensorwise shares one scale between an operand's two uses.
 
-Recipes (the scale functions, :func:`tensorwise_scale` and :func:`rowwise_scale`, are the only place
-scales are computed):
+Recipes (the formulas live in :mod:`kernel_pytorch.ops.float8_cast`, the only place scales are computed):
 
     tensorwise   scale = fp8_max / max(amax(|t|), EPS)                     one fp32 scalar per tensor
     rowwise      scale[i] = fp8_max / max(amax_j(|t[i, j]|), EPS)          one per row, j the reduction dim
@@ -29,12 +28,13 @@ dequantizes to fp32 and multiplies in fp32, on any device: the CPU path and the 
 AMD MI300, whose float8 formats are the ``*fnuz`` dtypes: pass them as ``forward_dtype`` /
 ``backward_dtype`` there); anywhere else it raises, pointing at ``emulate=True``.
 
-Not fused (future work, stated plainly): the amax reduction and the cast are separate PyTorch ops here,
-two reads of each tensor. The issue asks for amax computed in the same kernel that casts (one Triton
-kernel per operand, as torchao's fused cast does); that kernel does not exist yet. Under
-``torch.compile`` Inductor may fuse the reduction and the cast on its own, but nothing here relies on it.
+Quantization (:mod:`kernel_pytorch.ops.float8_cast`): one Triton pass computes the maxima, a second
+scales, casts and writes each layout a matmul needs, so the backward never transposes: the forward
+writes x both as (M, K) for itself and as (K, M) for the weight gradient, and saves that fp8 copy (half
+of x's bytes) instead of x; W's column maxima (for W.T in the input gradient) come from the same pass
+as its row maxima. On other devices the same formulas run as PyTorch ops.
 
-Layers (DESIGN.md "Kernels"): scale functions + :func:`quantize` -> :func:`float8_mm_fwd` /
+Layers (DESIGN.md "Kernels"): ``float8_cast`` kernels -> :func:`float8_mm_fwd` /
 :func:`float8_mm_bwd` (emulated or ``_scaled_mm``) -> ``kernel_pytorch::float8_linear`` and
 ``kernel_pytorch::float8_linear_backward`` (custom ops, fake implementations, autograd) ->
 :func:`float8_linear` and :class:`Float8Linear`.
@@ -46,57 +46,32 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Float8Linear", "float8_linear", "float8_eligible", "tensorwise_scale", "rowwise_scale",
-           "quantize", "float8_mm_fwd", "float8_mm_bwd", "RECIPES", "EPS", "FP8_ALIGNMENT"]
+from kernel_pytorch.ops.float8_cast import EPS, FLOAT8_DTYPES, Amax, abs_max, cast, padded
+
+__all__ = ["Float8Linear", "float8_linear", "float8_eligible", "quantize", "float8_mm_fwd", "float8_mm_bwd",
+           "RECIPES", "EPS", "FP8_ALIGNMENT"]
 
 RECIPES = ("tensorwise", "rowwise")
-# Lower bound on amax, so scale = fp8_max / amax stays finite for all-zero tensors/rows (the value
-# torchao and PyTorch's own _scaled_mm tests use: fp8_max / 1e-12 ~ 4.5e14 is far inside fp32's range).
-EPS = 1e-12
-# _scaled_mm requires both dimensions of the second operand, i.e. in/out features, to be multiples of 16.
+# _scaled_mm requires both dimensions of the second operand, i.e. in/out features, to be multiples of 16,
+# and the reduction dimension of each product too (M in the weight gradient: zero-padded to it).
 FP8_ALIGNMENT = 16
 _HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
-_FP8_DTYPES = tuple(getattr(torch, n) for n in
-                    ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
 
 
-# ---------------------------------------------------------------------------------------------- scales
-
-def tensorwise_scale(t: Tensor, fp8_dtype: torch.dtype) -> Tensor:
-    """``fp8_max / max(amax(|t|), EPS)`` as a 0-dim fp32 tensor: one scale for the whole tensor."""
-    amax = t.detach().abs().amax().float()
-    return torch.finfo(fp8_dtype).max / amax.clamp(min=EPS)
-
-
-def rowwise_scale(t: Tensor, fp8_dtype: torch.dtype) -> Tensor:
-    """``fp8_max / max(amax_j(|t[i, j]|), EPS)`` per row of the 2-D ``t``, shape ``(rows, 1)`` fp32.
-
-    The caller lays ``t`` out so that its last dimension is the matmul's reduction dimension: each scale
-    then multiplies a whole row or column of the product, which is what lets the matmul apply it to its
-    accumulator instead of inside the reduction.
-    """
-    amax = t.detach().abs().amax(dim=-1, keepdim=True).float()
-    return torch.finfo(fp8_dtype).max / amax.clamp(min=EPS)
+def _check_recipe(recipe: str) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown float8 recipe {recipe!r}; expected one of {RECIPES}")
 
 
 def quantize(t: Tensor, fp8_dtype: torch.dtype, recipe: str) -> tuple[Tensor, Tensor]:
-    """``(t_fp8, inv_scale)`` of a 2-D ``t`` quantized along its last dimension.
-
-    ``inv_scale = 1 / scale`` (what ``_scaled_mm`` takes) is 0-dim for tensorwise, ``(rows, 1)`` for
-    rowwise. The clamp makes the cast saturate: ``to(float8_e4m3fn)`` of a value past 448 would be NaN.
-    """
-    if recipe == "tensorwise":
-        scale = tensorwise_scale(t, fp8_dtype)
-    elif recipe == "rowwise":
-        scale = rowwise_scale(t, fp8_dtype)
-    else:
-        raise ValueError(f"unknown float8 recipe {recipe!r}; expected one of {RECIPES}")
-    fp8_max = torch.finfo(fp8_dtype).max
-    t_fp8 = (t.float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
-    return t_fp8, scale.reciprocal()
+    """``(t_fp8, inv_scale)`` of a 2-D ``t`` quantized along its last dimension: ``inv_scale = 1 / scale``
+    (what ``_scaled_mm`` takes) is 0-dim for tensorwise, ``(rows, 1)`` for rowwise."""
+    _check_recipe(recipe)
+    tensorwise = recipe == "tensorwise"
+    q = cast(t, abs_max(t, tensorwise, rows=True), fp8_dtype, rows=True)
+    return q.rows, q.rows_inv
 
 
 # ------------------------------------------------------------------------------------------- matmuls
@@ -141,49 +116,52 @@ def _mm(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dty
     mm_dtype = torch.bfloat16 if rowwise else out_dtype
     fuse_bias = bias is not None and mm_dtype in (torch.bfloat16, torch.float16) and bias.dtype == mm_dtype
     # The second operand must be column-major: b is row-major (P, R), so b.t() is column-major (R, P).
-    out = torch._scaled_mm(a, b.t(), scale_a=a_inv, scale_b=b_inv.t().contiguous() if rowwise else b_inv,
+    out = torch._scaled_mm(a, b.t(), scale_a=a_inv, scale_b=b_inv.t() if rowwise else b_inv,
                            bias=bias if fuse_bias else None, out_dtype=mm_dtype)
     if bias is not None and not fuse_bias:
         out = out.float() + bias.float()
     return out.to(out_dtype)
 
 
-def _pad_rows(t: Tensor, multiple: int) -> Tensor:
-    """Zero-pad the first dimension of ``t`` to a multiple: padding rows add nothing to a reduction over
-    them and do not change any amax."""
-    pad = -t.shape[0] % multiple
-    return F.pad(t, (0, 0, 0, pad)) if pad else t
-
-
 def float8_mm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: str, emulate: bool,
-                  forward_dtype: torch.dtype) -> Tensor:
-    """``x @ weight.T + bias`` with both operands quantized to ``forward_dtype``; x (M, K), weight (N, K)."""
+                  forward_dtype: torch.dtype, weight_grad: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``x @ weight.T + bias`` with both operands in ``forward_dtype``; x (M, K), weight (N, K).
+
+    Returns ``(out, x_t, x_t_inv, w_col_amax)``: what the backward needs, made in the same passes: x
+    transposed to (K, M padded to 16) in float8, scaled along M (empty without ``weight_grad``: inference
+    and frozen weights skip that write), and the maxima of W along N (the tensor's maximum for
+    tensorwise)."""
     if not emulate:
         _check_fp8_device(x.device)
-    x_fp8, x_inv = quantize(x, forward_dtype, recipe)  # scales along K: per row of x
-    w_fp8, w_inv = quantize(weight, forward_dtype, recipe)  # along K: per output row of W
-    return _mm(x_fp8, x_inv, w_fp8, w_inv, x.dtype, emulate, bias)
+    tensorwise = recipe == "tensorwise"
+    x_q = cast(x, abs_max(x, tensorwise, rows=True, cols=weight_grad), forward_dtype, rows=True, cols=weight_grad,
+               cols_multiple=FP8_ALIGNMENT)  # scales along K for the forward, along M for grad_weight
+    w_amax = abs_max(weight, tensorwise, rows=True, cols=True)
+    w_q = cast(weight, w_amax, forward_dtype, rows=True)
+    out = _mm(x_q.rows, x_q.rows_inv, w_q.rows, w_q.rows_inv, x.dtype, emulate, bias)
+    w_col_amax = w_amax.tensor if tensorwise else w_amax.cols
+    if not weight_grad:
+        return out, x.new_empty(0, dtype=forward_dtype), x.new_empty(0, dtype=torch.float32), w_col_amax
+    return out, x_q.cols, x_q.cols_inv, w_col_amax
 
 
-def float8_mm_bwd(grad_out: Tensor, x: Tensor, weight: Tensor, recipe: str, emulate: bool,
-                  forward_dtype: torch.dtype, backward_dtype: torch.dtype, input_grad: bool = True,
-                  weight_grad: bool = True) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """``(grad_input, grad_weight)``: ``dy @ W`` and ``dy.T @ x`` with dy in ``backward_dtype`` and the
-    other operand requantized in ``forward_dtype``, scales along each product's reduction dimension."""
+def float8_mm_bwd(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, weight: Tensor, w_col_amax: Tensor,
+                  recipe: str, emulate: bool, forward_dtype: torch.dtype, backward_dtype: torch.dtype,
+                  input_grad: bool = True, weight_grad: bool = True) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """``(grad_input, grad_weight)``: ``dy @ W`` and ``dy.T @ x`` with dy in ``backward_dtype``, from what
+    :func:`float8_mm_fwd` returned; scales along each product's reduction dimension."""
     if not emulate:
         _check_fp8_device(grad_out.device)
+    tensorwise = recipe == "tensorwise"
+    dy_q = cast(grad_out, abs_max(grad_out, tensorwise, rows=input_grad, cols=weight_grad), backward_dtype,
+                rows=input_grad, cols=weight_grad, cols_multiple=FP8_ALIGNMENT)
     grad_input = grad_weight = None
-    if input_grad:  # reduce over N: dy (M, N) rows, W.T (K, N) rows
-        g_fp8, g_inv = quantize(grad_out, backward_dtype, recipe)
-        w_fp8, w_inv = quantize(weight.t().contiguous(), forward_dtype, recipe)
-        grad_input = _mm(g_fp8, g_inv, w_fp8, w_inv, x.dtype, emulate)
-    if weight_grad:  # reduce over M: dy.T (N, M) rows, x.T (K, M) rows
-        g, xx = grad_out, x
-        if not emulate:  # _scaled_mm needs the reduction dimension (M here) to be a multiple of 16
-            g, xx = _pad_rows(g, FP8_ALIGNMENT), _pad_rows(xx, FP8_ALIGNMENT)
-        g_fp8, g_inv = quantize(g.t().contiguous(), backward_dtype, recipe)
-        x_fp8, x_inv = quantize(xx.t().contiguous(), forward_dtype, recipe)
-        grad_weight = _mm(g_fp8, g_inv, x_fp8, x_inv, weight.dtype, emulate)
+    if input_grad:  # reduce over N: dy (M, N) per row, W.T (K, N) per row
+        w_amax = Amax(tensor=w_col_amax) if tensorwise else Amax(cols=w_col_amax)
+        w_t = cast(weight, w_amax, forward_dtype, rows=False, cols=True)
+        grad_input = _mm(dy_q.rows, dy_q.rows_inv, w_t.cols, w_t.cols_inv, grad_out.dtype, emulate)
+    if weight_grad:  # reduce over M: dy.T (N, M) per row, x.T (K, M) per row
+        grad_weight = _mm(dy_q.cols, dy_q.cols_inv, x_t, x_t_inv, weight.dtype, emulate)
     return grad_input, grad_weight
 
 
@@ -191,50 +169,62 @@ def float8_mm_bwd(grad_out: Tensor, x: Tensor, weight: Tensor, recipe: str, emul
 
 @torch.library.custom_op("kernel_pytorch::float8_linear", mutates_args=())
 def _float8_linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: str, emulate: bool,
-                      forward_dtype: torch.dtype, backward_dtype: torch.dtype) -> Tensor:
-    return float8_mm_fwd(x, weight, bias, recipe, emulate, forward_dtype)
+                      forward_dtype: torch.dtype, backward_dtype: torch.dtype,
+                      weight_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    out, x_t, x_t_inv, w_col_amax = float8_mm_fwd(x, weight, bias, recipe, emulate, forward_dtype, weight_grad)
+    # The fp8 bytes leave the op as uint8: integer outputs are data to autograd and to the op checkers
+    # (which would otherwise try to sum and multiply float8 tensors); the backward views them back.
+    return out, x_t.view(torch.uint8), x_t_inv, w_col_amax
 
 
 @_float8_linear_op.register_fake
-def _(x, weight, bias, recipe, emulate, forward_dtype, backward_dtype):
-    return x.new_empty((x.shape[0], weight.shape[0]))
+def _(x, weight, bias, recipe, emulate, forward_dtype, backward_dtype, weight_grad):
+    (m, k), n = x.shape, weight.shape[0]
+    x_t_shape = (k, padded(m, FP8_ALIGNMENT)) if weight_grad else (0,)
+    x_t_inv_shape = (0,) if not weight_grad else () if recipe == "tensorwise" else (k, 1)
+    return (x.new_empty((m, n)), x.new_empty(x_t_shape, dtype=torch.uint8), x.new_empty(x_t_inv_shape, dtype=torch.float32),
+            x.new_empty((1,) if recipe == "tensorwise" else (k,), dtype=torch.float32))
 
 
 @torch.library.custom_op("kernel_pytorch::float8_linear_backward", mutates_args=())
-def _float8_linear_backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, recipe: str, emulate: bool,
-                               forward_dtype: torch.dtype, backward_dtype: torch.dtype, input_grad: bool,
-                               weight_grad: bool) -> list[Tensor]:
-    gi, gw = float8_mm_bwd(grad_out, x, weight, recipe, emulate, forward_dtype, backward_dtype,
-                           input_grad, weight_grad)
+def _float8_linear_backward_op(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, weight: Tensor, w_col_amax: Tensor,
+                               recipe: str, emulate: bool, forward_dtype: torch.dtype, backward_dtype: torch.dtype,
+                               input_grad: bool, weight_grad: bool) -> list[Tensor]:
+    gi, gw = float8_mm_bwd(grad_out, x_t.view(forward_dtype), x_t_inv, weight, w_col_amax, recipe, emulate, forward_dtype,
+                           backward_dtype, input_grad, weight_grad)
     # A custom op cannot return None: an unneeded gradient comes back as an empty tensor.
-    return [gi if gi is not None else x.new_empty(0), gw if gw is not None else weight.new_empty(0)]
+    return [gi if gi is not None else grad_out.new_empty(0), gw if gw is not None else weight.new_empty(0)]
 
 
 @_float8_linear_backward_op.register_fake
-def _(grad_out, x, weight, recipe, emulate, forward_dtype, backward_dtype, input_grad, weight_grad):
-    return [x.new_empty(x.shape if input_grad else (0,)), weight.new_empty(weight.shape if weight_grad else (0,))]
+def _(grad_out, x_t, x_t_inv, weight, w_col_amax, recipe, emulate, forward_dtype, backward_dtype, input_grad,
+      weight_grad):
+    m, k = grad_out.shape[0], weight.shape[1]
+    return [grad_out.new_empty((m, k) if input_grad else (0,)), weight.new_empty(weight.shape if weight_grad else (0,))]
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, recipe, emulate, forward_dtype, backward_dtype = inputs
-    ctx.save_for_backward(x, weight)
+    x, weight, bias, recipe, emulate, forward_dtype, backward_dtype, _weight_grad = inputs
+    _, x_t, x_t_inv, w_col_amax = output
+    ctx.save_for_backward(x_t, x_t_inv, weight, w_col_amax)
+    ctx.mark_non_differentiable(x_t_inv, w_col_amax)
     ctx.config = (recipe, emulate, forward_dtype, backward_dtype)
     ctx.bias_dtype = bias.dtype if bias is not None else None
 
 
-def _backward(ctx, grad_out):
-    x, weight = ctx.saved_tensors
+def _backward(ctx, grad_out, *_unused):
+    x_t, x_t_inv, weight, w_col_amax = ctx.saved_tensors
     recipe, emulate, forward_dtype, backward_dtype = ctx.config
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     grad_out = grad_out.contiguous()
     gi = gw = gb = None
     if need_x or need_w:
-        gi, gw = _float8_linear_backward_op(grad_out, x, weight, recipe, emulate, forward_dtype,
-                                            backward_dtype, need_x, need_w)
+        gi, gw = _float8_linear_backward_op(grad_out, x_t, x_t_inv, weight, w_col_amax, recipe, emulate,
+                                            forward_dtype, backward_dtype, need_x, need_w)
         gi, gw = (gi if need_x else None), (gw if need_w else None)
     if need_b:
         gb = grad_out.float().sum(0).to(ctx.bias_dtype)
-    return gi, gw, gb, None, None, None, None
+    return gi, gw, gb, None, None, None, None, None
 
 
 _float8_linear_op.register_autograd(_backward, setup_context=_setup_context)
@@ -249,11 +239,12 @@ def float8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, reci
     if recipe not in RECIPES:
         raise ValueError(f"unknown float8 recipe {recipe!r}; expected one of {RECIPES}")
     for name, dt in (("forward_dtype", forward_dtype), ("backward_dtype", backward_dtype)):
-        if dt not in _FP8_DTYPES:
+        if dt not in FLOAT8_DTYPES:
             raise ValueError(f"{name} must be a float8 dtype, got {dt}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    out = _float8_linear_op(x2, weight, bias, recipe, emulate, forward_dtype, backward_dtype)
+    weight_grad = torch.is_grad_enabled() and weight.requires_grad
+    out = _float8_linear_op(x2, weight, bias, recipe, emulate, forward_dtype, backward_dtype, weight_grad)[0]
     return out.reshape(*lead, weight.shape[0])
 
 

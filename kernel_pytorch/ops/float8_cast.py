@@ -1,0 +1,250 @@
+"""Dynamic float8 quantization of a 2-D tensor: the amax reduction and the scaled, saturating cast, in
+two Triton kernels that each read the tensor once, with a PyTorch path of identical numerics elsewhere.
+
+    scale  = fp8_max / max(amax, EPS)            fp32, rounded to nearest (div_rn)
+    q      = saturate(t * scale) as float8       rounded to nearest even, clamped to +-fp8_max
+    inv    = 1 / scale                           what torch._scaled_mm takes, rounded to nearest
+
+``amax`` is one of three reductions of ``|t|`` for a 2-D ``t`` of shape (R, C): the whole tensor
+("tensorwise"), each row (over C), or each column (over R). A float8 matmul wants each operand's scales
+along its *reduction* dimension, and an operand is used both ways in training (x is reduced over K in
+the forward and over M in the weight gradient), so one :func:`abs_max` pass can produce the row and the
+column maxima together, and one :func:`cast` pass can write both layouts: ``rows`` (R, C) scaled per row
+and ``cols`` = the transpose (C, R) scaled per column, ready for ``_scaled_mm`` without another transpose.
+Tensorwise uses the one scalar for both.
+
+Why two kernels and not one: a scale depends on a maximum over the whole row/column/tensor, which a
+tiled kernel only knows after every tile has been read. Both kernels are tiled (64 x 128 elements per
+program, grid over both dimensions) so that any (R, C) fills the GPU; the maxima meet through fp32
+``atomic_max`` on buffers the caller zeroes (|t| >= 0, so 0 is the identity). Bytes moved for a bf16
+(R, C) operand cast to both layouts: 2 reads + 2 one-byte writes = 6 bytes per element; the eager
+chain it replaces (abs, amax, float, mul, clamp, to, transpose, contiguous) moved ~30.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kernel_pytorch.ops.triton_utils import device_guard, jit, tl, triton, use_triton
+
+__all__ = ["Float8Cast", "Amax", "abs_max", "cast", "EPS", "FLOAT8_DTYPES", "padded"]
+
+# Lower bound on amax, so scale = fp8_max / amax stays finite for all-zero tensors/rows (the value
+# torchao and PyTorch's own _scaled_mm tests use: fp8_max / 1e-12 ~ 4.5e14 is far inside fp32's range).
+EPS = 1e-12
+FLOAT8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                      if hasattr(torch, n))
+_BLOCK_R, _BLOCK_C = 64, 128  # 8192 elements (16 KB of bf16) per program: 8 warps, no spills
+
+
+def padded(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple (``_scaled_mm`` wants its reduction dimension a multiple of 16)."""
+    return (n + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True)
+class Amax:
+    """fp32 maxima of ``|t|``: ``tensor`` (shape (1,)) for tensorwise scaling, else ``rows`` (R,) and/or
+    ``cols`` (C,) for rowwise scaling along the columns / the rows."""
+
+    tensor: Optional[Tensor] = None
+    rows: Optional[Tensor] = None
+    cols: Optional[Tensor] = None
+
+    @property
+    def tensorwise(self) -> bool:
+        return self.tensor is not None
+
+
+@dataclass(frozen=True)
+class Float8Cast:
+    """The outputs of :func:`cast`: ``rows`` (R, C) float8 with ``rows_inv`` ((R, 1), or 0-dim for
+    tensorwise), and ``cols`` (C, R padded) float8, the transpose, with ``cols_inv`` ((C, 1) or 0-dim).
+    Either pair is None when it was not asked for."""
+
+    rows: Optional[Tensor] = None
+    rows_inv: Optional[Tensor] = None
+    cols: Optional[Tensor] = None
+    cols_inv: Optional[Tensor] = None
+
+
+def abs_max(t: Tensor, tensorwise: bool, rows: bool = False, cols: bool = False) -> Amax:
+    """The maxima of ``|t|`` a cast needs: the tensor's (``tensorwise``), or those of its rows and/or columns."""
+    if tensorwise:
+        rows = cols = False
+    if t.dim() != 2:
+        raise ValueError(f"float8 casts take 2-D tensors, got shape {tuple(t.shape)}")
+    if not use_triton(t):
+        a = t.detach().abs().float()
+        return Amax(tensor=a.amax().reshape(1) if tensorwise else None, rows=a.amax(1) if rows else None,
+                    cols=a.amax(0) if cols else None)
+    zeros = lambda n: torch.zeros(n, device=t.device, dtype=torch.float32)  # noqa: E731
+    out = Amax(tensor=zeros(1) if tensorwise else None, rows=zeros(t.shape[0]) if rows else None,
+               cols=zeros(t.shape[1]) if cols else None)
+    any_out = _or(out.tensor, out.rows, out.cols)
+    with device_guard(t):
+        _abs_max_kernel[_grid(t)](
+            t, _or(out.tensor, any_out), _or(out.rows, any_out), _or(out.cols, any_out),
+            t.shape[0], t.shape[1], t.stride(0), t.stride(1),
+            TENSOR=tensorwise, ROWS=rows, COLS=cols, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=8)
+    return out
+
+
+def cast(t: Tensor, amax: Amax, fp8_dtype: torch.dtype, rows: bool = True, cols: bool = False,
+         cols_multiple: int = 1) -> Float8Cast:
+    """``t`` (R, C) scaled and cast to ``fp8_dtype``: ``rows`` in its own layout, ``cols`` transposed to
+    (C, R) with R zero-padded to a multiple of ``cols_multiple`` (zeros add nothing to a reduction over R)."""
+    if fp8_dtype not in FLOAT8_DTYPES:
+        raise ValueError(f"not a float8 dtype: {fp8_dtype}")
+    r, c = t.shape
+    fp8_max = torch.finfo(fp8_dtype).max
+    if not use_triton(t):
+        return _cast_reference(t, amax, fp8_dtype, fp8_max, rows, cols, cols_multiple)
+    tensorwise = amax.tensorwise
+    if not tensorwise and ((rows and amax.rows is None) or (cols and amax.cols is None)):
+        raise ValueError("rowwise cast needs the row maxima for `rows` and the column maxima for `cols`")
+    r_pad = padded(r, cols_multiple)
+    new = lambda *shape, zero=False: (torch.zeros if zero else torch.empty)(  # noqa: E731
+        *shape, device=t.device, dtype=fp8_dtype)
+    scale_shape = lambda n: () if tensorwise else (n, 1)  # noqa: E731
+    out = Float8Cast(
+        rows=new(r, c) if rows else None,
+        rows_inv=torch.empty(scale_shape(r), device=t.device, dtype=torch.float32) if rows else None,
+        cols=new(c, r_pad, zero=r_pad != r) if cols else None,
+        cols_inv=torch.empty(scale_shape(c), device=t.device, dtype=torch.float32) if cols else None)
+    row_amax = amax.tensor if tensorwise else amax.rows
+    col_amax = amax.tensor if tensorwise else amax.cols
+    some = _or(out.rows, out.cols)
+    with device_guard(t):
+        _cast_kernel[_grid(t)](
+            t, _or(out.rows, some), _or(out.cols, some), _or(row_amax, col_amax), _or(col_amax, row_amax),
+            _or(out.rows_inv, out.cols_inv), _or(out.cols_inv, out.rows_inv),
+            r, c, t.stride(0), t.stride(1), c, r_pad,
+            FP8_MAX=fp8_max, EPS=EPS, TENSORWISE=tensorwise, ROWS=rows, COLS=cols,
+            BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=8)
+    return out
+
+
+def _or(*candidates: Optional[Tensor]) -> Tensor:
+    """The first tensor given: a pointer for a kernel argument the constexpr flags say is never touched."""
+    return next(c for c in candidates if c is not None)
+
+
+def _grid(t: Tensor) -> tuple[int, int]:
+    return triton.cdiv(t.shape[0], _BLOCK_R), triton.cdiv(t.shape[1], _BLOCK_C)
+
+
+def _scale_of(amax: Tensor, fp8_max: float) -> Tensor:
+    # Tensor / tensor: ``fp8_max / amax`` with a Python scalar numerator is computed as
+    # ``amax.reciprocal() * fp8_max``, one rounding off from the kernels' correctly rounded division.
+    amax = amax.float().clamp(min=EPS)
+    return torch.full_like(amax, fp8_max) / amax
+
+
+def _cast_reference(t: Tensor, amax: Amax, fp8_dtype: torch.dtype, fp8_max: float, rows: bool, cols: bool,
+                    cols_multiple: int) -> Float8Cast:
+    """The PyTorch path: the same formulas as the kernels, on any device."""
+    x = t.detach().float()
+
+    def quantized(values: Tensor, scale: Tensor) -> Tensor:
+        return (values * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+
+    def scales(per: Optional[Tensor]) -> Tensor:
+        return _scale_of(amax.tensor.reshape(()) if amax.tensorwise else per.reshape(-1, 1), fp8_max)
+
+    out: dict[str, Tensor] = {}
+    if rows:
+        scale = scales(amax.rows)
+        out.update(rows=quantized(x, scale), rows_inv=scale.reciprocal())
+    if cols:
+        scale = scales(amax.cols)
+        pad = padded(x.shape[0], cols_multiple) - x.shape[0]
+        transposed = torch.nn.functional.pad(x.t(), (0, pad)) if pad else x.t()
+        out.update(cols=quantized(transposed, scale).contiguous(), cols_inv=scale.reciprocal())
+    return Float8Cast(**out)
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+@jit
+def _abs_max_kernel(
+    X,  # (n_rows, n_cols) input
+    TENSOR_AMAX,  # (1,) fp32, zeroed: max |x| over the tensor (if TENSOR)
+    ROW_AMAX,  # (n_rows,) fp32, zeroed: max |x| of each row (if ROWS)
+    COL_AMAX,  # (n_cols,) fp32, zeroed: max |x| of each column (if COLS)
+    n_rows, n_cols, stride_r, stride_c,
+    TENSOR: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask, col_mask = rows < n_rows, cols < n_cols
+    offsets = rows.to(tl.int64)[:, None] * stride_r + cols.to(tl.int64)[None, :] * stride_c
+    a = tl.abs(tl.load(X + offsets, mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32))
+    if TENSOR:
+        tl.atomic_max(TENSOR_AMAX, tl.max(tl.max(a, axis=1), axis=0))
+    if ROWS:
+        tl.atomic_max(ROW_AMAX + rows, tl.max(a, axis=1), mask=row_mask)
+    if COLS:
+        tl.atomic_max(COL_AMAX + cols, tl.max(a, axis=0), mask=col_mask)
+
+
+@jit
+def _scale(AMAX, index, mask, FP8_MAX: tl.constexpr, EPS: tl.constexpr):
+    """fp8_max / max(amax, EPS), correctly rounded like PyTorch's fp32 division."""
+    amax = tl.load(AMAX + index, mask=mask, other=1.0)
+    return tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), tl.maximum(amax, EPS))
+
+
+@jit
+def _cast_kernel(
+    X,  # (n_rows, n_cols) input
+    OUT,  # (n_rows, n_cols) float8, row stride stride_out: x scaled per row (if ROWS)
+    OUT_T,  # (n_cols, >= n_rows) float8, row stride stride_out_t: x transposed, scaled per column (if COLS)
+    ROW_AMAX,  # (n_rows,) fp32, or (1,) if TENSORWISE
+    COL_AMAX,  # (n_cols,) fp32, or (1,) if TENSORWISE
+    ROW_INV,  # (n_rows,) fp32 out: 1 / row scale (one value if TENSORWISE)
+    COL_INV,  # (n_cols,) fp32 out: 1 / column scale (one value if TENSORWISE)
+    n_rows, n_cols, stride_r, stride_c, stride_out, stride_out_t,
+    FP8_MAX: tl.constexpr, EPS: tl.constexpr, TENSORWISE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask, col_mask = rows < n_rows, cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_r + cols64[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+    first = tl.arange(0, 1)
+    if ROWS:
+        if TENSORWISE:
+            scale = _scale(ROW_AMAX, first, first < 1, FP8_MAX, EPS)
+            q = tl.clamp(x * tl.reshape(scale, (1, 1)), -FP8_MAX, FP8_MAX)
+            if (pid_r == 0) & (pid_c == 0):
+                tl.store(ROW_INV + first, tl.math.div_rn(tl.full((1,), 1.0, tl.float32), scale))
+        else:
+            scale = _scale(ROW_AMAX, rows, row_mask, FP8_MAX, EPS)
+            q = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX)
+            if pid_c == 0:
+                tl.store(ROW_INV + rows, tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), scale), mask=row_mask)
+        tl.store(OUT + rows64[:, None] * stride_out + cols64[None, :], q.to(OUT.dtype.element_ty), mask=mask)
+    if COLS:
+        if TENSORWISE:
+            scale = _scale(COL_AMAX, first, first < 1, FP8_MAX, EPS)
+            q = tl.clamp(x * tl.reshape(scale, (1, 1)), -FP8_MAX, FP8_MAX)
+            if (pid_r == 0) & (pid_c == 0):
+                tl.store(COL_INV + first, tl.math.div_rn(tl.full((1,), 1.0, tl.float32), scale))
+        else:
+            scale = _scale(COL_AMAX, cols, col_mask, FP8_MAX, EPS)
+            q = tl.clamp(x * scale[None, :], -FP8_MAX, FP8_MAX)
+            if pid_r == 0:
+                tl.store(COL_INV + cols, tl.math.div_rn(tl.full((BLOCK_C,), 1.0, tl.float32), scale), mask=col_mask)
+        # The transposed tile: contiguous along the rows of x, which Triton's coalescing turns into
+        # wide stores through shared memory.
+        q_t = tl.trans(q.to(OUT_T.dtype.element_ty))
+        tl.store(OUT_T + cols64[:, None] * stride_out_t + rows64[None, :], q_t,
+                 mask=col_mask[:, None] & row_mask[None, :])
