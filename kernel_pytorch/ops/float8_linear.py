@@ -50,7 +50,8 @@ from torch import Tensor
 
 from kernel_pytorch.ops.float8_cast import EPS, FLOAT8_DTYPES, Amax, abs_max, cast, padded
 
-__all__ = ["Float8Linear", "float8_linear", "float8_eligible", "quantize", "float8_mm_fwd", "float8_mm_bwd",
+__all__ = ["Float8Linear", "float8_linear", "float8_eligible", "float8_hardware_reason", "float8_dtypes_for",
+           "quantize", "float8_mm_fwd", "float8_mm_bwd",
            "RECIPES", "EPS", "FP8_ALIGNMENT"]
 
 RECIPES = ("tensorwise", "rowwise")
@@ -76,24 +77,37 @@ def quantize(t: Tensor, fp8_dtype: torch.dtype, recipe: str) -> tuple[Tensor, Te
 
 # ------------------------------------------------------------------------------------------- matmuls
 
-def _check_fp8_device(device: torch.device) -> None:
-    """Raise unless ``device`` can run ``torch._scaled_mm``."""
-    hint = "use Float8Linear.from_linear(..., emulate=True) to run the same numerics in fp32"
+def float8_hardware_reason(device: torch.device) -> Optional[str]:
+    """None when ``device`` can run ``torch._scaled_mm``, else why not."""
     if device.type != "cuda":
-        raise RuntimeError(
-            f"Float8Linear with emulate=False needs FP8 matmuls (torch._scaled_mm), which need a GPU with "
-            f"compute capability >= 8.9 (Ada, Hopper, Blackwell) or an AMD MI300; got device "
-            f"{device.type!r}: {hint}")
+        return (f"FP8 matmuls (torch._scaled_mm) need a GPU with compute capability >= 8.9 (Ada, Hopper, "
+                f"Blackwell) or an AMD MI300; the model is on {device.type!r}")
     if torch.version.hip is not None:
         arch = torch.cuda.get_device_properties(device).gcnArchName
         if not any(a in arch for a in ("gfx94", "gfx95")):
-            raise RuntimeError(f"Float8Linear with emulate=False needs an MI300 or newer for FP8 matmuls; "
-                               f"got {arch}: {hint}")
-        return
+            return f"FP8 matmuls need an AMD MI300 or newer; this GPU is {arch}"
+        return None
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
-        raise RuntimeError(f"Float8Linear with emulate=False needs compute capability >= 8.9 for FP8 "
-                           f"matmuls; this GPU is {major}.{minor}: {hint}")
+        return f"FP8 matmuls need compute capability >= 8.9; this GPU is {major}.{minor}"
+    return None
+
+
+def float8_dtypes_for(device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(forward, backward) float8 dtypes of ``device``: E4M3/E5M2, in the ``fnuz`` variants on MI300 (gfx94x),
+    whose matrix cores take only those."""
+    if device.type == "cuda" and torch.version.hip is not None:
+        if "gfx94" in torch.cuda.get_device_properties(device).gcnArchName:
+            return torch.float8_e4m3fnuz, torch.float8_e5m2fnuz
+    return torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _check_fp8_device(device: torch.device) -> None:
+    """Raise unless ``device`` can run ``torch._scaled_mm``."""
+    reason = float8_hardware_reason(device)
+    if reason is not None:
+        raise RuntimeError(f"Float8Linear with emulate=False: {reason}; use Float8Linear.from_linear(..., "
+                           f"emulate=True) to run the same numerics in fp32")
 
 
 def _mm(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dtype, emulate: bool,

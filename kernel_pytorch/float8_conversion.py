@@ -1,0 +1,270 @@
+"""The FP8 pass: swap a model's eligible ``nn.Linear`` layers for :class:`~kernel_pytorch.ops.Float8Linear`,
+each only where FP8 is measured faster for that layer's real shape.
+
+    plan = convert_to_float8(model, recipe="tensorwise", decide="auto", example_inputs=(tokens,))
+    print(plan.describe())
+
+Which layers. An ``nn.Linear`` is a candidate when :func:`~kernel_pytorch.ops.float8_linear.float8_eligible`
+accepts it (16-bit or fp32 weights, both dimensions multiples of 16), ``filter_fn(module, fqn)`` (if
+given) returns True, and it is not the output head: the last Linear the forward calls on the example
+inputs (without them, the last one registered). The head is excluded by default because its logits feed a
+softmax over a large vocabulary, where FP8's ~28 dB (measured: benchmarks/results/fp8.json) costs the
+most, and because tied embedding weights would be quantized too.
+
+The decision. ``decide=True`` converts every candidate. ``decide="auto"`` runs each candidate's own
+(M, K, N), recorded by forward hooks on the example inputs, through a forward (+ backward when
+training) in its dtype and in FP8 on this GPU, and converts it only where FP8 is at least
+:data:`MIN_SPEEDUP` faster: no layer ends slower. Measured on an H200 (bf16, forward + backward): FP8
+loses below ~4096 x 4096 x 4096, where the quantization passes and launch costs outweigh the matmul
+saving; at 8192^3 it wins 1.6x (tensorwise). Identical shapes are measured once per process.
+
+Where FP8 cannot run (no GPU, NVIDIA below compute capability 8.9, AMD before MI300) nothing changes
+and :attr:`Float8Plan.skipped_reason` says why; ``optimize`` writes it to the report.
+
+Undo. :meth:`Float8Plan.undo` puts the original ``nn.Linear`` modules back. The swap never copies a
+parameter: ``Float8Linear`` holds the same ``weight`` and ``bias`` objects, so ``state_dict`` keys, values
+and the optimizer's view of the parameters are unchanged.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+import torch
+from torch import nn
+
+from kernel_pytorch.ops.float8_linear import (
+    RECIPES,
+    Float8Linear,
+    float8_dtypes_for,
+    float8_eligible,
+    float8_hardware_reason,
+)
+
+__all__ = ["Float8Plan", "LayerDecision", "convert_to_float8", "MIN_SPEEDUP", "FilterFn"]
+
+FilterFn = Callable[[nn.Module, str], bool]
+# FP8 must beat the layer's own dtype by this factor to be chosen: the timing noise of a warm GPU on
+# these ms-scale steps is ~1-2%, so a smaller margin could pick a layer that is really a tie or a loss.
+MIN_SPEEDUP = 1.05
+_MEASURE_WARMUP, _MEASURE_RUNS = 3, 10
+_measured: dict[tuple, tuple[float, float]] = {}  # (m, k, n, dtype, recipe, training, device) -> (base, fp8) ms
+
+
+@dataclass
+class LayerDecision:
+    """One candidate layer: its shape on the example inputs, the times measured, and what was done."""
+
+    fqn: str
+    shape: tuple[int, int, int] | None  # (M, K, N)
+    converted: bool
+    reason: str
+    base_ms: float | None = None
+    fp8_ms: float | None = None
+
+
+@dataclass
+class Float8Plan:
+    """What :func:`convert_to_float8` did, and how to undo it."""
+
+    recipe: str
+    decisions: list[LayerDecision] = field(default_factory=list)
+    skipped_reason: str | None = None
+    _originals: dict[str, nn.Linear] = field(default_factory=dict, repr=False)
+    _model: nn.Module | None = field(default=None, repr=False)
+
+    @property
+    def converted(self) -> list[str]:
+        return [d.fqn for d in self.decisions if d.converted]
+
+    def describe(self) -> str:
+        if self.skipped_reason is not None:
+            return f"fp8: not applied: {self.skipped_reason}"
+        return (f"fp8 ({self.recipe}): {len(self.converted)} of {len(self.decisions)} candidate linear layers "
+                f"converted")
+
+    def undo(self) -> None:
+        """Put the original ``nn.Linear`` modules back (their parameters were never copied)."""
+        if self._model is not None:
+            for fqn, linear in self._originals.items():
+                _set_submodule(self._model, fqn, linear)
+        self._originals.clear()
+
+
+def convert_to_float8(
+    model: nn.Module,
+    recipe: str = "tensorwise",
+    decide: Union[bool, Literal["auto"]] = "auto",
+    example_inputs: Any = None,
+    filter_fn: FilterFn | None = None,
+    include_output_head: bool = False,
+    training: bool | None = None,
+    emulate: bool = False,
+) -> Float8Plan:
+    """Swap ``model``'s eligible linear layers for :class:`Float8Linear` in place (see the module docstring).
+
+    ``decide="auto"`` needs ``example_inputs`` (the shapes to measure) and a GPU; ``training`` (default:
+    ``model.training``) says whether the backward is part of what is measured. ``emulate=True`` makes
+    layers that run FP8's numerics in fp32 on any device (``decide=True`` only: there is nothing to time).
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown fp8 recipe {recipe!r}; expected one of {RECIPES}")
+    if decide not in (True, "auto"):
+        raise ValueError(f"decide must be True or 'auto', got {decide!r}")
+    if decide == "auto" and example_inputs is None:
+        raise ValueError("fp8='auto' measures each layer's real shape: pass example_inputs (or fp8=True to convert "
+                         "every eligible layer unmeasured)")
+    if emulate and decide != True:  # noqa: E712  (decide is True or "auto")
+        raise ValueError("emulate=True runs FP8 numerics without FP8 speed: use decide=True, nothing to measure")
+    plan = Float8Plan(recipe=recipe, _model=model)
+    plan.skipped_reason = None if emulate else float8_hardware_reason(_parameter_device(model))
+    if plan.skipped_reason is not None:
+        return plan
+    training = model.training if training is None else training
+    linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    shapes, call_order = _record_shapes(model, linears, example_inputs) if example_inputs is not None else ({}, [])
+    head = (call_order or list(linears))[-1:] if not include_output_head else []
+    for fqn, linear in linears.items():
+        decision = _decide(fqn, linear, shapes.get(fqn), head, filter_fn, decide, recipe, training)
+        plan.decisions.append(decision)
+        if decision.converted:
+            plan._originals[fqn] = linear
+            forward_dtype, backward_dtype = float8_dtypes_for(linear.weight.device)
+            _set_submodule(model, fqn, Float8Linear.from_linear(linear, recipe=recipe, emulate=emulate,
+                                                                forward_dtype=forward_dtype,
+                                                                backward_dtype=backward_dtype))
+    return plan
+
+
+def _decide(fqn: str, linear: nn.Linear, shape, head: list[str], filter_fn, decide, recipe: str,
+            training: bool) -> LayerDecision:
+    def skip(reason: str, **times) -> LayerDecision:
+        return LayerDecision(fqn, shape, False, reason, **times)
+
+    reason = float8_eligible(linear)
+    if reason is not None:
+        return skip(reason)
+    if fqn in head:
+        return skip("the output head (include_output_head=True to convert it)")
+    if filter_fn is not None and not filter_fn(linear, fqn):
+        return skip("excluded by filter_fn")
+    if decide is True:
+        return LayerDecision(fqn, shape, True, "fp8=True")
+    if shape is None:
+        return skip("not called on the example inputs: no shape to measure")
+    base_ms, fp8_ms = _measure(shape, linear.weight.dtype, recipe, training, linear.weight.device)
+    times = {"base_ms": base_ms, "fp8_ms": fp8_ms}
+    speedup = base_ms / fp8_ms
+    if speedup < MIN_SPEEDUP:
+        return skip(f"fp8 measured {speedup:.2f}x at (M, K, N) = {shape}, below {MIN_SPEEDUP}x", **times)
+    return LayerDecision(fqn, shape, True, f"fp8 measured {speedup:.2f}x at (M, K, N) = {shape}", **times)
+
+
+def _record_shapes(model: nn.Module, linears: dict[str, nn.Linear], example_inputs: Any):
+    """(M, K, N) of each linear on the example inputs, and the order they were called in."""
+    shapes: dict[str, tuple[int, int, int]] = {}
+    order: list[str] = []
+
+    def hook(fqn):
+        def record(module, inputs, output):
+            x = inputs[0]
+            shapes[fqn] = (x.numel() // x.shape[-1], module.in_features, module.out_features)
+            order.append(fqn)
+        return record
+
+    handles = [m.register_forward_hook(hook(fqn)) for fqn, m in linears.items()]
+    args, kwargs = (((), example_inputs) if isinstance(example_inputs, dict) else
+                    (tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,), {}))
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return shapes, list(dict.fromkeys(reversed(order)))[::-1]
+
+
+def _measure(shape, dtype: torch.dtype, recipe: str, training: bool, device: torch.device) -> tuple[float, float]:
+    """Median ms of one call, forward (+ backward when training), in ``dtype`` and in FP8."""
+    key = (*shape, dtype, recipe, training, str(device))
+    if key not in _measured:
+        m, k, n = shape
+        base = nn.Linear(k, n, bias=False, device=device, dtype=dtype)
+        forward_dtype, backward_dtype = float8_dtypes_for(device)
+        fp8 = Float8Linear.from_linear(base, recipe=recipe, forward_dtype=forward_dtype, backward_dtype=backward_dtype)
+        x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=training)
+        dy = torch.randn(m, n, device=device, dtype=dtype)
+        _measured[key] = (_time_ms(base, x, dy, training), _time_ms(fp8, x, dy, training))
+    return _measured[key]
+
+
+def _time_ms(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, training: bool) -> float:
+    def step():
+        if training:
+            torch.autograd.grad(layer(x), (x, layer.weight), dy)
+        else:
+            with torch.no_grad():
+                layer(x)
+
+    for _ in range(_MEASURE_WARMUP):
+        step()
+    times = []
+    for _ in range(_MEASURE_RUNS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _parameter_device(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _set_submodule(model: nn.Module, fqn: str, module: nn.Module) -> None:
+    parent_name, _, name = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, name, module)
+
+
+# ------------------------------------------------------------------------------------ optimize() glue
+
+def convert_for_config(model: nn.Module, config, example_inputs: Any, training: bool) -> Float8Plan | None:
+    """What ``optimize`` runs before capture: :func:`convert_to_float8` per ``config.fp8*`` (None when off)."""
+    if config.fp8 is False:
+        return None
+    return convert_to_float8(model, recipe=config.fp8_recipe, decide=config.fp8, example_inputs=example_inputs,
+                             filter_fn=config.fp8_filter, include_output_head=config.fp8_include_output_head,
+                             training=training)
+
+
+def record_in_report(plan: Float8Plan | None, model: nn.Module, report) -> None:
+    """One report line per candidate layer, the summary note, and the undo hooked into the roll-back."""
+    if plan is None:
+        return
+    from kernel_pytorch.report import RewriteRecord, SkipRecord
+
+    report.notes.append(plan.describe())
+    for d in plan.decisions:
+        if d.converted:
+            report.rewrites.append(RewriteRecord(pass_name="fp8", location=d.fqn,
+                                                 replacement=f"Float8Linear({plan.recipe}): {d.reason}"))
+        else:
+            report.skipped.append(SkipRecord(pass_name="fp8", location=d.fqn, reason=d.reason))
+    state = getattr(model, "_kernel_pytorch", None)
+    if state is not None and plan.converted:
+        state.module_undo.insert(0, plan.undo)  # undone last, after the graph-level roll-backs
+
+
+def verification_config(plan: Float8Plan | None, config):
+    """``config`` with ``fp8_tolerance`` for every dtype when some layer runs in FP8: the end-to-end check
+    then catches a wrong conversion without failing on FP8's expected rounding."""
+    if plan is None or not plan.converted:
+        return config
+    return config.model_copy(update={"tolerances": {name: config.fp8_tolerance for name in config.tolerances}})
