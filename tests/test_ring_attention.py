@@ -278,6 +278,27 @@ def test_without_process_group_is_plain_attention():
     assert torch.equal(gather_sequence(shard_sequence(q, 2), 2), q)
 
 
+@pytest.mark.parametrize("kernel", ["math", "cpu_flash"])
+def test_gradient_laid_out_unlike_the_output(kernel):
+    """Inputs in (B, L, H, D) memory as models make them, and output gradients in both layouts (one of them
+    unlike the output's, which the backward copies into the output's layout for the fused kernels)."""
+    torch.manual_seed(0)
+
+    def blhd(heads):
+        return torch.randn(2, 6, heads, 8, dtype=torch.float64).transpose(1, 2).requires_grad_()
+
+    q, k, v = blhd(4), blhd(2), blhd(2)
+    expected = _reference_attention(q, k, v, causal=True, scale=None)
+    out = ring_attention(q, k, v, causal=True, kernel=kernel)
+    assert _rel(out, expected) < _TOLERANCE
+    grads = [torch.randn(2, 4, 6, 8, dtype=torch.float64), blhd(4).detach()]
+    assert any(grad.stride() != out.stride() for grad in grads)
+    for grad in grads:
+        actual = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+        wanted = torch.autograd.grad(expected, (q, k, v), grad, retain_graph=True)
+        assert max(_rel(a, w) for a, w in zip(actual, wanted)) < _TOLERANCE
+
+
 def test_group_without_initialized_distributed_raises():
     with pytest.raises(ValueError, match="not initialized"):
         ring_attention(*_tensors(2, 2, 4), group=object())

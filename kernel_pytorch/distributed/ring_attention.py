@@ -166,9 +166,19 @@ def _merge_block(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor,
     each side is weighted by exp(its LSE - merged LSE), both <= 1, so nothing overflows."""
     out_rows, lse_rows = _rows(out, rows), _rows(lse, rows)
     merged = torch.logaddexp(lse_rows, block_lse)
+    # two passes over the fp32 output (mul_, then addcmul_ reading the block's output in its own dtype):
+    # the merge is memory-bound, about 4 bytes x 4.5 per output element per step
     out_rows.mul_(torch.exp(lse_rows - merged).unsqueeze(-1))
-    out_rows.add_(block_out * torch.exp(block_lse - merged).unsqueeze(-1))
+    out_rows.addcmul_(block_out, torch.exp(block_lse - merged).unsqueeze(-1))
     lse_rows.copy_(merged)
+
+
+def _with_layout_of(out: Tensor, grad_out: Tensor) -> Tensor:
+    """``grad_out`` in ``out``'s memory layout, which is the first block kernel's (flash: (B, L, H, D)
+    memory, as SDPA returns it): the fused backward kernels then copy neither to a common layout."""
+    if grad_out.stride() == out.stride():
+        return grad_out
+    return torch.empty_like(out).copy_(grad_out)  # empty_like keeps a dense tensor's strides
 
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, options: _RingOptions) -> tuple[Tensor, Tensor]:
@@ -183,7 +193,8 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, options: _RingOptions) -> tup
         block_out, block_lse = block_attention_forward(
             _rows(q, block.q_rows), _rows(k_held, block.kv_rows), _rows(v_held, block.kv_rows),
             causal=block.causal, scale=options.scale, kernel=options.kernel)
-        if out is None:  # step 0 covers every query row (the own block: each query sees at least itself)
+        if out is None:  # step 0 covers every query row (the own block: each query sees at least itself);
+            # .to keeps the kernel's layout, so the output is laid out as the kernel's (and SDPA's) would be
             out, lse = block_out.to(dtype, copy=True), block_lse.to(dtype, copy=True)
         else:
             _merge_block(out, lse, block_out, block_lse, block.q_rows)
@@ -197,7 +208,7 @@ def _ring_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     """(dq, dk, dv) of this rank's shard. The dK/dV of the block held at step s are passed on after the
     step's compute and waited for one step later, so that transfer too runs behind a block's compute."""
     ranks, dtype = options.ranks, accumulation_dtype(q.dtype)
-    grad_out = grad_out.contiguous()  # dense rows like ``out``: cuDNN builds its graph from both layouts
+    grad_out = _with_layout_of(out, grad_out)
     kv = _pack(k, v)
     grad_q = torch.zeros(q.shape, dtype=dtype, device=q.device)
     pending_kv_grad: PendingReceive | None = None
