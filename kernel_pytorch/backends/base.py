@@ -78,7 +78,10 @@ class Backend:
     # Every backend runs these; the attention pass's kernel choice is per backend (attention/dispatch.py).
     # "rope" before "attention": the attention matcher takes Q and K from the RoPE call's outputs as it
     # does from any other node (either order matches; this one keeps attention's Q, K operands final).
-    graph_passes: ClassVar[tuple[str, ...]] = ("normalize", "norms", "activations", "rope", "attention")
+    # "horizontal_gemm" before "activations": a gate/up pair it fuses is split with chunk(gate_up, 2, -1),
+    # which the activations pass then turns into one packed gated activation.
+    graph_passes: ClassVar[tuple[str, ...]] = ("normalize", "norms", "horizontal_gemm", "activations", "rope",
+                                               "attention")
     module_passes: ClassVar[tuple[str, ...]] = ()
     kernels: ClassVar[tuple[Kernel, ...]] = ()
 
