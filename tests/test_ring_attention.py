@@ -136,6 +136,7 @@ def _error_cases(world_size) -> dict:
             # only rank 0 is wrong: the shape check must make every rank raise, not leave the others waiting
             "one_rank_odd_length": lambda: ring_attention(*_tensors(2, 2, 3 if rank == 0 else 4), causal=True),
             "heads_differ": lambda: ring_attention(*_tensors(2 + 2 * rank, 2, 4)),
+            "kernels_differ": lambda: ring_attention(*_tensors(2, 2, 4), kernel="math" if rank else "cpu_flash"),
             "gather_lengths_differ": lambda: gather_sequence(torch.zeros(2, 2 + 2 * rank), 1),
         })
     results = {name: _raised(case) for name, case in cases.items()}
@@ -221,6 +222,7 @@ _EXPECTED_ERRORS = {
     "shard_indivisible": "is not divisible by 2 x world size",
     "one_rank_odd_length": "every rank must pass the same shapes",
     "heads_differ": "every rank must pass the same shapes",
+    "kernels_differ": "every rank must pass the same shapes, dtypes and options",
     "gather_lengths_differ": "every rank must pass the same shapes",
 }
 

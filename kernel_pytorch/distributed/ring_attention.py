@@ -71,11 +71,13 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     """
     ranks = RankGroup.of(group)
     kernel = default_block_kernel(q) if kernel is None else kernel
-    if kernel not in RING_ATTENTION_KERNELS:
-        raise ValueError(f"unknown ring attention kernel {kernel!r}; valid: {', '.join(RING_ATTENTION_KERNELS)}")
     if check_inputs:
         # Before any local raise: a rank raising alone would leave the others waiting in this all_gather.
-        require_same_on_all_ranks(ranks, {"q": q, "k": k, "v": v}, {"causal": int(causal)}, "ring_attention")
+        kernel_index = RING_ATTENTION_KERNELS.index(kernel) if kernel in RING_ATTENTION_KERNELS else -1
+        require_same_on_all_ranks(ranks, {"q": q, "k": k, "v": v},
+                                  {"causal": int(causal), "kernel_index": kernel_index}, "ring_attention")
+    if kernel not in RING_ATTENTION_KERNELS:
+        raise ValueError(f"unknown ring attention kernel {kernel!r}; valid: {', '.join(RING_ATTENTION_KERNELS)}")
     _check_local_inputs(q, k, v, causal, ranks.size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _RingAttention.apply(q, k, v, _RingOptions(causal, scale, kernel, ranks))
@@ -93,7 +95,7 @@ def _check_local_inputs(q: Tensor, k: Tensor, v: Tensor, causal: bool, world_siz
     if k.shape[:3] != v.shape[:3] or k.shape[0] != batch or dim_k != dim_q:
         raise ValueError("ring_attention needs equal batch, K/V heads and K/V lengths, and equal q/k head dims; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if heads_q % heads_kv:
+    if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
     if seq_q == 0 or seq_k == 0:
         raise ValueError("ring_attention needs at least one query and one key per rank")
