@@ -76,7 +76,7 @@ class RankGroup:
         return torch.device("cpu") if dist.get_backend(self.group) in ("gloo", "mpi") else device
 
 
-def tensor_metadata(tensor: Tensor) -> list[int]:
+def _tensor_metadata(tensor: Tensor) -> list[int]:
     """[ndim, shape padded with -1 to _MAX_DIMS entries, dtype index]."""
     shape = list(tensor.shape[:_MAX_DIMS])
     return [tensor.dim(), *shape, *[-1] * (_MAX_DIMS - len(shape)), _DTYPES.index(tensor.dtype)]
@@ -99,7 +99,7 @@ def require_same_on_all_ranks(rank_group: RankGroup, tensors: dict[str, Tensor],
     dtypes and equal integer ``options``. One small all_gather; nothing when the group has one rank."""
     if rank_group.size == 1:
         return
-    local = [value for tensor in tensors.values() for value in tensor_metadata(tensor)] + list(options.values())
+    local = [value for tensor in tensors.values() for value in _tensor_metadata(tensor)] + list(options.values())
     rows = rank_group.all_gather_ints(local, next(iter(tensors.values())).device)
     if all(row == rows[0] for row in rows):
         return
