@@ -47,20 +47,24 @@ def optimize(
     if isinstance(state, OptimizationState):
         state.report.notes.append("optimize() called again on an optimized model: left as it was")
         return model
+    # Memory wrappers (kernel_pytorch/memory/options.py): checked and checkpointed before capture,
+    # activation offload installed around the compiled call after it.
+    from kernel_pytorch.memory import options as memory
+
+    memory.check_memory_options(config)
     hardware = detect_hardware(config.device)
     backend = get_backend(hardware)
     args, kwargs = _as_call(example_inputs)
     verify = config.verify is True or (config.verify == "auto" and example_inputs is not None)
     training = config.mode == "training" or (config.mode == "auto" and model.training)
     wrt = _gradient_targets(model, args, kwargs) if training else None
-    plan = _apply_checkpointing(model, config, example_inputs)
+    plan = memory.checkpoint_for_config(model, config, example_inputs)
     reference = None
     if verify and example_inputs is not None:
         with _preserved_buffers(model):
             reference = run_reference(model, args, kwargs, wrt)
     model, report = backend.prepare_model(model, config, example_inputs)
-    if plan is not None:
-        report.notes.append(plan.describe())
+    memory.install_memory_options(model, config, report, plan, training)
     if example_inputs is not None:
         started = time.perf_counter()
         with _preserved_buffers(model), _our_errors_unwrapped():
@@ -68,23 +72,8 @@ def optimize(
         report.add_time("first call (capture, passes, compile)", time.perf_counter() - started)
         if reference is not None:
             _check_end_to_end(model, reference, optimized, config)
+            memory.sync_memory_report(model, report)
     return model
-
-
-def _apply_checkpointing(model: nn.Module, config: OptimizeConfig, example_inputs: Any):
-    """Wrap the repeated blocks before capture, so that Dynamo records each as a checkpointed region
-    (whose body the passes rewrite too). None when ``config.checkpointing`` is off."""
-    if config.checkpointing == "off":
-        if config.memory_budget_gb is not None:
-            raise ValueError("memory_budget_gb applies to activation checkpointing; set checkpointing='full' or "
-                             "'selective' too")
-        return None
-    if config.memory_budget_gb is not None and example_inputs is None:
-        raise ValueError("memory_budget_gb needs example_inputs: the activation bytes per block are measured on them")
-    from kernel_pytorch.memory import apply_checkpointing
-
-    return apply_checkpointing(model, policy=config.checkpointing, budget_gb=config.memory_budget_gb,
-                               example_inputs=example_inputs)
 
 
 def report_of(model: nn.Module) -> OptimizationReport:

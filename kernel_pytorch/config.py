@@ -8,7 +8,14 @@ from __future__ import annotations
 from typing import Literal, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    field_validator,
+    model_validator,
+)
 
 __all__ = ["OptimizeConfig", "Tolerance", "DEFAULT_TOLERANCES", "Vendor", "DEVICE_ALIASES", "CompileMode"]
 
@@ -86,9 +93,23 @@ class OptimizeConfig(BaseModel):
         "off", description="Activation checkpointing of the model's repeated blocks (kernel_pytorch.memory."
         "apply_checkpointing): 'full' recomputes whole blocks, 'selective' saves matmul/attention outputs."
     )
-    memory_budget_gb: Union[PositiveFloat, None] = Field(
-        None, description="With checkpointing: the GiB of saved activations to fit, measured on the example "
-        "inputs; just enough blocks are checkpointed (None: all of them)."
+    memory_budget_gb: PositiveFloat | None = Field(
+        None, description="The GiB of saved activations to fit. With checkpointing: measured on the example "
+        "inputs, just enough blocks are checkpointed (None: all of them). With offload_activations='auto': "
+        "activations are offloaded if the model still saves more than this at its first training call."
+    )
+    offload_activations: bool | Literal["auto"] = Field(
+        False, description="Saved activations of at least 1 MiB go to pinned host memory during the forward and "
+        "come back for the backward (kernel_pytorch.memory.install_activation_offload, around the compiled "
+        "model). True: always; 'auto': only if the saved activations measured at the first training call exceed "
+        "memory_budget_gb, or without a budget, the GPU memory the rest of the step needs. Without a CUDA GPU: "
+        "a report line, nothing offloaded (there is no device memory to save)."
+    )
+    offload_optimizer: bool | Literal["auto"] = Field(
+        False, description="Optimizer states in pinned host memory: kernel_pytorch.memory.make_optimizer(model, "
+        "lr=...) returns an OffloadedOptimizer (True: every state on the host; 'auto': gpu_fraction='auto', the "
+        "states that fit after the first step stay on the GPU) instead of torch.optim.AdamW. True needs a CUDA "
+        "GPU (optimize raises HardwareUnavailableError without one); 'auto' falls back to AdamW with a report line."
     )
 
     @field_validator("device", mode="before")
@@ -119,6 +140,13 @@ class OptimizeConfig(BaseModel):
         if unknown:
             raise ValueError(f"unknown pass name(s) {unknown}; registered passes: {sorted(known)}")
         return names
+
+    @model_validator(mode="after")
+    def _memory_budget_has_a_user(self) -> OptimizeConfig:
+        if self.memory_budget_gb is not None and self.checkpointing == "off" and self.offload_activations != "auto":
+            raise ValueError("memory_budget_gb applies to activation checkpointing and to offload_activations='auto'; "
+                             "set checkpointing='full' or 'selective', or offload_activations='auto', too")
+        return self
 
     def tolerance_for(self, dtype: torch.dtype) -> Tolerance | None:
         """The tolerance for ``dtype``; ``None`` (exact match required) for dtypes without an entry."""

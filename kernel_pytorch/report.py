@@ -10,7 +10,7 @@ from rich.table import Table
 
 from kernel_pytorch.hardware import HardwareInfo
 
-__all__ = ["OptimizationReport", "RewriteRecord", "SkipRecord", "RollbackRecord", "VerificationRecord"]
+__all__ = ["MemoryRecord", "OptimizationReport", "RewriteRecord", "RollbackRecord", "SkipRecord", "VerificationRecord"]
 
 
 class RewriteRecord(BaseModel):
@@ -43,6 +43,22 @@ class VerificationRecord(BaseModel):
     compared_gradients: bool
 
 
+class MemoryRecord(BaseModel):
+    """What one memory wrapper does: ``checkpointing``, ``activation_offload`` or ``optimizer_offload``.
+
+    Byte counts are ``None`` where nothing was measured (no example inputs yet). ``device_bytes_saved``
+    is per training step: checkpointing, the saved-activation bytes before minus after; activation
+    offload, the bytes moved to host memory in a forward; optimizer offload, the GPU bytes
+    ``torch.optim.AdamW`` would keep for its states.
+    """
+
+    wrapper: str
+    applied: bool
+    description: str = Field(description="the report line")
+    device_bytes_saved: int | None = None
+    host_bytes: int | None = Field(None, description="host memory it uses instead (pinned for offloads)")
+
+
 class OptimizationReport(BaseModel):
     """Filled by ``optimize`` and, for graphs captured later (new shapes, graph breaks), as they are captured.
 
@@ -64,10 +80,16 @@ class OptimizationReport(BaseModel):
     rollbacks: list[RollbackRecord] = Field(default_factory=list)
     verification: Optional[VerificationRecord] = None
     notes: list[str] = Field(default_factory=list)
+    memory: list[MemoryRecord] = Field(default_factory=list)
     timings_s: dict[str, float] = Field(default_factory=dict)
 
     def add_time(self, phase: str, seconds: float) -> None:
         self.timings_s[phase] = round(self.timings_s.get(phase, 0.0) + seconds, 6)
+
+    def set_memory(self, record: MemoryRecord) -> None:
+        """Add ``record``, replacing an earlier one of the same wrapper (figures measured later, e.g. at the
+        first training call, replace the line written at optimize time)."""
+        self.memory = [r for r in self.memory if r.wrapper != record.wrapper] + [record]
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -90,6 +112,8 @@ class OptimizationReport(BaseModel):
             head.add_row("verification", f"{verdict}: worst {v.worst} error {v.error:.2e} (tolerance {v.tolerance:.0e})")
         for note in self.notes:
             head.add_row("note", note)
+        for record in self.memory:
+            head.add_row("memory", record.description)
         tables = [head]
         tables += _records_table("rewrites", ("pass", "location", "replacement"),
                                  [(r.pass_name, r.location, r.replacement) for r in self.rewrites])

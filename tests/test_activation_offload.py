@@ -14,10 +14,17 @@ import weakref
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
-from kernel_pytorch.memory import OffloadActivations, OffloadStats, offload_activations
+from kernel_pytorch.memory import (
+    OffloadActivations,
+    OffloadStats,
+    activation_offload_stats,
+    install_activation_offload,
+    offload_activations,
+    remove_activation_offload,
+)
 from kernel_pytorch.memory.activation_offload import _Offloaded, _Offloader
 from kernel_pytorch.testing import LlamaStyleConfig, LlamaStyleLM
 
@@ -194,12 +201,65 @@ def test_wrapper_never_offloads_its_parameters_and_can_be_copied():
     assert clone.stats.offloaded_tensors == 3 and wrapped.stats.offloaded_tensors == 3
 
 
+# -- in place, around the model's call ---------------------------------------------------------------
+
+
+def test_install_in_place_offloads_and_remove_gives_the_call_back():
+    model, reference = _mlp(), _mlp()
+    keys = list(model.state_dict())
+    stats = install_activation_offload(model, min_bytes=0, device="cpu")
+    assert type(model) is nn.Sequential and list(model.state_dict()) == keys  # nothing wrapped
+    assert activation_offload_stats(model) is stats
+
+    model(_x()).square().sum().backward()
+    reference(_x()).square().sum().backward()
+    _assert_same_gradients(model, reference)
+    # The three activations, not the parameters (nor the transposed weight, a view of one).
+    assert (stats.offloaded_tensors, stats.restored_tensors, stats.kept_tensors) == (3, 3, 1)
+
+    again = install_activation_offload(model, min_bytes=0, device="cpu")  # replaces, never nests
+    assert model._compiled_call_impl.inner is None and again is not stats
+    assert remove_activation_offload(model) and model._compiled_call_impl is None
+    assert not remove_activation_offload(model) and activation_offload_stats(model) is None
+    model(_x()).square().sum().backward()
+    assert again.offloaded_tensors == 0
+
+
+def test_install_goes_around_a_compiled_call_and_remove_restores_it():
+    model, reference = _mlp(), _mlp()
+    model.compile(backend="aot_eager")
+    compiled = model._compiled_call_impl
+    stats = install_activation_offload(model, min_bytes=0, device="cpu")
+    assert model._compiled_call_impl.inner is compiled
+
+    model(_x()).square().sum().backward()
+    reference(_x()).square().sum().backward()
+    assert stats.offloaded_tensors == 3  # what the compiled graph saves went through the hooks
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert rel_err(p.grad, q.grad) < 1e-6
+    remove_activation_offload(model)
+    assert model._compiled_call_impl is compiled
+
+
+def test_tensors_saved_while_a_backend_compiles_stay_and_are_not_counted(monkeypatch):
+    # A dynamo backend verifying its graph on real tensors (kernel_pytorch's does) is not a forward of
+    # the model: what it saves is neither moved nor counted.
+    offloader = _Offloader(min_bytes=0, source="cpu", target="cpu", pin=False)
+    t = torch.randn(64)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert offloader.pack(t) is t
+    assert offloader.stats == OffloadStats()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert isinstance(offloader.pack(t), _Offloaded)
+
+
 @pytest.mark.parametrize("call, argument", [
     (lambda: offload_activations(min_bytes=-1).__enter__(), "min_bytes"),
     (lambda: offload_activations(min_bytes=1.5).__enter__(), "min_bytes"),
     (lambda: offload_activations(device="gpu7").__enter__(), "device"),
     (lambda: OffloadActivations(_mlp(), min_bytes=-1), "min_bytes"),
     (lambda: OffloadActivations("model"), "module"),
+    (lambda: install_activation_offload(_mlp(), min_bytes=-2), "min_bytes"),
 ])
 def test_bad_arguments_are_named(call, argument):
     with pytest.raises(ValueError, match=f"^{argument}: "):
@@ -259,7 +319,7 @@ class _SimulatedCuda:
         self.log: list[tuple] = []
         self.current = self.Stream(name="current")
 
-    def Stream(self, device=None, name="side"):  # noqa: N802 - torch.cuda.Stream's spelling
+    def Stream(self, device=None, name="side"):
         cuda = self
 
         class Stream:
@@ -274,7 +334,7 @@ class _SimulatedCuda:
 
         return Stream()
 
-    def Event(self):  # noqa: N802
+    def Event(self):
         cuda = self
 
         class Event:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from kernel_pytorch.memory import (
     CheckpointPlan,
@@ -79,10 +80,10 @@ def test_no_repeated_blocks_is_a_clear_error():
 
 
 @pytest.mark.parametrize("kwargs, argument", [
-    (dict(policy="everything"), "policy"),
-    (dict(budget_gb=1.0), "example_inputs"),
-    (dict(budget_gb=-1.0, example_inputs=(torch.zeros(1, 4, dtype=torch.long),)), "budget_gb"),
-    (dict(budget_gb=1.0, example_inputs=object()), "example_inputs"),
+    ({"policy": "everything"}, "policy"),
+    ({"budget_gb": 1.0}, "example_inputs"),
+    ({"budget_gb": -1.0, "example_inputs": (torch.zeros(1, 4, dtype=torch.long),)}, "budget_gb"),
+    ({"budget_gb": 1.0, "example_inputs": object()}, "example_inputs"),
 ])
 def test_bad_arguments_are_named(kwargs, argument):
     model = _lm()
@@ -268,6 +269,37 @@ def test_saved_bytes_count_activations_once_and_not_the_parameters():
     assert saved_activation_bytes(model, x, loss_fn=lambda out: out.log_softmax(-1).sum()) == 3 * 1000 * 4
 
 
+class _SinChain(nn.Module):
+    """x * scale, then four sin: mul saves x, each sin its input. Records how many of the sin inputs are
+    still alive when the forward ends (only autograd's saved tensors hold them by then)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.alive_at_end = None
+
+    def forward(self, x):
+        x = x * self.scale
+        inputs = []
+        for _ in range(4):
+            inputs.append(weakref.ref(x))
+            x = torch.sin(x)
+        self.alive_at_end = sum(ref() is not None for ref in inputs)
+        return x
+
+
+def test_measuring_does_not_keep_what_the_forward_saves():
+    # A measurement that kept the saved tensors would need the memory it measures (a 1B model with
+    # hand-written attention at 8k tokens saves more than an 80 GB GPU holds); it drops them instead.
+    model, x = _SinChain(), torch.randn(1000)
+    model(x)
+    assert model.alive_at_end == 4  # a plain forward keeps every sin input for the backward
+    assert saved_activation_bytes(model, x) == 5 * 1000 * 4  # x and the four sin inputs, each once
+    assert model.alive_at_end == 0
+    with pytest.raises(RuntimeError, match="ran a backward inside its forward"):
+        saved_activation_bytes(model, x, loss_fn=lambda out: torch.autograd.grad(out.sum(), model.scale))
+
+
 def test_measuring_leaves_rng_and_gradients_alone():
     model = _lm(dropout=0.3)
     torch.manual_seed(7)
@@ -435,9 +467,13 @@ def test_optimize_config_applies_checkpointing_and_reports_it():
     model = LlamaStyleLM(config).train()
     full = saved_activation_bytes(copy.deepcopy(model), (tokens,))
     optimize(model, example_inputs=(tokens,), checkpointing="full", memory_budget_gb=full * 0.6 / 2**30)
-    note = next(n for n in report_of(model).notes if n.startswith("checkpointing (full)"))
+    record = next(r for r in report_of(model).memory if r.wrapper == "checkpointing")
+    note = record.description
+    assert note.startswith("checkpointing (full)") and record.applied, note
     assert "blocks of 'layers' wrapped" in note and not note.startswith("checkpointing (full): 0/"), note
     assert "4/4" not in note, note  # a budget of 60% of the unwrapped bytes needs only some blocks
+    # Measured on the example inputs: what the wrapped blocks no longer keep, under the budget.
+    assert full * 0.4 <= record.device_bytes_saved < full, (record.device_bytes_saved, full)
     with pytest.raises(ValueError, match="memory_budget_gb needs example_inputs"):
         optimize(LlamaStyleLM(config), checkpointing="selective", memory_budget_gb=1.0)
     with pytest.raises(ValueError, match="set checkpointing"):

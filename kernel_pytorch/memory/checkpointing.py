@@ -40,6 +40,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from kernel_pytorch.memory.activation_offload import _eager_saved_tensors_hooks
+
 __all__ = [
     "POLICIES",
     "CheckpointPlan",
@@ -373,6 +375,8 @@ def _measure(model: nn.Module, example_inputs: Any, loss_fn: Callable | None,
     meter = _SavedBytesMeter(_state_storages(model))
 
     def pack(tensor):
+        if torch.compiler.is_compiling():
+            return tensor  # a dynamo backend checking its graph on real tensors: not the model's forward
         return _DROPPED if meter.add(tensor) else tensor
 
     def enter(path):
@@ -388,7 +392,7 @@ def _measure(model: nn.Module, example_inputs: Any, loss_fn: Callable | None,
     _ACTIVE_METERS.append(meter)
     try:
         with _undisturbed(model, args, kwargs), torch.enable_grad(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
+                _eager_saved_tensors_hooks(pack, _never_unpacked):
             out = model(*args, **kwargs)
             if loss_fn is not None:
                 out = loss_fn(out)

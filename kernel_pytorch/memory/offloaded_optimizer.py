@@ -70,7 +70,7 @@ from torch import Tensor
 
 from kernel_pytorch.errors import HardwareUnavailableError
 
-__all__ = ["OffloadedOptimizer"]
+__all__ = ["OffloadedOptimizer", "pinned_bytes_for"]
 
 # A bucket is the unit of "wait for its gradients, update it on the CPU, send it back". Measured on this
 # repository's 2-core CPU machine: one torch._fused_adamw_ call costs ~7 us of overhead, while 4M fp32
@@ -196,6 +196,37 @@ def _carve(numels: Sequence[int], dtype: torch.dtype) -> tuple[list[int], int]:
     return offsets, end
 
 
+def _host_layout(params: Sequence[Tensor]) -> tuple[tuple[list[int], int], dict[torch.dtype, tuple[dict[int, int], int]]]:
+    """Where each parameter's views go: (offsets, length) of the fp32 blocks, and per parameter dtype
+    ({parameter index: offset}, length) of its gradient landing block."""
+    numels = [p.numel() for p in params]
+    grad_layout = {}
+    for dtype in sorted({p.dtype for p in params}, key=str):
+        members = [i for i, p in enumerate(params) if p.dtype == dtype]
+        offsets, length = _carve([numels[i] for i in members], dtype)
+        grad_layout[dtype] = (dict(zip(members, offsets)), length)
+    return _carve(numels, torch.float32), grad_layout
+
+
+def _layout_bytes(fp32_len: int, grad_layout: dict[torch.dtype, tuple[dict[int, int], int]]) -> int:
+    # master, exp_avg and exp_avg_sq in fp32, plus the landing blocks in the parameters' dtypes.
+    return 3 * fp32_len * 4 + sum(length * dtype.itemsize for dtype, (_, length) in grad_layout.items())
+
+
+def pinned_bytes_for(params: Iterable[Tensor]) -> int:
+    """Pinned host bytes ``OffloadedOptimizer(params)`` (``gpu_fraction=0``) allocates, exactly: fp32
+    master, ``exp_avg`` and ``exp_avg_sq`` (12 bytes per element) and a gradient landing buffer in each
+    parameter's dtype, every view 64-byte aligned. Needs no GPU.
+
+    Example::
+
+        pinned_bytes_for(model.parameters()) / 2**30   # 14.0 bytes per bf16 parameter, in GiB
+    """
+    params = list(params)
+    (_, fp32_len), grad_layout = _host_layout(params)
+    return _layout_bytes(fp32_len, grad_layout)
+
+
 class _HostStore:
     """The pinned blocks of a set of offloaded parameters and each parameter's views into them.
 
@@ -206,14 +237,8 @@ class _HostStore:
     def __init__(self, params: Sequence[Tensor], transport: _Transport):
         self._transport = transport
         numels = [p.numel() for p in params]
-        fp32_offsets, fp32_len = _carve(numels, torch.float32)
-        grad_dtypes = sorted({p.dtype for p in params}, key=str)
-        grad_layout = {}
-        for dtype in grad_dtypes:
-            members = [i for i, p in enumerate(params) if p.dtype == dtype]
-            offsets, length = _carve([numels[i] for i in members], dtype)
-            grad_layout[dtype] = (dict(zip(members, offsets)), length)
-        self.nbytes = 3 * fp32_len * 4 + sum(length * dtype.itemsize for dtype, (_, length) in grad_layout.items())
+        (fp32_offsets, fp32_len), grad_layout = _host_layout(params)
+        self.nbytes = _layout_bytes(fp32_len, grad_layout)
         _check_host_memory(self.nbytes, f"the states of {len(params)} offloaded parameters")
         self._blocks: list[Tensor] = []
         kinds = {kind: self._pin(fp32_len, torch.float32) for kind in ("master", "exp_avg", "exp_avg_sq")}
