@@ -193,6 +193,29 @@ def test_checkpointed_blocks_are_fused_inside_their_regions():
         assert rel_err(p.grad, p_ref.grad) < 1e-4, name
 
 
+def test_hugging_face_llama_projections_are_fused():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(9)
+    config = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    config._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(config).train()
+    reference = twin(model)
+    tokens = torch.randint(0, 101, (2, TRAIN_SEQ))
+    optimize(model, example_inputs={"input_ids": tokens})
+    fused = [(r.location, r.replacement.split(",")[0]) for r in report_of(model).rewrites
+             if r.pass_name == "horizontal_gemm"]
+    assert fused == [(f"model.layers.{i}.{module}", names) for i in range(2) for module, names in (
+        ("self_attn", "q_proj + k_proj + v_proj -> one linear"), ("mlp", "gate_proj + up_proj -> one linear"))]
+    out, expected = model(input_ids=tokens).logits, reference(input_ids=tokens).logits
+    assert rel_err(out, expected) < 1e-5
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
+        assert rel_err(p.grad, p_ref.grad) < 1e-4, name
+
+
 # ------------------------------------------------------------------------------------------ other shapes
 
 class Projections(nn.Module):

@@ -23,6 +23,9 @@ that its strides do not allow gets a ``contiguous()`` first. The originals stay 
 ``state_dict`` is untouched, and autograd takes the fused weight's gradient back through the ``cat``
 into each original weight (a split into views, no copy).
 
+Linears of different modules that read one input are fused too (the k/v projections of every decoder
+layer reading the encoder's output): their outputs then exist from the first one's position on.
+
 Skipped, with the reason: a linear whose weight is not a parameter, or not 2-D, or whose bias is not a
 parameter; linears that differ in bias (some with, some without), weight dtype or device from the others
 reading the same input (those that agree are still fused); a linear left alone by those rules; outputs
@@ -48,7 +51,7 @@ tokens the same copy is 4.0x the GEMM's FLOP time, and the projections are memor
 the 12.6 MB q/k/v weight once, 4.2 us; the cat reads and writes it again, 8.4 us): there it cannot pay.
 So a group is fused only when the copy's estimated share, ``e·balance / (passes·T)`` with ``passes`` 3
 in training (the backward's two GEMMs share the forward's copy) and 1 in inference, is at most
-:data:`MAX_COPY_SHARE`: in bf16 on NVIDIA at least 5174 tokens in inference, 1725 in training.
+:data:`MAX_COPY_SHARE`: in bf16 on NVIDIA at least 5180 tokens in inference, 1727 in training.
 
 Not in that estimate: in training the backward of ``split`` concatenates the parts' gradients
 (``2·T·N·e`` bytes, e.g. 101 MB for q/k/v at T = 8192: 34 us, ``e·balance/(3·K)`` = 8.4% of the q/k/v
@@ -346,7 +349,7 @@ class HorizontalGemmPass(GraphPass):
             if len(members) == 1:
                 result.skip(members[0].path, "the only linear left to fuse with on this input")
                 continue
-            groups, alone = _partition(members) if members else ([], [])
+            groups, alone = _partition(members)
             for member, reason in alone:
                 result.skip(member.path, reason)
             for group in groups:
