@@ -111,6 +111,14 @@ _STATE_CHANGES = ("_set_grad_enabled", "set_grad_enabled", "_enter_autocast", "_
 _IN_PLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
                        operator.ipow, operator.imatmul)
 
+# Ops whose result may share the input's storage: an in-place write through one reaches the linear's output.
+_VIEW_FUNCTIONS = (operator.getitem, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.flatten,
+                   torch.reshape, torch.chunk, torch.split, torch.narrow, torch.select, torch.unbind,
+                   torch.movedim, torch.diagonal)
+_VIEW_METHODS = ("view", "view_as", "reshape", "reshape_as", "transpose", "permute", "unsqueeze", "squeeze",
+                 "expand", "expand_as", "flatten", "unflatten", "contiguous", "narrow", "select", "t", "split",
+                 "chunk", "unbind", "as_strided", "detach", "movedim", "diagonal", "__getitem__")
+
 
 @dataclass(frozen=True)
 class _Linear:
@@ -175,8 +183,8 @@ def _member(linear: Node, gm: torch.fx.GraphModule, ctx: PassContext) -> _Linear
         return f"its weight is not 2-D (shape {tuple(getattr(value, 'shape', ()))})"
     if bias is not None and (not _parameter(bias, gm, ctx) or not isinstance(bias_value, torch.Tensor)):
         return f"its bias is not a module parameter ({_describe(bias)})"
-    if any(_writes_in_place(user) for user in linear.users):
-        return "its output is modified in place (split's views cannot be)"
+    if _modified_in_place(linear):
+        return "its output or a view of it is modified in place (split's views cannot be)"
     out_features, in_features = (int(size) for size in value.shape)
     key = (bias is not None, value.dtype, getattr(bias_value, "dtype", None), value.device)
     return _Linear(linear, weight, bias, module_path_of(linear, "(model)"), out_features, in_features,
@@ -195,6 +203,20 @@ def _writes_in_place(node: Node) -> bool:
         return True
     return (name.endswith("_") and not name.endswith("__")) or "out" in node.kwargs or \
         node.kwargs.get("inplace", False) is True
+
+
+def _modified_in_place(node: Node) -> bool:
+    """Whether an in-place op writes ``node`` or a view of it (followed through view-like ops)."""
+    pending, seen = [node], set()
+    while pending:
+        current = pending.pop()
+        for user in current.users:
+            if _writes_in_place(user):
+                return True
+            if user not in seen and (is_call(user, *_VIEW_FUNCTIONS) or is_call(user, *_VIEW_METHODS)):
+                seen.add(user)
+                pending.append(user)
+    return False
 
 
 def _barrier(node: Node) -> bool:
