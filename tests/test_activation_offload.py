@@ -258,11 +258,19 @@ def test_tensors_saved_while_a_backend_compiles_stay_and_are_not_counted(monkeyp
     (lambda: offload_activations(min_bytes=1.5).__enter__(), "min_bytes"),
     (lambda: offload_activations(device="gpu7").__enter__(), "device"),
     (lambda: OffloadActivations(_mlp(), min_bytes=-1), "min_bytes"),
-    (lambda: OffloadActivations("model"), "module"),
     (lambda: install_activation_offload(_mlp(), min_bytes=-2), "min_bytes"),
 ])
 def test_bad_arguments_are_named(call, argument):
     with pytest.raises(ValueError, match=f"^{argument}: "):
+        call()
+
+
+@pytest.mark.parametrize("call, argument", [
+    (lambda: OffloadActivations("model"), "module"),
+    (lambda: install_activation_offload("model"), "model"),
+])
+def test_what_is_not_a_module_is_a_type_error(call, argument):
+    with pytest.raises(TypeError, match=f"^{argument}: expected an nn.Module, got str"):
         call()
 
 

@@ -466,6 +466,28 @@ def test_available_host_bytes_is_read_from_the_system():
     assert oo._available_host_bytes() > 0
 
 
+@pytest.mark.parametrize("files, room", [
+    # cgroup v2: 8 GiB limit, 7 GiB used of which 2 GiB page cache -> 3 GiB of room.
+    ({"memory.max": "8589934592", "memory.current": "7516192768", "memory.stat": "anon 5368709120\nfile 2147483648"},
+     3 << 30),
+    ({"memory.max": "max", "memory.current": "7516192768"}, None),
+    # cgroup v1: no limit is a page-rounded 2**63 - 1.
+    ({"memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": "1"}, None),
+    ({"memory/memory.limit_in_bytes": "4294967296", "memory/memory.usage_in_bytes": "4294967296",
+      "memory/memory.stat": "cache 0\ntotal_cache 1073741824"}, 1 << 30),
+    ({}, None),
+])
+def test_a_cgroup_limit_bounds_the_available_host_memory(tmp_path, monkeypatch, files, room):
+    # In a container /proc/meminfo shows the whole machine; past the cgroup's limit the process is killed.
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text + "\n")
+    monkeypatch.setattr(oo, "_CGROUP_ROOT", str(tmp_path))
+    assert oo._cgroup_room() == room
+    if room is not None:
+        assert oo._available_host_bytes() <= room
+
+
 def test_needs_a_cuda_gpu():
     with pytest.raises(RuntimeError, match="CUDA GPU"):
         OffloadedOptimizer(make_model().parameters())

@@ -362,7 +362,7 @@ class OffloadActivations(nn.Module):
     def __init__(self, module: nn.Module, min_bytes: int = DEFAULT_MIN_BYTES, device: DeviceLike = None):
         super().__init__()
         if not isinstance(module, nn.Module):
-            raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
+            raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
         self.module = module
         # One offloader for the wrapper's life: its side streams and in-flight copies span forwards.
         self._offloader = _Offloader(min_bytes=min_bytes, source=device)

@@ -140,7 +140,7 @@ def install_memory_options(model: nn.Module, config: OptimizeConfig, report: Opt
     fraction = _optimizer_fraction(config.offload_optimizer)
     object.__setattr__(model, _INTENT_ATTR, _MemoryIntent(fraction))
     if config.offload_optimizer is not False:
-        report.set_memory(_optimizer_record(_trainable(model), config.offload_optimizer, fraction))
+        report.set_memory(_optimizer_record(_trainable(model), fraction))
     if config.offload_activations is not False:
         _install_activation_offload(model, config, report, training)
 
@@ -187,7 +187,7 @@ def _optimizer_fraction(setting: bool | str) -> float | str | None:
     return 0.0 if setting is True else "auto"
 
 
-def _optimizer_record(params: list[torch.Tensor], setting: bool | str, fraction: float | str | None) -> MemoryRecord:
+def _optimizer_record(params: list[torch.Tensor], fraction: float | str | None) -> MemoryRecord:
     if fraction is None:
         return MemoryRecord(wrapper="optimizer_offload", applied=False,
                             description="optimizer offload ('auto'): not applied: no CUDA GPU "
@@ -214,8 +214,9 @@ def make_optimizer(model: nn.Module, params: Iterable[Any] | None = None, *, lr:
     ``OffloadedOptimizer(params, gpu_fraction=0.0)`` for ``offload_optimizer=True``,
     ``gpu_fraction="auto"`` for ``"auto"`` on a CUDA machine; otherwise (the option off, ``"auto"``
     without a GPU, or a model ``optimize`` never saw) ``torch.optim.AdamW``, fused when every parameter
-    is on a CUDA device. Both follow the same AdamW math with these hyperparameters, and their state
-    dicts load into each other.
+    is on a CUDA device. Both apply AdamW with these hyperparameters and their state dicts load into each
+    other; with bf16 parameters the offloaded one updates fp32 masters with fp32 moments, where
+    ``torch.optim.AdamW`` keeps its moments in bf16 and updates the bf16 weights.
 
     Args:
         model: the model returned by ``kernel_pytorch.optimize``.
