@@ -47,9 +47,9 @@ from kernel_pytorch.memory.activation_offload import (
 from kernel_pytorch.memory.checkpointing import (
     CheckpointPlan,
     _SavedBytesMeter,
-    _storage_key,
     apply_checkpointing,
 )
+from kernel_pytorch.memory.checkpointing import _state_storages as _state_storage_keys
 from kernel_pytorch.memory.offloaded_optimizer import (
     OffloadedOptimizer,
     pinned_bytes_for,
@@ -332,7 +332,7 @@ def _measure_then_decide(model: nn.Module, config: OptimizeConfig,
     tensors are kept as usual), then offload from the next call on if it is too much."""
 
     def first(call: Callable, args: tuple, kwargs: dict) -> Any:
-        meter = _SavedBytesMeter({_storage_key(t)[0] for t in [*model.parameters(), *model.buffers()]})
+        meter = _SavedBytesMeter(_state_storage_keys(model))
         probe = _Offloader(min_bytes=_OFFLOAD_MIN_BYTES, source=_OFFLOAD_SOURCE, exclude=_state_storages(model))
         movable = [0]
 
