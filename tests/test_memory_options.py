@@ -10,6 +10,7 @@ transport. ``pytest -m gpu`` runs the real paths.
 from __future__ import annotations
 
 import copy
+import shutil
 import types
 
 import pytest
@@ -160,6 +161,8 @@ def test_activation_offload_moves_saved_tensors_and_trains_the_same(gpu_pretende
     assert stats.offloaded_tensors == 2 * moved  # nothing is saved, nothing moves
 
 
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
+                    reason="Inductor's CPU backend needs a C++ compiler")
 def test_activation_offload_composes_with_inductor_and_checkpointing(gpu_pretended):
     # The GPU configuration: Inductor (AOTAutograd saves the graph's tensors through the hooks) and
     # checkpointed blocks (regions of that graph).
