@@ -3,6 +3,7 @@ model ``kernel_pytorch.optimize`` returns.
 
     python benchmarks/memory.py [--quick] [--out DIR] [--parts offload checkpointing activation_offload largest]
                                 [--compile auto|off] [--largest-optimizers adamw fp32-masters offloaded]
+                                [--offload-seqs 8192 16384 32768]
 
 Every case builds a Llama-style model (kernel_pytorch.testing.LlamaStyleLM, bf16 parameters) on the GPU and
 runs it through ``kernel_pytorch.optimize(model, example_inputs=(tokens,), verify=False, checkpointing=...,
@@ -39,8 +40,9 @@ Parts (``--quick``: a small model and short sequences, compile off, well under a
 Each case runs in its own try: an out-of-memory error (GPU, or host memory for the pinned states) is
 recorded in its row, then everything is released (gc, ``torch._dynamo.reset()``, ``empty_cache``, peak
 statistics reset) so the next case starts clean. Step times are medians of CUDA-event timings after
-warm-up (harness.measure). Results go to memory.json (merged with the parts already there, so the parts
-can run as separate commands) and memory.png.
+warm-up (harness.measure). Results go to ``--out``/memory.json, merged with what is already there (a part
+replaces its earlier rows; the search per optimizer and activation offload per sequence length replace
+only the pieces they ran), so the parts can run as separate commands, and memory.png.
 """
 
 from __future__ import annotations
@@ -459,6 +461,10 @@ def plot(payload: dict, path: Path, device: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+# The row field that tells a part's pieces apart.
+_SPLIT_BY = {"largest": "optimizer", "activation_offload": "tokens"}
+
+
 def write_merged(name: str, parts: dict, directory: Path) -> Path:
     """``<name>.json`` with ``parts`` replacing those of an earlier run (each part with the environment it
     ran in), so that parts run as separate commands end up in one file."""
@@ -468,10 +474,12 @@ def write_merged(name: str, parts: dict, directory: Path) -> Path:
     merged = {key: value for key, value in previous.items() if key in PARTS or key == "environments"}
     environments = merged.get("environments", {})
     for part, rows in parts.items():
-        if part == "largest":
-            # The search can run one optimizer per command (--largest-optimizers): keep the others' rows.
-            mine = {row["optimizer"] for row in rows}
-            rows = [row for row in merged.get(part, []) if row["optimizer"] not in mine] + rows
+        if part in _SPLIT_BY:
+            # These parts can run a piece per command (--largest-optimizers, --offload-seqs): keep the rows
+            # of the pieces this run did not redo.
+            key = _SPLIT_BY[part]
+            mine = {row[key] for row in rows}
+            rows = [row for row in merged.get(part, []) if row[key] not in mine] + rows
         merged[part] = rows
         environments[part] = environment()
     merged["environments"] = environments
@@ -487,11 +495,16 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
     parser.add_argument("--compile", choices=("auto", "off"), default=None,
                         help="optimize's compile setting (default: auto, off with --quick; 'largest' is always off)")
-    parser.add_argument("--largest-optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
+    parser.add_argument("--largest-optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS),
+                        help="the optimizers the 'largest' search runs (to split it across commands)")
+    parser.add_argument("--offload-seqs", nargs="+", type=int, default=None,
+                        help="activation_offload's sequence lengths (default 8192 16384 32768; 1024 2048 quick)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/memory.py needs a CUDA GPU")
     setup = make_setup(args.quick, args.compile)
+    if args.offload_seqs:
+        setup = dataclasses.replace(setup, offload_seqs=tuple(args.offload_seqs))
     # The harness's L2-flush buffer (256 MiB) stays allocated once created: create it before the first
     # case, so that every case's held and peak memory include it alike.
     measure(lambda: None, warmup=0, runs=1)
