@@ -1,8 +1,8 @@
 """FP8 training benchmark: ``Float8Linear`` (tensorwise and rowwise) against bf16 ``nn.Linear``, on the GPU.
 
-    python benchmarks/fp8.py [--quick] [--out DIR]
+    python benchmarks/fp8.py [--quick] [--out DIR] [--parts ceilings linear numerics sweep model]
 
-Four tables, bf16 activations and weights throughout:
+Five tables, bf16 activations and weights throughout:
 
 1. ``ceilings``: the raw matmuls at M = K = N = 8192 on pre-quantized operands, no scaling work timed:
    bf16 ``torch.mm`` and ``torch._scaled_mm`` on float8_e4m3fn, tensorwise (0-dim fp32 scales) and rowwise
@@ -18,6 +18,11 @@ Four tables, bf16 activations and weights throughout:
 4. ``numerics``: SQNR = 20 log10(||ref|| / ||ref - x||) of the output, the weight gradient and the input
    gradient of ``Float8Linear`` (and of bf16 ``nn.Linear``, for scale) against a float64 reference computed
    from the same bf16 inputs. Issue floors: >= 20 dB output, >= 17 dB weight gradient.
+5. ``model``: a training step of DESIGN.md's Llama-style model (12 layers, batch 4 x 2048) through
+   ``kernel_pytorch.optimize`` in bf16, with ``fp8=True`` (each recipe) and ``fp8="auto"``. Target: 1.15x.
+
+Each sweep point also records ``auto``: what ``optimize(fp8="auto")`` decides there (its own timing) and
+the speedup that choice gets on the point's measurements (never below 1 when the decision is right).
 
 The layers have no bias (as in Llama-style blocks); the forward + backward step is
 ``torch.autograd.grad(layer(x), (x, layer.weight), dy)``, a fresh graph each call. A provider that fails
@@ -40,6 +45,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import RESULTS_DIR, measure, measure_gpu_time, write_result  # noqa: E402
+from kernel_pytorch import float8_conversion  # noqa: E402
 from kernel_pytorch.ops.float8_linear import Float8Linear  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -49,6 +55,7 @@ BF16 = "bf16 nn.Linear"
 TARGETS = {"tensorwise": 1.5, "rowwise": 1.35}  # forward + backward speedup at 8192^3
 SQNR_FLOORS = {"output": 20.0, "grad_weight": 17.0}  # dB
 SIZES = (1024, 2048, 4096, 8192, 16384)
+PARTS = ("ceilings", "linear", "numerics", "sweep", "model")
 QUICK_POINTS = ((1024, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 4096),
                 (4096, 8192, 2048))
 NUMERICS_SHAPE = (4096, 4096, 4096)  # M, K, N
@@ -231,6 +238,77 @@ def sweep_points(quick: bool) -> list[tuple[int, int, int]]:
     return sorted(itertools.product(SIZES, SIZES, SIZES), key=lambda p: (p[0] * p[1] * p[2], p))
 
 
+def add_auto_decision(row: dict, recipe: str = "tensorwise") -> None:
+    """What ``optimize(fp8="auto")`` decides at this point (its own timing, kernel_pytorch.float8_conversion)
+    and the speedup over bf16 that decision gets on this row's measurements: never below 1 when right."""
+    shape = (row["m"], row["k"], row["n"])
+    try:
+        base_ms, fp8_ms = float8_conversion._measure(shape, DTYPE, recipe, True, torch.device("cuda"))
+    except Exception as error:  # an OOM at the largest points: no decision recorded
+        row["auto"] = {"error": _error(error)}
+        return
+    use_fp8 = base_ms / fp8_ms >= float8_conversion.MIN_SPEEDUP
+    results = row["results"]
+    chosen = results.get(f"fp8 {recipe}" if use_fp8 else BF16, {}).get("ms")
+    bf16 = results.get(BF16, {}).get("ms")
+    row["auto"] = {"recipe": recipe, "choice": "fp8" if use_fp8 else "bf16",
+                   "measured_speedup": round(base_ms / fp8_ms, 3),
+                   "speedup": round(bf16 / chosen, 3) if bf16 and chosen else None}
+
+
+# ------------------------------------------------------------------------------------------ 5. model
+
+def model_step(quick: bool, runs: int) -> dict:
+    """A training step (forward, loss, backward, fused AdamW) of DESIGN.md's Llama-style model at batch
+    4 x 2048 (quick: 2 layers, batch 2 x 1024), through ``kernel_pytorch.optimize`` in bf16, with
+    ``fp8=True`` and with ``fp8="auto"``. Issue target: fp8 >= 1.15x the bf16 step."""
+    import kernel_pytorch
+    import torch.nn.functional as F
+    from kernel_pytorch.testing import LlamaStyleConfig, LlamaStyleLM
+
+    config = LlamaStyleConfig(n_layers=2 if quick else 12)
+    batch, seq = (2, 1024) if quick else (4, 2048)
+    out: dict = {"layers": config.n_layers, "batch": batch, "seq": seq, "results": {}}
+    for name, options in (("bf16", {}), ("fp8 tensorwise", {"fp8": True}), ("fp8 rowwise", {"fp8": True,
+                          "fp8_recipe": "rowwise"}), ("fp8 auto", {"fp8": "auto"})):
+        result: dict = {}
+        try:
+            torch.manual_seed(0)
+            model = LlamaStyleLM(config).to(device="cuda", dtype=DTYPE).train()
+            tokens = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
+            started = time.perf_counter()
+            model = kernel_pytorch.optimize(model, example_inputs=(tokens,), **options)
+            report = kernel_pytorch.report_of(model)
+            result["optimize_s"] = round(time.perf_counter() - started, 1)
+            result["optimize_phases_s"] = report.timings_s
+            print("model", name, "optimized", result, flush=True)
+            result["fp8_layers"] = sum(r.pass_name == "fp8" for r in report.rewrites)
+            result["verified"] = report.verification.passed if report.verification else None
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+            def step():
+                logits = model(tokens)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            timing = measure(step, warmup=3, runs=runs)
+            result.update(ms=round(timing.median_ms, 2), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+        except Exception as error:  # one variant's failure must not end the run
+            result["error"] = _error(error)
+        out["results"][name] = result
+        print("model", name, result, flush=True)
+        model = optimizer = step = None
+        _free()
+        torch.cuda.reset_peak_memory_stats()
+    bf16 = out["results"]["bf16"].get("ms")
+    for result in out["results"].values():
+        if bf16 and "ms" in result:
+            result["speedup"] = round(bf16 / result["ms"], 3)
+    return out
+
+
 # ------------------------------------------------------------------------------------------ 4. numerics
 
 def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -311,6 +389,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few sweep points, fewer runs")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     return parser.parse_args(argv)
 
 
@@ -343,30 +422,37 @@ def main(argv: list[str] | None = None) -> None:
     name = "fp8" + ("_quick" if args.quick else "")
     payload: dict = {"dtype": "bfloat16", "fp8_forward": "float8_e4m3fn", "fp8_backward": "float8_e5m2"}
 
-    payload["ceilings"] = ceilings(runs=runs)
-    print("ceilings:", {n: r.get("tflops", r.get("error")) for n, r in payload["ceilings"]["results"].items()},
-          flush=True)
-    write_result(name, payload, args.out)  # kept up to date if cut off
-
-    payload["linear"] = linear_8192(runs=runs)
-    print("linear 8192^3:", _summary(payload["linear"]), payload["linear"]["targets"], flush=True)
-    write_result(name, payload, args.out)
-
-    payload["numerics"] = numerics(*NUMERICS_SHAPE)
-    print("numerics:", payload["numerics"]["results"], flush=True)
-    write_result(name, payload, args.out)
-
-    payload["sweep"] = []
-    for m, k, n in sweep_points(args.quick):
-        payload["sweep"].append(forward_backward(m, k, n, runs))
-        print(_summary(payload["sweep"][-1]), flush=True)
+    if "ceilings" in args.parts:
+        payload["ceilings"] = ceilings(runs=runs)
+        print("ceilings:", {n: r.get("tflops", r.get("error")) for n, r in payload["ceilings"]["results"].items()},
+              flush=True)
+        write_result(name, payload, args.out)  # kept up to date if cut off
+    if "linear" in args.parts:
+        payload["linear"] = linear_8192(runs=runs)
+        print("linear 8192^3:", _summary(payload["linear"]), payload["linear"]["targets"], flush=True)
+        write_result(name, payload, args.out)
+    if "numerics" in args.parts:
+        payload["numerics"] = numerics(*NUMERICS_SHAPE)
+        print("numerics:", payload["numerics"]["results"], flush=True)
+        write_result(name, payload, args.out)
+    if "sweep" in args.parts:
+        payload["sweep"] = []
+        for m, k, n in sweep_points(args.quick):
+            row = forward_backward(m, k, n, runs)
+            add_auto_decision(row)
+            payload["sweep"].append(row)
+            print(_summary(row), row.get("auto"), flush=True)
+            write_result(name, payload, args.out)
+    if "model" in args.parts:
+        payload["model"] = model_step(args.quick, runs)
         write_result(name, payload, args.out)
     payload["seconds"] = round(time.perf_counter() - started, 1)
     path = write_result(name, payload, args.out)
-    try:
-        plot(payload["sweep"], args.out / f"{name}.png", torch.cuda.get_device_name(), payload["linear"])
-    except ImportError as error:  # matplotlib is a dev extra
-        print(f"no plot: {error}")
+    if "sweep" in payload:
+        try:
+            plot(payload["sweep"], args.out / f"{name}.png", torch.cuda.get_device_name(), payload.get("linear"))
+        except ImportError as error:  # matplotlib is a dev extra
+            print(f"no plot: {error}")
     print(f"wrote {path} in {payload['seconds']} s")
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from kernel_pytorch import float8_conversion
 from kernel_pytorch.backends import OptimizationState, get_backend
 from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.errors import KernelPytorchError
@@ -63,7 +64,9 @@ def optimize(
     if verify and example_inputs is not None:
         with _preserved_buffers(model):
             reference = run_reference(model, args, kwargs, wrt)
+    fp8 = float8_conversion.convert_for_config(model, config, example_inputs, training)
     model, report = backend.prepare_model(model, config, example_inputs)
+    float8_conversion.record_in_report(fp8, model, report)
     memory.install_memory_options(model, config, report, plan, training)
     if example_inputs is not None:
         started = time.perf_counter()
@@ -71,7 +74,7 @@ def optimize(
             optimized = run_reference(model, args, kwargs, wrt)
         report.add_time("first call (capture, passes, compile)", time.perf_counter() - started)
         if reference is not None:
-            _check_end_to_end(model, reference, optimized, config)
+            _check_end_to_end(model, reference, optimized, float8_conversion.verification_config(fp8, config))
             memory.sync_memory_report(model, report)
     return model
 

@@ -5,7 +5,7 @@ Unknown fields are errors (``extra="forbid"``), so a misspelt option never passe
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Callable, Literal, Union
 
 import torch
 from pydantic import (
@@ -88,6 +88,27 @@ class OptimizeConfig(BaseModel):
     extra_passes: tuple[str, ...] = Field((), description="Registered pass names to run after the backend's own.")
     strict: bool = Field(
         False, description="Raise when a pass fails instead of skipping it with a report line (for development)."
+    )
+    fp8: Union[bool, Literal["auto"]] = Field(
+        False, description="Swap eligible nn.Linear layers for FP8 matmuls (kernel_pytorch.float8_conversion): "
+        "True converts every eligible layer; 'auto' times each layer's real (M, K, N) from example_inputs on this "
+        "GPU and converts only where FP8 is faster. Off by default: FP8 changes results (~28 dB SQNR) beyond "
+        "the bf16 tolerances, so the end-to-end check uses fp8_tolerance instead."
+    )
+    fp8_recipe: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise", description="Dynamic scaling: one scale per tensor, or one per row along each matmul's "
+        "reduction dimension (more robust to outliers, slower)."
+    )
+    fp8_filter: Union[Callable[[Any, str], bool], None] = Field(
+        None, description="fp8_filter(module, fqn) -> bool: which candidate linear layers may convert."
+    )
+    fp8_include_output_head: bool = Field(
+        False, description="Also convert the output head (the last linear the forward calls)."
+    )
+    fp8_tolerance: Tolerance = Field(
+        Tolerance(outputs=0.1, gradients=0.15),
+        description="Relative errors accepted end to end when layers run in FP8 (0.1 is 20 dB, torchao's output "
+        "floor; 0.15 ~ 16.5 dB for gradients, summed over layers)."
     )
     checkpointing: Literal["off", "full", "selective"] = Field(
         "off", description="Activation checkpointing of the model's repeated blocks (kernel_pytorch.memory."

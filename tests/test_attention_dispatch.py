@@ -236,7 +236,9 @@ def test_a_kernel_that_fails_to_compile_is_passed_over_with_the_error(monkeypatc
 
 
 @pytest.mark.gpu
-def test_gpu_choice_measures_flex():
+def test_gpu_choice_measures_flex(monkeypatch):
+    """flex is compiled, checked and timed where no SDPA fused kernel applies (simulated by leaving only
+    flex and sdpa eligible), and passed over, unmeasured, where one does."""
     if not torch.cuda.is_available():
         pytest.fail("gpu tests were selected (-m gpu) but torch.cuda.is_available() is False")
     from kernel_pytorch.hardware import detect_hardware
@@ -244,11 +246,21 @@ def test_gpu_choice_measures_flex():
     hardware = detect_hardware()
     q = torch.empty(4, 16, 1024, 64, dtype=torch.bfloat16, device="cuda")
     k = v = torch.empty(4, 4, 1024, 64, dtype=torch.bfloat16, device="cuda")
-    for training in (False, True):
+
+    def choose(training):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            kernel, reason = choose_kernel(q, k, v, None, is_causal=True, dropout_p=0.0, enable_gqa=True,
-                                           hardware=hardware, training=training)
+            return choose_kernel(q, k, v, None, is_causal=True, dropout_p=0.0, enable_gqa=True,
+                                 hardware=hardware, training=training)
+
+    kernel, reason = choose(False)
+    assert "flex: not measured" in reason and "flex " not in reason.split(";")[0], reason
+    real = dispatch.eligible_kernels
+    monkeypatch.setattr(dispatch, "_CHOICES", {})  # choices are cached per problem
+    monkeypatch.setattr(dispatch, "eligible_kernels", lambda *a, **kw: (
+        ["flex", "sdpa"], real(*a, **kw)[1]))
+    for training in (False, True):
+        kernel, reason = choose(training)
         assert reason.startswith("fastest measured ("), reason
         measured = reason[len("fastest measured ("):].split(")")[0]
         assert "flex " in measured and "sdpa " in measured, reason  # flex was compiled, checked and timed

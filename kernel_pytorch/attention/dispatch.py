@@ -56,6 +56,13 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
 # eligible kernel: FlexAttention is fused only inside a compiled graph, and whether it beats the
 # hand-written kernels depends on the shapes (and, eagerly, it is the unfused reference).
 MEASURED_ONLY = frozenset({"flex"})
+# Fused kernels that make measuring FlexAttention not worth it. Its measurement compiles it, and inside
+# optimize's own compile that took over 3 minutes per problem on an H100 (a 2-layer Llama-style model
+# never finished optimizing); on dense and causal masks it was also the slower kernel (DESIGN.md, hd128
+# L=8192 forward: 407 TFLOP/s vs cuDNN 613). Block-sparse masks, where it wins, are its job (issue 7).
+_SDPA_FUSED = ("cudnn", "flash_attn", "flash", "efficient")
+_FLEX_NOT_MEASURED = ("an SDPA fused kernel is eligible, and compiling FlexAttention to time it costs minutes "
+                      "for a dense or causal mask it does not win")
 
 _HALF = (torch.float16, torch.bfloat16)
 # flash-attn 2.7.0 is the first release whose kernels are torch.library custom ops with fake implementations
@@ -240,6 +247,9 @@ def _choose(problem: AttentionProblem, hardware: HardwareInfo) -> tuple[str, str
         passed_over = "; ".join(filter(None, [passed_over, *(
             f"{k}: eligible, but taken only when measured fastest on a GPU" for k in unmeasured)]))
     else:
+        if "flex" in eligible and any(k in eligible for k in _SDPA_FUSED):
+            eligible = [k for k in eligible if k != "flex"]
+            passed_over = "; ".join(filter(None, [passed_over, f"flex: not measured: {_FLEX_NOT_MEASURED}"]))
         timings, failures = _measure(problem, eligible)
         passed_over = "; ".join(filter(None, [passed_over, *failures]))
         if not timings:
