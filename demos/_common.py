@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import traceback
 from collections.abc import Callable
@@ -16,7 +17,7 @@ if str(ROOT) not in sys.path:  # demos run from a checkout; benchmarks/ holds th
 
 RESULT_PREFIX = "DEMO_RESULT "
 
-__all__ = ["DemoResult", "demo_main", "RESULT_PREFIX"]
+__all__ = ["RESULT_PREFIX", "DemoResult", "default_device", "demo_main", "rel_err", "sqnr"]
 
 
 @dataclass
@@ -39,3 +40,23 @@ def demo_main(description: str, run: Callable[[argparse.Namespace], DemoResult])
         result = DemoResult("failed", notes=[f"{type(error).__name__}: {error}"])
     print(RESULT_PREFIX + json.dumps(asdict(result)), flush=True)
     sys.exit(1 if result.status == "failed" else 0)
+
+
+def default_device(args: argparse.Namespace) -> str:
+    """``--device``, else cuda when a GPU is visible, else cpu."""
+    import torch
+
+    return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def rel_err(actual, expected) -> float:
+    """||actual - expected|| / ||expected|| in float64."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return float((actual - expected).norm() / expected.norm())
+
+
+def sqnr(actual, expected) -> float:
+    """Signal-to-quantization-noise ratio in dB, 20 log10(||expected|| / ||expected - actual||), as the FP8
+    tests and benchmarks/fp8.py compute it; inf when the two are equal."""
+    error = rel_err(actual, expected)
+    return math.inf if error == 0 else -20 * math.log10(error)
