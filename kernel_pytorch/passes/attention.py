@@ -69,14 +69,13 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch.fx import Node
 
 from kernel_pytorch.ops.attention import attention
 from kernel_pytorch.passes.attention_match import AttentionMatch, NotAttention, Operand, match_attention
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
 from kernel_pytorch.passes.causal_mask import CausalMaskGuard, decide_causal
-from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of
+from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of, set_example_value
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import Bindings, ConstantEvaluator, example_value
@@ -102,50 +101,32 @@ def _choose_kernel(q, k, v, mask, *, is_causal, dropout_p, enable_gqa, ctx: Pass
         return "sdpa", f"the kernel dispatcher failed ({type(error).__name__}: {error}); PyTorch's SDPA dispatch"
 
 
-def _fake(target: Any, args: tuple, kwargs: Optional[dict] = None, method: bool = False) -> Any:
-    """The example value of a new node, computed on the FakeTensors of its inputs (None if that fails)."""
-    from torch._guards import detect_fake_mode
-
-    values: list[Any] = []
-    fake_args = torch.fx.node.map_arg(args, lambda n: values.append(example_value(n)) or example_value(n))
-    fake_kwargs = torch.fx.node.map_arg(kwargs or {}, lambda n: values.append(example_value(n)) or example_value(n))
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    mode = detect_fake_mode(tensors)
-    if mode is None or any(v is None for v in values):
-        return None
-    try:
-        with mode:
-            if method:
-                return getattr(fake_args[0], target)(*fake_args[1:], **fake_kwargs)
-            return target(*fake_args, **fake_kwargs)
-    except Exception:  # metadata only: a node without an example value is still correct, just unannotated
-        return None
-
-
 class _Builder:
     """Adds nodes before the ·V product, each with metadata (example value, module stack)."""
 
-    def __init__(self, graph: torch.fx.Graph, anchor: Node):
-        self.graph = graph
+    def __init__(self, gm: torch.fx.GraphModule, anchor: Node):
+        self.gm = gm
+        self.graph = gm.graph
         self.anchor = anchor
         self.carried = {k: v for k, v in anchor.meta.items() if k in ("nn_module_stack", "stack_trace")}
 
     def function(self, target: Any, *args: Any, **kwargs: Any) -> Node:
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_function(target, args, kwargs)
-        self._meta(node, _fake(target, args, kwargs))
+        self.annotate(node)
         return node
 
     def method(self, name: str, *args: Any) -> Node:
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_method(name, args)
-        self._meta(node, _fake(name, args, method=True))
+        self.annotate(node)
         return node
 
-    def _meta(self, node: Node, value: Any) -> None:
+    def annotate(self, node: Node) -> None:
+        """The anchor's module stack, and the node's example value (left out when it cannot be computed:
+        the rewrite is still correct, and what reads the value treats it as unknown)."""
         node.meta.update(self.carried)
-        if value is not None:
-            node.meta["example_value"] = value
+        set_example_value(self.gm, node)
 
     def operand(self, operand: Operand) -> Node:
         return operand.node if operand.dims is None else self.function(torch.permute, operand.node, operand.dims)
@@ -232,7 +213,7 @@ class AttentionPass(GraphPass):
             except NotAttention as reason:
                 result.skip(location, str(reason))
                 continue
-            description, plan, removed = self._rewrite(graph, match, constants, bindings, ctx)
+            description, plan, removed = self._rewrite(gm, match, constants, bindings, ctx)
             erased |= removed
             mask_candidates += plan.dead_when_causal
             if plan.guard is not None:
@@ -245,9 +226,10 @@ class AttentionPass(GraphPass):
         return result
 
     @staticmethod
-    def _rewrite(graph: torch.fx.Graph, match: AttentionMatch, constants: ConstantEvaluator, bindings: Bindings,
+    def _rewrite(gm: torch.fx.GraphModule, match: AttentionMatch, constants: ConstantEvaluator, bindings: Bindings,
                  ctx: PassContext) -> tuple[str, _MaskPlan, set[Node]]:
-        builder = _Builder(graph, match.pv)
+        graph = gm.graph
+        builder = _Builder(gm, match.pv)
         q, k, v = builder.operand(match.q), builder.operand(match.k), builder.operand(match.v)
         q_dtype = example_value(q).dtype
         plan = _MaskPlan()
@@ -263,8 +245,7 @@ class AttentionPass(GraphPass):
             call.meta.update(match.pv.meta)
             out = call
         else:
-            builder._meta(call, _fake(F.scaled_dot_product_attention, (q, k, v, mask),
-                                      {k: kwargs[k] for k in ("dropout_p", "is_causal", "scale", "enable_gqa")}))
+            builder.annotate(call)
             with graph.inserting_before(match.pv):
                 out = graph.call_function(torch.permute, (call, match.out_dims))
             out.meta.update(match.pv.meta)

@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 import re
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.fx
+import torch.nn.functional as F
+from torch.fx import Node
 
-__all__ = ["clone_graph_module", "checkpointed_subgraphs", "module_path_of", "count_calls", "erase_unused"]
+from kernel_pytorch.passes.shape_constants import example_value
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+__all__ = [
+    "blocks_reordering",
+    "checkpointed_subgraphs",
+    "clone_graph_module",
+    "count_calls",
+    "erase_unused",
+    "evaluate_fake",
+    "fake_mode_of",
+    "module_path_of",
+    "operand_value",
+    "set_example_value",
+    "writes_in_place",
+]
 
 # Dynamo records module paths as "L['self'].layers.0.attn" (the root is the forward's first argument).
 _ROOT_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
@@ -77,3 +100,116 @@ def erase_unused(graph: torch.fx.Graph, candidates) -> int:
             graph.erase_node(node)
             erased += 1
     return erased
+
+
+# ------------------------------------------------------------------------ example values of new nodes
+
+def fake_mode_of(gm: torch.fx.GraphModule) -> FakeTensorMode | None:
+    """The FakeTensorMode of ``gm``'s example values (Dynamo puts them on every node); None when the
+    graph has none (``symbolic_trace``).
+
+    Not ``torch._guards.detect_fake_mode``: inside a Dynamo backend it returns the tracing context's
+    mode, which on torch 2.13 is not the one the example values belong to, and computing on values of
+    two modes raises "Mixing fake modes". Placeholders come first, so this usually reads one node.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_leaves
+
+    for node in gm.graph.nodes:
+        for value in tree_leaves(example_value(node)):
+            if isinstance(value, FakeTensor):
+                return value.fake_mode
+    return None
+
+
+def operand_value(gm: torch.fx.GraphModule, node: Any) -> Any:
+    """``node``'s example value; for a ``get_attr``, the attribute itself (a real tensor, which Dynamo
+    gives no example value)."""
+    if isinstance(node, Node) and node.op == "get_attr":
+        try:
+            return functools.reduce(getattr, str(node.target).split("."), gm)
+        except AttributeError:
+            return None
+    return example_value(node)
+
+
+def evaluate_fake(gm: torch.fx.GraphModule, target: Any, args: tuple, kwargs: dict | None = None, *,
+                  method: bool = False) -> tuple[Any, str]:
+    """``target(*args, **kwargs)`` (``args[0].target(...)`` with ``method``) on the example values of
+    the argument nodes, under :func:`fake_mode_of` ``gm``: ``(value, "")``, or ``(None, why)`` when a
+    value is missing or the call raises."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_map
+
+    mode = fake_mode_of(gm)
+    if mode is None:
+        return None, "the graph has no FakeTensor example values"
+    missing: list[Node] = []
+
+    def read(node: Node) -> Any:
+        value = operand_value(gm, node)
+        if value is None:
+            missing.append(node)
+        return value
+
+    values = torch.fx.node.map_arg((args, kwargs or {}), read)
+    if missing:
+        return None, f"no example value for {missing[0].name}"
+    try:
+        # Real tensors (get_attr constants) join the mode; fake ones must already be in it.
+        fake_args, fake_kwargs = tree_map(
+            lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor) else v,
+            values)
+        with mode:
+            if method:
+                return getattr(fake_args[0], target)(*fake_args[1:], **fake_kwargs), ""
+            return target(*fake_args, **fake_kwargs), ""
+    except Exception as error:  # noqa: BLE001  the caller reports it or leaves the node unannotated
+        return None, f"{type(error).__name__}: {error}"
+
+
+def set_example_value(gm: torch.fx.GraphModule, node: Node) -> str:
+    """Give ``node`` (a call a pass inserted into ``gm``) its example value, computed by running its
+    target on its inputs' example values; returns "" or why it could not (the node then has none:
+    still correct, but later passes and kernel choices that read its shape treat it as unknown)."""
+    if node.op not in ("call_function", "call_method"):
+        return f"a {node.op} node is not evaluated"
+    value, why = evaluate_fake(gm, node.target, node.args, dict(node.kwargs), method=node.op == "call_method")
+    if value is not None:
+        node.meta["example_value"] = value  # Dynamo's key: what the passes read (shape_constants.example_value)
+    return why
+
+
+# ---------------------------------------------------------------- what a computation may not move across
+
+# Calls that change how later ops run: moving a read or a computation across one would change what
+# autograd, autocast or inference mode does with it.
+_STATE_CHANGES = frozenset({"_set_grad_enabled", "set_grad_enabled", "_enter_autocast", "_exit_autocast",
+                            "_enter_inference_mode", "_exit_inference_mode"})
+_IN_PLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                       operator.ipow, operator.imatmul)
+
+
+def _name(node: Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+
+
+def writes_in_place(node: Node) -> bool:
+    """Whether ``node`` may write a tensor in place (conservative: a module call may)."""
+    if node.op not in ("call_function", "call_method"):
+        return node.op == "call_module"
+    name = _name(node)
+    if node.target in _IN_PLACE_OPERATORS or name == "__setitem__" or name.startswith("__i"):
+        return True
+    if name.endswith("_") and not name.endswith("__"):  # add_, copy_, index_put_ ...
+        return True
+    if "out" in node.kwargs or node.kwargs.get("inplace", False) is True:
+        return True
+    # normalize's canonical dropout, F.dropout(x, p, training, inplace), with inplace given positionally
+    return node.op == "call_function" and node.target is F.dropout and len(node.args) > 3 and node.args[3] is True
+
+
+def blocks_reordering(node: Node) -> bool:
+    """Whether a computation may not be moved across ``node``: it may write a tensor in place, or it
+    switches grad, autocast or inference mode."""
+    return (node.op in ("call_function", "call_method") and _name(node) in _STATE_CHANGES) or writes_in_place(node)

@@ -64,7 +64,6 @@ the other design of the issue (the originals as views of one fused storage, no c
 
 from __future__ import annotations
 
-import functools
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -76,7 +75,15 @@ from torch import nn
 from torch.fx import Node
 
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
-from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of
+from kernel_pytorch.passes.graph_utils import (
+    blocks_reordering,
+    erase_unused,
+    evaluate_fake,
+    module_path_of,
+    operand_value,
+    set_example_value,
+    writes_in_place,
+)
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import (
@@ -103,13 +110,6 @@ MACHINE_BALANCE: dict[str, tuple[float, float]] = {
     "intel": (259.0, 22.0),
     "cpu": (20.0, 20.0),
 }
-
-# Calls that change how later ops run: computing a later linear earlier across one would change what
-# autograd or autocast does with it.
-_STATE_CHANGES = ("_set_grad_enabled", "set_grad_enabled", "_enter_autocast", "_exit_autocast",
-                  "_enter_inference_mode", "_exit_inference_mode")
-_IN_PLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                       operator.ipow, operator.imatmul)
 
 # Ops whose result may share the input's storage: an in-place write through one reaches the linear's output.
 _VIEW_FUNCTIONS = (operator.getitem, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.flatten,
@@ -149,26 +149,12 @@ def _parameter(node: Any, gm: torch.fx.GraphModule, ctx: PassContext) -> bool:
     if not isinstance(node, Node):
         return False
     if node.op == "get_attr":
-        return isinstance(_attribute(gm, str(node.target)), nn.Parameter)
+        return isinstance(operand_value(gm, node), nn.Parameter)
     if node.op != "placeholder":
         return False
     if isinstance(ctx.example_inputs.get(node.name), nn.Parameter):
         return True
     return (isinstance(node.type, type) and issubclass(node.type, nn.Parameter)) or "_parameters_" in node.name
-
-
-def _attribute(gm: torch.fx.GraphModule, target: str) -> Any:
-    try:
-        return functools.reduce(getattr, target.split("."), gm)
-    except AttributeError:
-        return None
-
-
-def _value(node: Any, gm: torch.fx.GraphModule) -> Any:
-    """The example value of ``node``, or the tensor itself for a ``get_attr``."""
-    if isinstance(node, Node) and node.op == "get_attr":
-        return _attribute(gm, str(node.target))
-    return example_value(node)
 
 
 def _member(linear: Node, gm: torch.fx.GraphModule, ctx: PassContext) -> _Linear | str:
@@ -178,7 +164,7 @@ def _member(linear: Node, gm: torch.fx.GraphModule, ctx: PassContext) -> _Linear
     weight, bias = linear.args[1], linear.args[2] if len(linear.args) > 2 else None
     if not _parameter(weight, gm, ctx):
         return f"its weight is not a module parameter ({_describe(weight)})"
-    value, bias_value = _value(weight, gm), _value(bias, gm)
+    value, bias_value = operand_value(gm, weight), operand_value(gm, bias)
     if not isinstance(value, torch.Tensor) or value.dim() != 2:
         return f"its weight is not 2-D (shape {tuple(getattr(value, 'shape', ()))})"
     if bias is not None and (not _parameter(bias, gm, ctx) or not isinstance(bias_value, torch.Tensor)):
@@ -195,34 +181,18 @@ def _describe(node: Any) -> str:
     return describe_node(node) if isinstance(node, Node) else type(node).__name__
 
 
-def _writes_in_place(node: Node) -> bool:
-    if node.op not in ("call_function", "call_method"):
-        return node.op == "call_module"
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    if node.target in _IN_PLACE_OPERATORS or name == "__setitem__" or name.startswith("__i"):
-        return True
-    return (name.endswith("_") and not name.endswith("__")) or "out" in node.kwargs or \
-        node.kwargs.get("inplace", False) is True
-
-
 def _modified_in_place(node: Node) -> bool:
     """Whether an in-place op writes ``node`` or a view of it (followed through view-like ops)."""
     pending, seen = [node], set()
     while pending:
         current = pending.pop()
         for user in current.users:
-            if _writes_in_place(user):
+            if writes_in_place(user):
                 return True
             if user not in seen and (is_call(user, *_VIEW_FUNCTIONS) or is_call(user, *_VIEW_METHODS)):
                 seen.add(user)
                 pending.append(user)
     return False
-
-
-def _barrier(node: Node) -> bool:
-    """An in-place write or a grad/autocast switch: no linear may be computed earlier across one."""
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return name in _STATE_CHANGES or _writes_in_place(node)
 
 
 def _partition(members: list[_Linear]) -> tuple[list[list[_Linear]], list[tuple[_Linear, str]]]:
@@ -279,38 +249,6 @@ def _tokens(x: Node) -> int | None:
 
 # ------------------------------------------------------------------------------------ rewriting helpers
 
-def _evaluate(gm: torch.fx.GraphModule, target: Any, args: tuple, method: bool = False) -> tuple[Any, str]:
-    """``target(*args)`` on the example values of the argument nodes, under their FakeTensor mode:
-    ``(value, "")``, or ``(None, why)`` when it raises or values are missing."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._pytree import tree_leaves, tree_map
-
-    missing: list[Node] = []
-
-    def read(node: Node) -> Any:
-        value = _value(node, gm)
-        if value is None:
-            missing.append(node)
-        return value
-
-    values = torch.fx.node.map_arg(args, read)
-    if missing:
-        return None, f"no example value for {missing[0].name}"
-    # The values' own mode, not detect_fake_mode's: inside a dynamo backend that returns the tracing
-    # context's mode, which on torch 2.13 is not the one the example values belong to (mixing them raises).
-    modes = {id(v.fake_mode): v.fake_mode for v in tree_leaves(values) if isinstance(v, FakeTensor)}
-    if len(modes) != 1:
-        return None, f"{len(modes)} FakeTensor modes among the example values (one needed)"
-    mode = next(iter(modes.values()))
-    fake = tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor)
-                    else v, values)
-    try:
-        with mode:
-            return (getattr(fake[0], target)(*fake[1:]) if method else target(*fake)), ""
-    except Exception as error:  # noqa: BLE001  the caller reports or works around it
-        return None, f"{type(error).__name__}: {error}"
-
-
 def _common_prefix(paths: list[str]) -> str:
     parts = [p.split(".") for p in paths]
     common = []
@@ -343,9 +281,7 @@ class _Builder:
         with graph.inserting_before(self.anchor):
             node = graph.call_method(target, args) if method else graph.call_function(target, args)
         node.meta["nn_module_stack"] = dict(self.stack if stack is None else stack)
-        value, _ = _evaluate(self.gm, target, args, method)
-        if value is not None:
-            node.meta["example_value"] = value
+        set_example_value(self.gm, node)  # left without one if it cannot be computed: still correct
         return node
 
 
@@ -393,7 +329,7 @@ class HorizontalGemmPass(GraphPass):
         names = " + ".join(_short(m.path) for m in group)
         reason = self._unprofitable(ctx, x, group) or self._blocked(gm.graph, group)
         if reason is None:
-            _, reason = _evaluate(gm, F.linear, (x, group[0].weight, group[0].bias))
+            _, reason = evaluate_fake(gm, F.linear, (x, group[0].weight, group[0].bias))
             reason = f"the linear cannot be evaluated on its example values ({reason})" if reason else None
         if reason is not None:
             result.skip(location, f"{names}: {reason}")
@@ -422,7 +358,7 @@ class HorizontalGemmPass(GraphPass):
         nodes = list(graph.nodes)
         position = {n: i for i, n in enumerate(nodes)}
         first, last = min(position[m.node] for m in group), max(position[m.node] for m in group)
-        barrier = next((n for n in nodes[first + 1:last] if _barrier(n)), None)
+        barrier = next((n for n in nodes[first + 1:last] if blocks_reordering(n)), None)
         if barrier is not None:
             return f"{_describe(barrier)} lies between the linears (an in-place write or a grad/autocast switch)"
         return None
@@ -469,7 +405,7 @@ def _replace(gm: torch.fx.GraphModule, original: Node, part: Node, build: _Build
     for user in original.users:
         if user.op == "call_method" and user.target in ("view", "view_as"):
             args = tuple(part if a is original else a for a in user.args)
-            value, _ = _evaluate(gm, user.target, args, method=True)
+            value, _ = evaluate_fake(gm, user.target, args, dict(user.kwargs), method=True)
             needs_copy |= value is None
     if needs_copy:
         part = build.call("contiguous", (part,), method=True, stack=stack)

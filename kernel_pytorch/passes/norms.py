@@ -33,7 +33,11 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
-from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of
+from kernel_pytorch.passes.graph_utils import (
+    erase_unused,
+    module_path_of,
+    set_example_value,
+)
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
 
@@ -254,6 +258,8 @@ class NormPass(GraphPass):
         # After the last of its inputs, so that the residual stream it returns can serve every later user.
         with graph.inserting_after(_last_defined(graph, [*args, *extra.values()])):
             call = graph.call_function(target, args, kwargs)
+        if residual:  # the call returns (normed, summed); each getitem below takes the value it replaces
+            set_example_value(gm, call)
         with graph.inserting_after(call):
             normed = graph.call_function(operator.getitem, (call, 0)) if residual else call
         normed.meta = dict(match.output.meta)

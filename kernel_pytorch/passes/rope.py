@@ -75,13 +75,16 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch.fx import Node
 
 from kernel_pytorch.ops.rope import apply_rope
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
-from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of
-from kernel_pytorch.passes.normalize import is_call
+from kernel_pytorch.passes.graph_utils import (
+    blocks_reordering,
+    erase_unused,
+    module_path_of,
+    set_example_value,
+)
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.rope_match import (
     RopeMatch,
@@ -90,7 +93,6 @@ from kernel_pytorch.passes.rope_match import (
     tensor_of,
     validate_match,
 )
-from kernel_pytorch.passes.shape_constants import example_value
 
 __all__ = ["RopePass"]
 
@@ -98,8 +100,6 @@ __all__ = ["RopePass"]
 def _rope_op() -> Callable[..., Any]:
     """The fused op the rewrite calls."""
     return apply_rope
-
-
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -148,36 +148,13 @@ def _same_value(a: Any, b: Any, chain: list[Node], depth: int = 12) -> bool:
     return type(a) is type(b) and a == b
 
 
-# Calls that change how later ops run: moving a read across one would change what autograd records.
-_STATE_CHANGES = ("_set_grad_enabled", "set_grad_enabled", "_enter_autocast", "_exit_autocast",
-                  "_enter_inference_mode", "_exit_inference_mode")
-
-
-def _barrier(node: Node) -> bool:
-    """Whether ``node`` may write a tensor in place or switch grad / autocast mode (conservative)."""
-    if node.op == "call_module":
-        return True
-    if node.op not in ("call_function", "call_method"):
-        return False
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    if name in _STATE_CHANGES:
-        return True
-    if node.target in (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                       operator.ipow, operator.imatmul):
-        return True
-    if name.endswith("_") and not name.endswith("__") or name.startswith("__i") or name == "__setitem__":
-        return True
-    return "out" in node.kwargs or node.kwargs.get("inplace", False) is True or \
-        (is_call(node, F.dropout) and len(node.args) > 3 and node.args[3] is True)
-
-
 class _Order:
     def __init__(self, graph: torch.fx.Graph):
         self.nodes = list(graph.nodes)
         self.position = {n: i for i, n in enumerate(self.nodes)}
 
     def barrier_between(self, first: int, last: int) -> bool:
-        return any(_barrier(n) for n in self.nodes[first + 1:last])
+        return any(blocks_reordering(n) for n in self.nodes[first + 1:last])
 
     def span(self, nodes: list[Node]) -> int:
         return min(self.position[n] for n in nodes if n in self.position)
@@ -210,30 +187,6 @@ def _pairable(first: RopeMatch, second: RopeMatch, order: _Order) -> list[Node] 
 # ---------------------------------------------------------------------------------------------------
 # The pass
 # ---------------------------------------------------------------------------------------------------
-
-
-def _fake(target: Any, args: tuple, kwargs: dict | None = None, method: bool = False) -> Any:
-    """The example value of a new node, computed on the FakeTensors of its inputs (None if that fails)."""
-    from torch._guards import detect_fake_mode
-
-    values: list[Any] = []
-
-    def read(n: Node) -> Any:
-        values.append(example_value(n))
-        return values[-1]
-
-    fake_args = torch.fx.node.map_arg(args, read)
-    fake_kwargs = torch.fx.node.map_arg(kwargs or {}, read)
-    mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
-    if mode is None or any(v is None for v in values):
-        return None
-    try:
-        with mode:
-            if method:
-                return getattr(fake_args[0], target)(*fake_args[1:], **fake_kwargs)
-            return target(*fake_args, **fake_kwargs)
-    except Exception:  # noqa: BLE001  metadata only: a node without an example value is still correct
-        return None
 
 
 @register_pass
@@ -288,15 +241,16 @@ class RopePass(GraphPass):
             location = module_path_of(first.output, "(model)")
             replaced: dict[Node, Node] = {}
             note = "; ".join(dict.fromkeys(notes[id(m)] for m in (first, partner[0]) if id(m) in notes))
-            result.rewrite(location, self._rewrite(graph, first, *partner, replaced, note=note))
+            result.rewrite(location, self._rewrite(gm, first, *partner, replaced, note=note))
             for later in matches[i + 1:]:  # a rotation of a rotation reads the new output now
                 later.x, later.cos, later.sin = (replaced.get(n, n) for n in (later.x, later.cos, later.sin))
             order = _Order(graph)  # nodes were added and erased
         return result
 
     @staticmethod
-    def _rewrite(graph: torch.fx.Graph, first: RopeMatch, second: RopeMatch | None, duplicate_tables: list[Node],
+    def _rewrite(gm: torch.fx.GraphModule, first: RopeMatch, second: RopeMatch | None, duplicate_tables: list[Node],
                  replaced: dict[Node, Node], note: str | None) -> str:
+        graph = gm.graph
         anchor = second.output if second is not None else first.output
         carried = {k: v for k, v in first.output.meta.items() if k in ("nn_module_stack", "stack_trace")}
 
@@ -304,9 +258,7 @@ class RopePass(GraphPass):
             with graph.inserting_before(anchor):
                 node = (graph.call_method if method else graph.call_function)(target, args, kwargs or {})
             node.meta.update(carried)
-            value = _fake(target, args, kwargs, method)
-            if value is not None:
-                node.meta["example_value"] = value
+            set_example_value(gm, node)  # left without one if it cannot be computed: still correct
             return node
 
         def operand(match: RopeMatch) -> Node:
