@@ -83,7 +83,7 @@ def abs_max(t: Tensor, tensorwise: bool, rows: bool = False, cols: bool = False)
         rows = cols = False
     if t.dim() != 2:
         raise ValueError(f"float8 casts take 2-D tensors, got shape {tuple(t.shape)}")
-    if not _launch_kernels(t):
+    if not use_triton(t):
         a = t.detach().abs().float()
         return Amax(tensor=a.amax().reshape(1) if tensorwise else None, rows=a.amax(1) if rows else None,
                     cols=a.amax(0) if cols else None)
@@ -117,7 +117,7 @@ def cast(t: Tensor, amax: Amax, fp8_dtype: torch.dtype, rows: bool = True, cols:
         raise ValueError(f"not a float8 dtype: {fp8_dtype}")
     r, c = t.shape
     fp8_max = torch.finfo(fp8_dtype).max
-    if not _launch_kernels(t):
+    if not use_triton(t):
         return _cast_reference(t, amax, fp8_dtype, fp8_max, rows, cols, cols_multiple)
     tensorwise = amax.tensorwise
     if not tensorwise and ((rows and amax.rows is None) or (cols and amax.cols is None)):
@@ -142,15 +142,6 @@ def cast(t: Tensor, amax: Amax, fp8_dtype: torch.dtype, rows: bool = True, cols:
             FP8_MAX=fp8_max, EPS=EPS, TENSORWISE=tensorwise, ROWS=rows, COLS=cols,
             BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=8)
     return out
-
-
-def _launch_kernels(t: Tensor) -> bool:
-    """Our kernels on Triton's devices in eager mode. Under torch.compile the PyTorch formulas are traced
-    instead: Inductor then fuses the maxima and the casts with the neighbouring kernels (the producing
-    norm or activation), where our kernels would be opaque launches reading the tensor again. Measured on
-    an H100 for a 12-layer Llama-style training step, 84 FP8 layers: 92.6 ms with the eager kernels inside
-    the compiled graph (custom op) against 66.5 ms in bf16."""
-    return use_triton(t) and not torch.compiler.is_compiling()
 
 
 def _or(*candidates: Optional[Tensor]) -> Tensor:

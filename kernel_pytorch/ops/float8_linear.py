@@ -148,7 +148,7 @@ def float8_mm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: str
     transposed to (K, M padded to 16) in float8, scaled along M (empty without ``weight_grad``: inference
     and frozen weights skip that write), and the maxima of W along N (the tensor's maximum for
     tensorwise)."""
-    if not emulate and not torch.compiler.is_compiling():
+    if not emulate:
         _check_fp8_device(x.device)
     tensorwise = recipe == "tensorwise"
     x_q = cast(x, abs_max(x, tensorwise, rows=True, cols=weight_grad), forward_dtype, rows=True, cols=weight_grad,
@@ -167,7 +167,7 @@ def float8_mm_bwd(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, weight: Tensor
                   input_grad: bool = True, weight_grad: bool = True) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """``(grad_input, grad_weight)``: ``dy @ W`` and ``dy.T @ x`` with dy in ``backward_dtype``, from what
     :func:`float8_mm_fwd` returned; scales along each product's reduction dimension."""
-    if not emulate and not torch.compiler.is_compiling():
+    if not emulate:
         _check_fp8_device(grad_out.device)
     tensorwise = recipe == "tensorwise"
     dy_q = cast(grad_out, abs_max(grad_out, tensorwise, rows=input_grad, cols=weight_grad), backward_dtype,
@@ -252,32 +252,6 @@ _float8_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 # ----------------------------------------------------------------------------------- functional/module
 
-class _Float8LinearTraced(torch.autograd.Function):
-    """The same forward and backward as the custom op, as an autograd.Function that TorchDynamo traces
-    through: under torch.compile the quantization is then plain PyTorch ops (float8_cast's formulas) that
-    Inductor fuses with the neighbouring kernels, instead of an opaque op launching its own."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, recipe, emulate, forward_dtype, backward_dtype):
-        weight_grad = weight.requires_grad
-        out, x_t, x_t_inv, w_col_amax = float8_mm_fwd(x, weight, bias, recipe, emulate, forward_dtype, weight_grad)
-        ctx.save_for_backward(x_t, x_t_inv, weight, w_col_amax)
-        ctx.config = (recipe, emulate, forward_dtype, backward_dtype)
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x_t, x_t_inv, weight, w_col_amax = ctx.saved_tensors
-        recipe, emulate, forward_dtype, backward_dtype = ctx.config
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_out = grad_out.contiguous()
-        gi, gw = float8_mm_bwd(grad_out, x_t, x_t_inv, weight, w_col_amax, recipe, emulate, forward_dtype,
-                               backward_dtype, need_x, need_w)
-        gb = grad_out.float().sum(0).to(ctx.bias_dtype) if need_b else None
-        return gi, gw, gb, None, None, None, None
-
-
 def float8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, recipe: str = "tensorwise",
                   emulate: bool = False, forward_dtype: torch.dtype = torch.float8_e4m3fn,
                   backward_dtype: torch.dtype = torch.float8_e5m2) -> Tensor:
@@ -289,9 +263,6 @@ def float8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, reci
             raise ValueError(f"{name} must be a float8 dtype, got {dt}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if torch.compiler.is_compiling():
-        out = _Float8LinearTraced.apply(x2, weight, bias, recipe, emulate, forward_dtype, backward_dtype)
-        return out.reshape(*lead, weight.shape[0])
     weight_grad = torch.is_grad_enabled() and weight.requires_grad
     out = _float8_linear_op(x2, weight, bias, recipe, emulate, forward_dtype, backward_dtype, weight_grad)[0]
     return out.reshape(*lead, weight.shape[0])
