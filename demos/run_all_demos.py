@@ -1,9 +1,13 @@
 """Run every demo (each in its own process), show progress, then a summary table.
 
-    python demos/run_all_demos.py --quick
+    python demos/run_all_demos.py --quick          # every demo; under 3 minutes on a 2-core CPU
+    python demos/run_all_demos.py --list           # the demos, by script name
+    python demos/run_all_demos.py --only fp8_training block_fusion
 
-Exits non-zero if any demo fails. A demo that needs hardware this machine lacks reports 'skipped'
-with the reason.
+Each demo checks its own numerics and prints one ``DEMO_RESULT {json}`` line (demos/_common.py), which
+this script reads: status, speedup, memory saved, notes. Exits non-zero if any demo fails. A demo, or a
+part of one, that needs hardware this machine lacks says so in its notes ('skipped' when nothing of it
+could run).
 """
 
 from __future__ import annotations
@@ -21,20 +25,27 @@ from rich.table import Table
 
 from _common import RESULT_PREFIX
 
+# (title, script): one demo per capability. Sparse attention has no implementation yet, so no demo.
 DEMOS = (
     ("hardware and backends", "hardware_and_backends.py"),
     ("attention rewriting", "attention_rewrite.py"),
     ("fused kernels, training", "fused_kernels.py"),
+    ("FP8 training", "fp8_training.py"),
+    ("block fusion", "block_fusion.py"),
+    ("ring attention", "ring_attention.py"),
+    ("memory wrappers", "memory_wrappers.py"),
     ("optimize a transformer LM", "optimize_transformer.py"),
 )
 HERE = Path(__file__).resolve().parent
 
 
-def run_demo(script: str, quick: bool, timeout_s: float) -> dict:
+def run_demo(script: str | Path, quick: bool, timeout_s: float) -> dict:
+    """Run one demo script (a name in this folder, or a path) and return its ``DEMO_RESULT``, with
+    ``seconds`` and ``log`` added; a crash, a missing result line or a non-zero exit is 'failed'."""
     command = [sys.executable, str(HERE / script), *(["--quick"] if quick else [])]
     started = time.perf_counter()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
         return {"status": "failed", "notes": [f"timed out after {timeout_s:.0f} s"], "seconds": timeout_s}
     result = next((json.loads(line[len(RESULT_PREFIX):]) for line in reversed(done.stdout.splitlines())
@@ -47,29 +58,55 @@ def run_demo(script: str, quick: bool, timeout_s: float) -> dict:
     return result
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes (under 3 minutes on a CPU)")
     parser.add_argument("--verbose", action="store_true", help="print each demo's own output")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per demo")
-    args = parser.parse_args()
-    console = Console()
-    results = {}
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as progress:
+    parser.add_argument("--list", action="store_true", help="list the demos and exit")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these demos (script names, no .py)")
+    args = parser.parse_args(argv)
+    if args.list:
         for name, script in DEMOS:
-            task = progress.add_task(name)
+            print(f"{Path(script).stem:24} {name}")
+        return 0
+    try:
+        demos = _selected(args.only)
+    except ValueError as error:
+        parser.error(str(error))
+    # A log or a pipe gets a wide table instead of rich's 80-column default; a terminal keeps its width.
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    results = {}
+    started = time.perf_counter()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as progress:
+        tasks = {name: progress.add_task(f"{name}: waiting", start=False) for name, _ in demos}
+        for name, script in demos:
+            progress.start_task(tasks[name])
+            progress.update(tasks[name], description=f"{name}: running")
             results[name] = run_demo(script, args.quick, args.timeout)
-            progress.update(task, description=f"{name}: {results[name]['status']}")
-            progress.stop_task(task)
+            progress.update(tasks[name], description=f"{name}: {results[name]['status']}")
+            progress.stop_task(tasks[name])
     if args.verbose:
         for name, result in results.items():
             console.rule(name)
             console.print(result.get("log", ""), markup=False, highlight=False)
     console.print(_summary(results))
+    console.print(f"{len(results)} demos in {time.perf_counter() - started:.0f} s")
     failed = [name for name, result in results.items() if result["status"] == "failed"]
     if failed:
         console.print(f"[red]{len(failed)} demo(s) failed:[/red] {', '.join(failed)}")
     return 1 if failed else 0
+
+
+def _selected(names: list[str] | None) -> tuple[tuple[str, str], ...]:
+    """The (title, script) pairs named by ``--only`` (all without it); unknown names raise ValueError."""
+    if not names:
+        return DEMOS
+    by_stem = {Path(script).stem: (title, script) for title, script in DEMOS}
+    unknown = [name for name in names if name.removesuffix(".py") not in by_stem]
+    if unknown:
+        raise ValueError(f"unknown demo(s) {', '.join(unknown)}; choose from {', '.join(by_stem)}")
+    return tuple(by_stem[name.removesuffix(".py")] for name in names)
 
 
 def _summary(results: dict) -> Table:
