@@ -1,6 +1,7 @@
-"""Demo: ring attention. Two processes each hold half of a sequence (the zigzag layout of
-``shard_sequence``) and compute exact causal attention over the whole of it with
-``kernel_pytorch.distributed.ring_attention``, passing K/V blocks around the ring; outputs and q/k/v
+"""Demo: ring attention, exact causal attention over a sequence split across two processes.
+
+Each process holds half of the sequence (the zigzag layout of ``shard_sequence``) and
+``kernel_pytorch.distributed.ring_attention`` passes K/V blocks around the ring; outputs and q/k/v
 gradients equal full attention computed in one process, and ``gather_sequence(shard_sequence(x))`` gives
 ``x`` back.
 

@@ -1,11 +1,22 @@
-"""``kernel-pytorch info``: the hardware found, the backend chosen, and what applies there and why."""
+"""The ``kernel-pytorch`` command.
+
+    kernel-pytorch info [--device VENDOR] [--json]   the hardware found, the backend chosen, what applies and why
+    kernel-pytorch demo [NAME] [--quick] [--list]    one demo of demos/, or all of them (demos/run_all_demos.py)
+    kernel-pytorch bench SUITE [ARGS...] [--list]    benchmarks/SUITE.py with ARGS (e.g. --quick)
+
+``demo`` and ``bench`` run the scripts of a source checkout (``pip install -e .``), each in its own process
+with its exit code: the package never imports them, and a wheel does not ship them.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -18,14 +29,109 @@ from kernel_pytorch.hardware import HardwareInfo, detect_hardware
 __all__ = ["main"]
 
 
+# The checkout's root: demos/ and benchmarks/ sit next to the package directory.
+_ROOT = Path(__file__).resolve().parent.parent
+_RUN_ALL = "run_all_demos"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kernel-pytorch", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kernel-pytorch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="detected hardware, chosen backend, applicable passes and kernels")
     info.add_argument("--device", default="auto", help="force a vendor: nvidia, amd, tpu, intel, cpu")
     info.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+    demo = commands.add_parser("demo", help="run a demo of demos/ (all of them without NAME)")
+    demo.add_argument("name", nargs="?", help="the demo's script name, e.g. fp8_training (see --list)")
+    demo.add_argument("--quick", action="store_true", help="small sizes: all demos in under 3 minutes on a CPU")
+    demo.add_argument("--list", action="store_true", help="list the demos and exit")
+    bench = commands.add_parser("bench", help="run benchmarks/SUITE.py with the arguments that follow it")
+    bench.add_argument("--list", action="store_true", help="list the suites and exit")
+    bench.add_argument("suite", nargs="?", help="the suite's script name, e.g. fp8 (see --list)")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the suite (e.g. --quick; --help shows its own)")
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        return _demo(args.name, args.quick, args.list)
+    if args.command == "bench":
+        return _bench(args.suite, args.args, args.list)
     return _info(args.device, args.json)
+
+
+# ----------------------------------------------------------------------------------------- demo, bench
+
+def _scripts(folder: str, exclude: tuple[str, ...] = ()) -> dict[str, Path] | str:
+    """Runnable scripts of ``<checkout>/<folder>`` by name (those with a ``__main__`` block, not ``_*``,
+    not ``exclude``), or the error message when the folder is missing."""
+    directory = _ROOT / folder
+    if not directory.is_dir():
+        return (f"{folder}/ not found next to the kernel_pytorch package ({_ROOT}): the {folder} ship with the "
+                "source checkout, not with the wheel; clone the repository and pip install -e . there")
+    return {path.stem: path for path in sorted(directory.glob("*.py"))
+            if not path.stem.startswith("_") and path.stem not in exclude and "__main__" in path.read_text()}
+
+
+def _summary_line(path: Path) -> str:
+    """The first sentence of the script's docstring, without a leading ``Demo:``."""
+    docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+    paragraph = " ".join(docstring.strip().split("\n\n")[0].split())
+    return paragraph.split(". ")[0].removeprefix("Demo: ").rstrip(".")
+
+
+def _listing(title: str, scripts: dict[str, Path]) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("name")
+    table.add_column("what", overflow="fold")
+    for name, path in scripts.items():
+        table.add_row(name, _summary_line(path))
+    return table
+
+
+def _find(kind: str, name: str, scripts: dict[str, Path], console: Console) -> Path | None:
+    """The script called ``name`` (``.py`` and dashes allowed), or None after an error listing the names."""
+    path = scripts.get(name.removesuffix(".py").replace("-", "_"))
+    if path is None:
+        console.print(f"[red]error:[/red] unknown {kind} {name!r}; choose one of: {', '.join(scripts)}", soft_wrap=True)
+    return path
+
+
+def _run(path: Path, args: Sequence[str]) -> int:
+    """``python path args...`` in the checkout's root, output straight to this terminal; its exit code."""
+    return subprocess.run([sys.executable, str(path), *args], cwd=_ROOT, check=False).returncode
+
+
+def _demo(name: str | None, quick: bool, list_only: bool) -> int:
+    console = Console()
+    scripts = _scripts("demos")
+    if isinstance(scripts, str):
+        console.print(f"[red]error:[/red] {scripts}", soft_wrap=True)
+        return 2
+    demos = {stem: path for stem, path in scripts.items() if stem != _RUN_ALL}
+    if list_only:
+        console.print(_listing("demos (kernel-pytorch demo NAME [--quick]; without NAME: all of them)", demos))
+        return 0
+    path = scripts.get(_RUN_ALL) if name is None else _find("demo", name, demos, console)
+    if path is None:
+        return 2
+    return _run(path, ["--quick"] if quick else [])
+
+
+def _bench(suite: str | None, args: Sequence[str], list_only: bool) -> int:
+    console = Console()
+    scripts = _scripts("benchmarks")
+    if isinstance(scripts, str):
+        console.print(f"[red]error:[/red] {scripts}", soft_wrap=True)
+        return 2
+    if list_only or suite is None:
+        console.print(_listing("benchmark suites (kernel-pytorch bench SUITE [--quick ...]; SUITE --help for its "
+                               "options)", scripts))
+        if suite is None and not list_only:
+            console.print("[red]error:[/red] name a suite", soft_wrap=True)
+        return 0 if list_only else 2
+    path = _find("benchmark suite", suite, scripts, console)
+    return 2 if path is None else _run(path, args)
+
+
+# ------------------------------------------------------------------------------------------------ info
 
 
 def _info(device: str, as_json: bool) -> int:
