@@ -50,9 +50,11 @@ def run_demo(script: str | Path, quick: bool, timeout_s: float) -> dict:
         return {"status": "failed", "notes": [f"timed out after {timeout_s:.0f} s"], "seconds": timeout_s}
     result = next((json.loads(line[len(RESULT_PREFIX):]) for line in reversed(done.stdout.splitlines())
                    if line.startswith(RESULT_PREFIX)), None)
-    if result is None or done.returncode != 0:
+    if result is None:  # it crashed before demo_main could report, or never called it
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        result = {"status": "failed", "notes": [f"exit code {done.returncode}", *tail]}
+        result = {"status": "failed", "notes": [f"exit code {done.returncode}, no {RESULT_PREFIX.strip()} line", *tail]}
+    elif done.returncode != 0 and result["status"] != "failed":
+        result = {**result, "status": "failed", "notes": [f"exit code {done.returncode}", *result.get("notes", [])]}
     result["seconds"] = time.perf_counter() - started
     result["log"] = done.stdout
     return result
