@@ -118,7 +118,7 @@ def _summary(results: dict) -> Table:
     colours = {"ok": "green", "skipped": "yellow", "failed": "red"}
     for name, r in results.items():
         speedup = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
-        memory = f"{r['memory_saved_mb']:.0f} MB" if r.get("memory_saved_mb") else "-"
+        memory = f"{r['memory_saved_mb']:.3g} MB" if r.get("memory_saved_mb") else "-"
         status = f"[{colours.get(r['status'], 'white')}]{r['status']}[/]"
         table.add_row(name, status, speedup, memory, f"{r['seconds']:.1f}", "; ".join(r.get("notes", [])))
     return table
