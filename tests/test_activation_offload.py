@@ -108,6 +108,17 @@ def test_offload_round_trips_values_and_strides():
                                            restored_tensors=2, restored_bytes=2 * 64 * 32 * 4)
 
 
+def test_views_with_gaps_stay_so_their_strides_survive():
+    """k sliced out of a fused qkv output has gaps; a dense copy would come back with other strides,
+    which a compiled backward rejects (it asserts the strides it saved)."""
+    offloader = _Offloader(min_bytes=0, source="cpu", target="cpu", pin=False)
+    qkv = torch.randn(4, 128, 3 * 64)
+    k = qkv[..., 64:128]
+    assert offloader.pack(k) is k
+    assert isinstance(offloader.pack(qkv), _Offloaded)
+    assert (offloader.stats.offloaded_tensors, offloader.stats.kept_tensors) == (1, 1)
+
+
 def test_threshold_and_parameters_decide_what_moves():
     offloader = _Offloader(min_bytes=4096, source="cpu", target="cpu", pin=False)
     at_threshold, below = torch.randn(1024), torch.randn(1023)

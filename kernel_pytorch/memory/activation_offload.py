@@ -193,6 +193,11 @@ class _Offloader:
                 # parameters stay in memory anyway, offloading them would free nothing.
                 and type(tensor) is torch.Tensor
                 and not _is_parameter_like(tensor)
+                # A view with gaps (k and v sliced out of one fused qkv GEMM output) would come back
+                # dense, with other strides, and Inductor's compiled backward asserts the strides of what
+                # it saved: on an H100 test_gpu_activation_offload_through_optimize_trains_the_same failed
+                # with "expected stride 65536==262144". Such views stay on the device.
+                and _dense(tensor)
                 and tensor.untyped_storage().data_ptr() not in self.exclude)
 
     # -- the hooks -----------------------------------------------------------------------------------
@@ -309,6 +314,11 @@ def _eager_saved_tensors_hooks(pack: Any, unpack: Any) -> Any:
     Hidden, they run as plain Python, and ``is_compiling()`` is True only while dynamo compiles.
     """
     return torch.autograd.graph.saved_tensors_hooks(torch._dynamo.disable(pack), torch._dynamo.disable(unpack))
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``empty_like`` keeps ``tensor``'s strides: a copy made with them is then the same layout."""
+    return torch.empty_like(tensor, device="meta").stride() == tensor.stride()
 
 
 def _empty_host_like(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
