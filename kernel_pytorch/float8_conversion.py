@@ -28,7 +28,6 @@ and the optimizer's view of the parameters are unchanged.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
@@ -43,6 +42,7 @@ from kernel_pytorch.ops.float8_linear import (
     float8_eligible,
     float8_hardware_reason,
 )
+from kernel_pytorch.timing import median_cuda_ms
 
 __all__ = ["Float8Plan", "LayerDecision", "convert_to_float8", "MIN_SPEEDUP", "FilterFn"]
 
@@ -209,17 +209,7 @@ def _time_ms(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, training: bool
             with torch.no_grad():
                 layer(x)
 
-    for _ in range(_MEASURE_WARMUP):
-        step()
-    times = []
-    for _ in range(_MEASURE_RUNS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_cuda_ms(step, warmup=_MEASURE_WARMUP, runs=_MEASURE_RUNS)
 
 
 def _parameter_device(model: nn.Module) -> torch.device:

@@ -21,7 +21,6 @@ measurement, never as an unmeasured guess.
 from __future__ import annotations
 
 import re
-import statistics
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -29,6 +28,7 @@ import torch
 
 from kernel_pytorch.attention.flex import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM
 from kernel_pytorch.hardware import HardwareInfo
+from kernel_pytorch.timing import median_cuda_ms
 
 __all__ = ["AttentionProblem", "choose_kernel", "eligible_kernels", "PREFERENCE", "MEASURED_ONLY"]
 
@@ -278,7 +278,7 @@ def _measure(problem: AttentionProblem, kernels: list[str]) -> tuple[dict[str, f
                 if not error <= _NUMERICS_LIMIT.get(problem.dtype, 1e-4):
                     failures.append(f"{kernel}: differs from math by {error:.1e}")
                     continue
-                timings[kernel] = _median_ms(
+                timings[kernel] = median_cuda_ms(
                     lambda fn=fn, kernel=kernel: _run(fn, inputs, kernel, problem, with_dropout=True))
             except Exception as error:  # noqa: BLE001 - a limit not modelled above, a failed compile, a
                 # missing package: the kernel is passed over with the error, the choice goes on.
@@ -337,17 +337,3 @@ def _run(attention, inputs, kernel: str, p: AttentionProblem, *, with_dropout: b
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
-def _median_ms(fn, warmup: int = 2, runs: int = 7) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)

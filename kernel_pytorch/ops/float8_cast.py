@@ -224,6 +224,28 @@ def _scale(AMAX, index, mask, FP8_MAX: tl.constexpr, EPS: tl.constexpr):
 
 
 @jit
+def _quantize_tile(x, AMAX, INV, index, index_mask, writes_inv, AXIS: tl.constexpr, TENSORWISE: tl.constexpr,
+                   FP8_MAX: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
+    """The fp32 tile ``x`` scaled along AXIS (0: one scale per row, 1: per column; TENSORWISE: one scale)
+    and clamped to the float8 range; the program with ``writes_inv`` also stores the inverse scales."""
+    if TENSORWISE:
+        first = tl.arange(0, 1)
+        scale = _scale(AMAX, first, first < 1, FP8_MAX, EPS)
+        if writes_inv:
+            tl.store(INV + first, tl.math.div_rn(tl.full((1,), 1.0, tl.float32), scale))
+        scaled = x * tl.reshape(scale, (1, 1))
+    else:
+        scale = _scale(AMAX, index, index_mask, FP8_MAX, EPS)
+        if writes_inv:
+            tl.store(INV + index, tl.math.div_rn(tl.full((BLOCK,), 1.0, tl.float32), scale), mask=index_mask)
+        if AXIS == 0:
+            scaled = x * scale[:, None]
+        else:
+            scaled = x * scale[None, :]
+    return tl.clamp(scaled, -FP8_MAX, FP8_MAX)
+
+
+@jit
 def _cast_kernel(
     X,  # (n_rows, n_cols) input
     OUT,  # (n_rows, n_cols) float8, row stride stride_out: x scaled per row (if ROWS)
@@ -243,30 +265,17 @@ def _cast_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
     x = tl.load(X + rows64[:, None] * stride_r + cols64[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
-    first = tl.arange(0, 1)
+    if TENSORWISE:  # one inverse scale, written by the first program
+        row_inv_writer = (pid_r == 0) & (pid_c == 0)
+        col_inv_writer = row_inv_writer
+    else:  # each row's by the programs of the first column tile, each column's by those of the first row tile
+        row_inv_writer = pid_c == 0
+        col_inv_writer = pid_r == 0
     if ROWS:
-        if TENSORWISE:
-            scale = _scale(ROW_AMAX, first, first < 1, FP8_MAX, EPS)
-            q = tl.clamp(x * tl.reshape(scale, (1, 1)), -FP8_MAX, FP8_MAX)
-            if (pid_r == 0) & (pid_c == 0):
-                tl.store(ROW_INV + first, tl.math.div_rn(tl.full((1,), 1.0, tl.float32), scale))
-        else:
-            scale = _scale(ROW_AMAX, rows, row_mask, FP8_MAX, EPS)
-            q = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX)
-            if pid_c == 0:
-                tl.store(ROW_INV + rows, tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), scale), mask=row_mask)
+        q = _quantize_tile(x, ROW_AMAX, ROW_INV, rows, row_mask, row_inv_writer, 0, TENSORWISE, FP8_MAX, EPS, BLOCK_R)
         tl.store(OUT + rows64[:, None] * stride_out + cols64[None, :], q.to(OUT.dtype.element_ty), mask=mask)
     if COLS:
-        if TENSORWISE:
-            scale = _scale(COL_AMAX, first, first < 1, FP8_MAX, EPS)
-            q = tl.clamp(x * tl.reshape(scale, (1, 1)), -FP8_MAX, FP8_MAX)
-            if (pid_r == 0) & (pid_c == 0):
-                tl.store(COL_INV + first, tl.math.div_rn(tl.full((1,), 1.0, tl.float32), scale))
-        else:
-            scale = _scale(COL_AMAX, cols, col_mask, FP8_MAX, EPS)
-            q = tl.clamp(x * scale[None, :], -FP8_MAX, FP8_MAX)
-            if pid_r == 0:
-                tl.store(COL_INV + cols, tl.math.div_rn(tl.full((BLOCK_C,), 1.0, tl.float32), scale), mask=col_mask)
+        q = _quantize_tile(x, COL_AMAX, COL_INV, cols, col_mask, col_inv_writer, 1, TENSORWISE, FP8_MAX, EPS, BLOCK_C)
         # The transposed tile: contiguous along the rows of x, which Triton's coalescing turns into
         # wide stores through shared memory.
         q_t = tl.trans(q.to(OUT_T.dtype.element_ty))
