@@ -1,0 +1,176 @@
+"""benchmarks/render_readme_table.py on the committed results (each table names its device and carries the
+numbers of its JSON file; the README block between the markers is replaced and nothing else), and
+benchmarks/e2e.py: arguments, the case list, FLOPs, targets, and one CPU case merged, plotted and rendered."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import e2e
+from benchmarks import render_readme_table as render
+
+RESULTS = render.RESULTS_DIR
+
+
+def _committed(name: str) -> dict:
+    path = RESULTS / name
+    if not path.exists():
+        pytest.skip(f"benchmarks/results/{name} is not in this checkout")
+    return json.loads(path.read_text())
+
+
+def _section(markdown: str, title: str) -> str:
+    """The lines of one '### title' section."""
+    start = markdown.index(f"### {title}\n")
+    end = markdown.find("\n### ", start + 1)
+    return markdown[start:end if end >= 0 else None]
+
+
+def _line(section: str, prefix: str) -> str:
+    matches = [line for line in section.splitlines() if line.startswith(prefix)]
+    assert len(matches) == 1, (prefix, matches)
+    return matches[0]
+
+
+# ------------------------------------------------------------------------------------------------ render
+
+@pytest.fixture(scope="module")
+def markdown() -> str:
+    return render.render_all(RESULTS)
+
+
+def test_attention_table_has_the_device_and_the_best_optimize_row(markdown):
+    data = _committed("attention.json")
+    section = _section(markdown, "Attention")
+    assert data["environment"]["device"] in section.splitlines()[2]
+    row = max(data["rows"], key=lambda r: r["tflops"].get("kernel_pytorch.optimize", 0))
+    line = _line(section, f"| {row['head_dim']} | {row['length']} | {row['batch']} | "
+                          f"{'yes' if row['causal'] else 'no'} | {'fwd+bwd' if row['backward'] else 'fwd'} |")
+    assert f"| {row['tflops']['kernel_pytorch.optimize']:.1f} |" in line
+    assert f"| {row['fraction_of_fastest_kernel']:.2f} |" in line
+    assert len([l for l in section.splitlines() if l.startswith("| ") and l[2].isdigit()]) == len(data["rows"])
+
+
+def test_kernels_table_has_gpu_bandwidth_and_targets(markdown):
+    data = _committed("kernels.json")
+    section = _section(markdown, "Fused kernels")
+    assert data["environment"]["device"] in section
+    row = next(r for r in data["rows"] if "gpu_gbps" in r["results"].get("kernel_pytorch (compiled graph)", {}))
+    line = _line(section, f"| {row['op']} | {'bwd' if row['backward'] else 'fwd'} | {row['hidden']} |")
+    assert f"| {row['results']['kernel_pytorch (compiled graph)']['gpu_gbps']:.1f} |" in line
+    target = next(t for t in data["targets"] if (t["op"], t["hidden"], t["backward"]) ==
+                  (row["op"], row["hidden"], row["backward"]))
+    assert line.endswith(f"| {target['gpu_fraction_of_copy']:.2f} | {target['gpu_vs_compile']:.2f} |")
+
+
+def test_fp8_and_block_fusion_tables_carry_their_numbers(markdown):
+    fp8 = _committed("fp8.json")
+    section = _section(markdown, "FP8")
+    assert fp8["environment"]["device"] in section
+    if "model" in fp8:  # measured by its own command: its environment is shown with the table
+        bf16 = fp8["model"]["results"]["bf16"]
+        assert f"| {bf16['ms']:.2f} |" in _line(section, "| bf16 |")
+        assert fp8["model"]["environment"]["command"] in section
+    blocks = _committed("block_fusion.json")
+    section = _section(markdown, "Block fusion")
+    train = blocks["train"][0]
+    line = _line(section, f"| block forward + backward ms, {train['batch']} x {train['seq']} |")
+    assert f"| {train['ms']['optimize']:.2f} |" in line
+
+
+def test_missing_and_malformed_files_do_not_stop_the_others(tmp_path):
+    (tmp_path / "kernels.json").write_text("{not json")
+    (tmp_path / "block_fusion.json").write_text(json.dumps({"environment": {"device": "GPU-X"}, "train": [{}]}))
+    markdown = render.render_all(tmp_path)
+    assert "`benchmarks/results/kernels.json` could not be rendered: JSONDecodeError" in markdown
+    assert "GPU-X" in _section(markdown, "Block fusion")
+    assert "No results yet for: attention.json, fp8.json, e2e.json." in markdown
+
+
+def test_write_replaces_only_the_marked_block(tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "block_fusion.json").write_text(json.dumps(
+        {"environment": {"device": "GPU-Y", "date": "2030-01-02T00:00:00", "command": "python3 b.py"},
+         "train": [{"batch": 4, "seq": 2048, "ms": {"eager": 15.0, "optimize": 4.6098}}]}))
+    readme = tmp_path / "README.md"
+    before, after = "# title\n\nintro\n", "\n## later\n\ntext\n"
+    readme.write_text(f"{before}{render.BEGIN}\nold table\n{render.END}{after}")
+    assert render.main(["--results", str(results), "--readme", str(readme), "--write"]) == 0
+    text = readme.read_text()
+    assert text.startswith(before + render.BEGIN + "\n") and text.endswith(render.END + after)
+    assert "old table" not in text and "| 4.61 |" in text and "GPU-Y, 2030-01-02" in text
+    assert render.main(["--results", str(results), "--readme", str(readme), "--write"]) == 0
+    assert readme.read_text() == text  # a second write changes nothing
+
+    readme.write_text("no markers here\n")
+    capsys.readouterr()
+    assert render.main(["--results", str(results), "--readme", str(readme), "--write"]) == 1
+    assert readme.read_text() == "no markers here\n"
+    captured = capsys.readouterr()
+    assert "| 4.61 |" in captured.out and "nothing written" in captured.err
+
+
+# --------------------------------------------------------------------------------------------------- e2e
+
+def test_e2e_arguments_and_cases():
+    assert e2e.parse_args([]).models == list(e2e.MODELS)
+    assert e2e.parse_args(["--quick"]).models == list(e2e.QUICK_MODELS)
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--models", "resnet"])
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--quick", "--device", "cpu"])
+    args = e2e.parse_args(["--models", "gpt2", "llama_style", "--providers", "optimize (fp8=True)", "eager"])
+    # gpt2 has no FP8 provider; per model, train before inference; eager first within a part
+    fp8 = "optimize (fp8=True)"
+    assert e2e.cases(args) == [("gpt2", "train", "eager"), ("gpt2", "inference", "eager"),
+                               ("llama_style", "train", "eager"), ("llama_style", "train", fp8),
+                               ("llama_style", "inference", "eager"), ("llama_style", "inference", fp8)]
+
+
+def test_llama_style_step_flops_match_the_issue():
+    s = e2e.make_setup(quick=False, device="cuda")
+    with torch.device("meta"):  # the 12-layer model's shapes without its memory
+        model = e2e.LlamaStyleLM(e2e.llama_style_config(s))
+    c = model.config
+    w = e2e.Workload(model, (), {}, torch.empty(0), 4 * 2048, (c.n_layers, 4, c.n_heads, 2048, c.head_dim, True))
+    assert round(e2e.step_flops(w, training=True) / 1e12, 1) == 32.7  # issue 9: "about 32.7 TFLOP"
+
+
+def test_e2e_targets_meets_and_miss_ratio():
+    def part(**ms):
+        return {"providers": {name: {"ms": v} for name, v in ms.items()}}
+
+    train = part(**{"optimize": 80.0, "optimize (fp8=True)": 92.0, "optimize (fp8='auto')": 64.0})
+    train["providers"]["optimize"]["peak_gib"] = 12.0
+    payload = {"scale": "full", "models": {
+        "llama_style": {"train": train, "inference": {"providers": {"optimize": {"error": "OutOfMemoryError"}}}},
+        "gpt2": {"train": part(**{"torch.compile": 50.0, "optimize": 40.0})}}}
+    got = {(t["model"], t["part"], t["unit"], t["target"]): t for t in e2e.targets(payload)}
+    bf16 = got["llama_style", "train", "ms", 75.0]
+    assert (bf16["meets"], bf16["miss_ratio"]) == (False, round(80 / 75, 3))
+    fp8 = got["llama_style", "train", "ms", 65.0]
+    assert (fp8["provider"], fp8["value"], fp8["meets"]) == ("optimize (fp8='auto')", 64.0, True)
+    assert got["llama_style", "inference", "ms", 22.0]["meets"] is None  # an error is not a measurement
+    assert got["llama_style", "train", "GiB", 13.2]["meets"] is True
+    assert (got["gpt2", "train", "ms", 50.0]["meets"], got["gpt2", "train", "ms", 50.0]["miss_ratio"]) == (True, 0.8)
+    assert all(t["model"] == "gpt2" for t in e2e.targets({**payload, "scale": "quick"}))
+
+
+def test_e2e_cpu_cases_merge_plot_and_render(tmp_path):
+    base = ["--device", "cpu", "--models", "llama_style", "--parts", "inference", "--out", str(tmp_path)]
+    e2e.main(base + ["--providers", "eager", "optimize", "--fresh"])
+    e2e.main(base + ["--providers", "torch.compile"])  # merged into the same file
+    data = json.loads((tmp_path / "e2e_cpu.json").read_text())
+    providers = data["models"]["llama_style"]["inference"]["providers"]
+    assert list(providers) == ["eager", "torch.compile", "optimize"]
+    ours = providers["optimize"]
+    assert ours["report"]["rewrites_per_pass"]["attention"] == 2 and ours["report"]["verified"] is True
+    assert ours["speedup_vs_compile"] == round(providers["torch.compile"]["ms"] / ours["ms"], 3)
+    assert (tmp_path / "e2e_cpu.png").stat().st_size > 0
+    (tmp_path / "e2e.json").write_text((tmp_path / "e2e_cpu.json").read_text())  # the name the README reads
+    section = _section(render.render_all(tmp_path), "End to end")
+    assert f"| inference | optimize | {ours['ms']:.2f} |" in section
