@@ -16,6 +16,12 @@ SDPA would (a mask tensor, dropout, a head dim, a dtype, a causal alignment) is 
 and the next eligible kernel in the order is used; ``"sdpa"`` is always eligible, so the fallback is never a
 wrong result. FlexAttention is fused only when compiled, so it is measured compiled and picked only by a
 measurement, never as an unmeasured guess.
+
+A block-structured mask the attention pass recognized (a sliding window, a band, documents, a block-sparse
+mask: ``sparsity``) makes FlexAttention eligible with that pattern in place of the mask tensor; the dense
+kernels still get the tensor. Sparse masks are where FlexAttention wins (DESIGN.md: sliding window 1024 at
+L=16384, 6.66x dense causal flash), so there it is measured against the fused kernels, from
+:data:`SPARSE_MIN_LENGTH` on; below it, the dense kernels are kept unmeasured against it.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from kernel_pytorch.attention.flex import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM
 from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.timing import median_cuda_ms
 
-__all__ = ["AttentionProblem", "choose_kernel", "eligible_kernels", "PREFERENCE", "MEASURED_ONLY"]
+__all__ = ["AttentionProblem", "choose_kernel", "eligible_kernels", "PREFERENCE", "MEASURED_ONLY",
+           "SPARSE_MIN_LENGTH"]
 
 # Kernels each vendor may use, fastest-first as measured or documented; "sdpa" (PyTorch's own
 # dispatch) is always last, the universal fallback.
@@ -64,6 +71,14 @@ _SDPA_FUSED = ("cudnn", "flash_attn", "flash", "efficient")
 _FLEX_NOT_MEASURED = ("an SDPA fused kernel is eligible, and compiling FlexAttention to time it costs minutes "
                       "for a dense or causal mask it does not win")
 
+# Key length below which a recognized sparse mask stays on the dense kernels without timing FlexAttention
+# (each timing compiles it: minutes inside optimize). A guess that must be measured on the H100
+# (benchmarks/sparse_attention.py): at L=2048 a 1024 window still covers ~3/4 of the causal tiles, and
+# FlexAttention's dense rate is ~0.66 of cuDNN's (407 vs 613 TFLOP/s), so it cannot win there.
+SPARSE_MIN_LENGTH = 4096
+_FLEX_SHORT = (f"flex: not measured: a sparse mask with fewer than {SPARSE_MIN_LENGTH} keys, where block-sparse "
+               "kernels lose to the dense fused kernels")
+
 _HALF = (torch.float16, torch.bfloat16)
 # flash-attn 2.7.0 is the first release whose kernels are torch.library custom ops with fake implementations
 # (Dao-AILab/flash-attention PR #1139, merged after 2.6.3): older ones call their CUDA extension directly,
@@ -94,15 +109,19 @@ class AttentionProblem:
     training: bool
     # Whether the rewritten graph will be compiled (Inductor): FlexAttention is fused only then.
     compiled: bool = True
+    # A block-structured mask the pass recognized: MaskPattern.sparsity, e.g. ("band", 0, 1023, 0.12) (the
+    # pattern of kernel_pytorch.attention.flex and the 128x128 tile density, None when data-dependent).
+    sparsity: Optional[tuple] = None
 
     @classmethod
     def from_tensors(cls, q, k, v, attn_mask, *, is_causal, dropout_p, enable_gqa, training,
-                     compiled: bool = True) -> AttentionProblem:
+                     compiled: bool = True, sparsity: Optional[tuple] = None) -> AttentionProblem:
         mask_kind = None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "additive")
         return cls(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device.type, mask_kind,
                    None if attn_mask is None else tuple(attn_mask.shape),
                    bool(attn_mask is not None and attn_mask.requires_grad and training), bool(is_causal),
-                   bool(dropout_p > 0), bool(enable_gqa), bool(training), bool(compiled))
+                   bool(dropout_p > 0), bool(enable_gqa), bool(training), bool(compiled),
+                   None if sparsity is None else tuple(sparsity))
 
     @property
     def head_dim(self) -> int:
@@ -153,7 +172,7 @@ def _why_not(kernel: str, p: AttentionProblem, hardware: HardwareInfo) -> str | 
 def _why_not_flex(p: AttentionProblem, hardware: HardwareInfo) -> str | None:
     """FlexAttention's limits (see :mod:`kernel_pytorch.attention.flex` for where each was found)."""
     cc = hardware.compute_capability
-    if p.mask is not None:
+    if p.mask is not None and p.sparsity is None:
         return ("flex takes no mask tensor here: FlexAttention could read it in a score_mod, but that is slower "
                 "than the fused SDPA kernels that take a bias")
     if p.dropout:
@@ -219,13 +238,16 @@ def eligible_kernels(problem: AttentionProblem, hardware: HardwareInfo) -> tuple
 
 
 def choose_kernel(q, k, v, attn_mask, *, is_causal: bool, dropout_p: float, enable_gqa: bool,
-                  hardware: HardwareInfo, training: bool, compiled: bool = True) -> tuple[str, str]:
+                  hardware: HardwareInfo, training: bool, compiled: bool = True,
+                  sparsity: Optional[tuple] = None) -> tuple[str, str]:
     """The kernel for this call and the reason, from example tensors (real or fake) of its inputs.
 
     ``compiled``: whether the graph the call lands in will be compiled (Inductor); ``False`` rules out
-    ``"flex"``, which is fused only when compiled."""
+    ``"flex"``, which is fused only when compiled. ``sparsity``: the block structure of ``attn_mask`` the
+    pass recognized (``MaskPattern.sparsity``); ``"flex"`` then computes the pattern, not the tensor."""
     problem = AttentionProblem.from_tensors(q, k, v, attn_mask, is_causal=is_causal, dropout_p=dropout_p,
-                                            enable_gqa=enable_gqa, training=training, compiled=compiled)
+                                            enable_gqa=enable_gqa, training=training, compiled=compiled,
+                                            sparsity=sparsity)
     key = (problem, hardware.model_dump_json())
     if key not in _CHOICES:
         _CHOICES[key] = _choose(problem, hardware)
@@ -247,9 +269,10 @@ def _choose(problem: AttentionProblem, hardware: HardwareInfo) -> tuple[str, str
         passed_over = "; ".join(filter(None, [passed_over, *(
             f"{k}: eligible, but taken only when measured fastest on a GPU" for k in unmeasured)]))
     else:
-        if "flex" in eligible and any(k in eligible for k in _SDPA_FUSED):
+        skip_flex = _flex_not_measured(problem, eligible)
+        if skip_flex:
             eligible = [k for k in eligible if k != "flex"]
-            passed_over = "; ".join(filter(None, [passed_over, f"flex: not measured: {_FLEX_NOT_MEASURED}"]))
+            passed_over = "; ".join(filter(None, [passed_over, skip_flex]))
         timings, failures = _measure(problem, eligible)
         passed_over = "; ".join(filter(None, [passed_over, *failures]))
         if not timings:
@@ -257,6 +280,16 @@ def _choose(problem: AttentionProblem, hardware: HardwareInfo) -> tuple[str, str
         measured = ", ".join(f"{k} {t:.3f} ms" for k, t in sorted(timings.items(), key=lambda kv: kv[1]))
         eligible, reason = [min(timings, key=timings.get)], f"fastest measured ({measured})"
     return eligible[0], reason + (f"; passed over: {passed_over}" if passed_over else "")
+
+
+def _flex_not_measured(problem: AttentionProblem, eligible: list[str]) -> str:
+    """Why FlexAttention is left out of the measurement ("" when it is timed): with a dense or causal
+    mask whenever an SDPA fused kernel is eligible; with a sparse mask below SPARSE_MIN_LENGTH keys."""
+    if "flex" not in eligible or not any(k in eligible for k in _SDPA_FUSED):
+        return ""
+    if problem.sparsity is None:
+        return f"flex: not measured: {_FLEX_NOT_MEASURED}"
+    return _FLEX_SHORT if problem.k_shape[-2] < SPARSE_MIN_LENGTH else ""
 
 
 def _measure(problem: AttentionProblem, kernels: list[str]) -> tuple[dict[str, float], list[str]]:
@@ -316,6 +349,8 @@ def _random_inputs(p: AttentionProblem) -> dict:
     def make(shape):
         return torch.randn(shape, device=p.device_type, dtype=p.dtype, requires_grad=p.training)
 
+    if p.sparsity is not None:
+        return {"q": make(p.q_shape), "k": make(p.k_shape), "v": make(p.v_shape), **_sparse_mask(p)}
     mask = None
     if p.mask == "bool":
         mask = torch.ones(p.mask_shape, device=p.device_type, dtype=torch.bool)
@@ -324,10 +359,33 @@ def _random_inputs(p: AttentionProblem) -> dict:
     return {"q": make(p.q_shape), "k": make(p.k_shape), "v": make(p.v_shape), "mask": mask}
 
 
+def _sparse_mask(p: AttentionProblem) -> dict:
+    """A mask with the problem's structure, as the dense kernels' tensor and as flex's pattern: a band
+    exactly; documents and general block masks as equal-length documents covering the recorded tile
+    density (the real ones depend on data or a buffer this measurement does not have)."""
+    from kernel_pytorch.attention.flex import pattern_mask_mod
+    from torch.nn.attention.flex_attention import create_mask
+
+    lq, lk = p.q_shape[-2], p.k_shape[-2]
+    kind, density = p.sparsity[0], p.sparsity[-1]
+    if kind == "band":
+        pattern, tensor = p.sparsity[:3], None
+    else:
+        span = max(1, round((density if density is not None else 0.25) * lk))
+        ids = (torch.arange(lk, device=p.device_type) // span)[None]
+        pattern = ("document", *(p.sparsity[1:3] if kind == "document" else (None, None)))
+        tensor = ids
+    allowed = create_mask(pattern_mask_mod(pattern, tensor), 1, 1, lq, lk, device=p.device_type)
+    mask = allowed if p.mask == "bool" else torch.where(allowed, 0.0, float("-inf")).to(p.dtype)
+    return {"mask": mask, "pattern": pattern, "pattern_tensor": tensor}
+
+
 def _run(attention, inputs, kernel: str, p: AttentionProblem, *, with_dropout: bool) -> torch.Tensor:
-    out = attention(inputs["q"], inputs["k"], inputs["v"], inputs["mask"],
+    pattern = {"pattern": inputs["pattern"], "pattern_tensor": inputs["pattern_tensor"]} \
+        if kernel == "flex" and "pattern" in inputs else {}
+    out = attention(inputs["q"], inputs["k"], inputs["v"], None if pattern else inputs["mask"],
                     dropout_p=0.1 if (p.dropout and with_dropout) else 0.0, is_causal=p.is_causal,
-                    enable_gqa=p.enable_gqa, kernel=kernel)
+                    enable_gqa=p.enable_gqa, kernel=kernel, **pattern)
     if p.training:
         grads = torch.autograd.grad(out, [inputs["q"], inputs["k"], inputs["v"]], torch.ones_like(out))
         return torch.cat([out.detach().flatten(), *(g.flatten() for g in grads)])

@@ -1,4 +1,4 @@
-"""The ``"flex"`` attention kernel: PyTorch's FlexAttention with a causal ``BlockMask`` or none.
+"""The ``"flex"`` attention kernel: PyTorch's FlexAttention with a causal or block-sparse ``BlockMask``, or none.
 
 ``flex_attention`` is called directly, not through a custom op: it is a higher-order op that Dynamo and
 AOTAutograd trace (and differentiate) natively, and that Inductor lowers to its fused Triton template
@@ -12,6 +12,15 @@ What it computes here is exactly SDPA's (the dispatcher keeps everything else aw
   call for the call's lengths (``B=None, H=None``: broadcast over batch and heads). Under torch.compile
   the construction is traced into the graph; eagerly it costs one (Lq, Lk) boolean evaluation.
 * ``scale`` (``None``: 1/sqrt(E)) and GQA (Hq a multiple of Hk) are FlexAttention's own arguments.
+* A **mask pattern** instead of a mask tensor (what the attention pass recognized, see
+  :mod:`kernel_pytorch.passes.mask_pattern`), a tuple of plain values so a graph can carry it:
+  ``("band", lo, hi)``: key j is seen by query i iff ``lo <= i - j <= hi`` (``None``: unbounded), e.g.
+  causal sliding window w is ``("band", 0, w - 1)``; ``("document", lo, hi)``: the same band and
+  ``doc[b, i] == doc[b, j]`` for a per-token document-id tensor ``doc`` (B, L); ``("blocks",)``: a bool
+  (Bm, Hm, Lq, Lk) tensor of allowed positions read in the ``mask_mod`` (any block structure). The
+  ``BlockMask`` (which 128x128 tiles to visit) is built once per (pattern, lengths, device, tensor state)
+  and cached, so every layer and every later call with the same lengths reuses it; under torch.compile the
+  construction is traced into the graph instead (its tensors are fake there; the cache holds real ones).
 * No attention-mask tensor and no dropout: FlexAttention has no dropout, and a mask tensor read by a
   ``score_mod`` is slower than the fused SDPA kernels that take a bias (see ``dispatch``).
 
@@ -20,17 +29,32 @@ Limits found in torch 2.13's source (``torch/_inductor/kernel/flex/flex_attentio
 ("tl.dot does not support embedding size less than 16"); head dims that are not powers of two are
 padded to the next power of two with masked loads (``SAFE_HEAD_DIM=False``), correct but wasteful;
 Inductor's default block configs are tuned for head dims <= 256. On the CPU, FlexAttention runs forward
-only ("FlexAttention does not support backward on CPU", raised by ``flex_attention`` itself).
+only ("FlexAttention does not support backward on CPU", raised by ``flex_attention`` itself): there,
+when gradients are needed, the pattern's ``mask_mod`` is evaluated densely (``create_mask``) and SDPA's
+math runs with it: the same mask, PyTorch's reference path, differentiable.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from collections import OrderedDict
+from typing import Callable, Optional
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
-__all__ = ["flex_attention_forward", "causal_mask_mod", "FLEX_MIN_HEAD_DIM", "FLEX_MAX_HEAD_DIM"]
+__all__ = ["flex_attention_forward", "causal_mask_mod", "pattern_mask_mod", "pattern_block_mask",
+           "PATTERN_KINDS", "FLEX_MIN_HEAD_DIM", "FLEX_MAX_HEAD_DIM", "FLEX_BLOCK_SIZE"]
+
+PATTERN_KINDS = ("band", "document", "blocks")
+# FlexAttention's default BlockMask tile (create_block_mask's BLOCK_SIZE): the granularity at which it
+# skips work, so the block density the pass reports is measured on tiles of this size.
+FLEX_BLOCK_SIZE = 128
+# BlockMasks kept per process: one per (pattern, lengths, device, tensor state); a model serves a few
+# lengths at once, and each entry holds O((L/128)^2) ints.
+_BLOCK_MASK_CACHE_ENTRIES = 64
+_BLOCK_MASKS: "OrderedDict[tuple, BlockMask]" = OrderedDict()
 
 # Inductor's flex template raises NotImplementedError below 16 (tl.dot's minimum K); above 256 it falls
 # back to small untuned blocks that may not fit shared memory (not measured), so the dispatcher stops there.
@@ -43,11 +67,109 @@ def causal_mask_mod(batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) 
     return q_idx >= kv_idx
 
 
-def flex_attention_forward(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float]) -> Tensor:
-    """``flex_attention`` on 4-D (B, H, L, E) inputs; K/V may have fewer heads (Hq % Hk == 0)."""
+def _band(lo: Optional[int], hi: Optional[int]) -> Callable[[Tensor, Tensor], Optional[Tensor]]:
+    """``lo <= q - kv <= hi`` as a function of the index tensors (None: no condition at all)."""
+    def allowed(q_idx: Tensor, kv_idx: Tensor) -> Optional[Tensor]:
+        distance = q_idx - kv_idx
+        low = None if lo is None else distance >= lo
+        high = None if hi is None else distance <= hi
+        if low is None or high is None:
+            return low if high is None else high
+        return low & high
+    return allowed
+
+
+def pattern_mask_mod(pattern: tuple, tensor: Optional[Tensor]) -> Callable[..., Tensor]:
+    """The FlexAttention ``mask_mod`` of a mask pattern (module docstring); ``tensor`` is the document ids
+    (B, L) for ``"document"``, the allowed positions (Bm, Hm, Lq, Lk) for ``"blocks"``, else None."""
+    kind = pattern[0]
+    if kind not in PATTERN_KINDS:
+        raise ValueError(f"unknown mask pattern {pattern!r}; kinds: {', '.join(PATTERN_KINDS)}")
+    if kind == "blocks":
+        if tensor is None or tensor.dim() != 4 or tensor.dtype != torch.bool:
+            raise ValueError("a 'blocks' mask pattern needs a 4-D bool tensor of allowed positions")
+        per_batch, per_head = tensor.shape[0] > 1, tensor.shape[1] > 1
+
+        def blocks(b, h, q_idx, kv_idx):
+            return tensor[b if per_batch else 0, h if per_head else 0, q_idx, kv_idx]
+        return blocks
+    band = _band(pattern[1], pattern[2])
+    if kind == "band":
+        def banded(b, h, q_idx, kv_idx):
+            allowed = band(q_idx, kv_idx)
+            return (q_idx >= 0) if allowed is None else allowed  # no bound at all: every position
+        return banded
+    if tensor is None or tensor.dim() != 2:
+        raise ValueError("a 'document' mask pattern needs the (B, L) document ids")
+    per_batch = tensor.shape[0] > 1
+
+    def document(b, h, q_idx, kv_idx):
+        ids = tensor[b if per_batch else 0]
+        same = ids[q_idx] == ids[kv_idx]
+        allowed = band(q_idx, kv_idx)
+        return same if allowed is None else same & allowed
+    return document
+
+
+def _mask_batch_heads(pattern: tuple, tensor: Optional[Tensor]) -> tuple[Optional[int], Optional[int]]:
+    """BlockMask's B and H: None (broadcast) unless the pattern's tensor varies along them."""
+    if tensor is None or pattern[0] == "band":
+        return None, None
+    batch = tensor.shape[0] if tensor.shape[0] > 1 else None
+    heads = tensor.shape[1] if pattern[0] == "blocks" and tensor.shape[1] > 1 else None
+    return batch, heads
+
+
+def _tracing(*tensors: Tensor) -> bool:
+    """Under torch.compile, or on fake/functional tensors: build in the graph, never touch the cache."""
+    from torch._guards import detect_fake_mode
+
+    return torch.compiler.is_compiling() or detect_fake_mode() is not None or any(
+        type(t) is not torch.Tensor for t in tensors if t is not None)
+
+
+def pattern_block_mask(pattern: tuple, tensor: Optional[Tensor], lq: int, lk: int, device: torch.device) -> BlockMask:
+    """The BlockMask of ``pattern`` for ``lq`` x ``lk`` scores, cached per (pattern, lengths, device and
+    the tensor's identity and version: an in-place edit bumps ``_version``, so it is rebuilt)."""
+    batch, heads = _mask_batch_heads(pattern, tensor)
+    mask_mod = pattern_mask_mod(pattern, tensor)
+    if _tracing(tensor):
+        return create_block_mask(mask_mod, batch, heads, lq, lk, device=device)
+    state = None if tensor is None else (tensor.data_ptr(), tensor._version, tuple(tensor.shape), tensor.dtype)
+    key = (pattern, int(lq), int(lk), str(device), state)
+    block_mask = _BLOCK_MASKS.get(key)
+    if block_mask is None:
+        block_mask = create_block_mask(mask_mod, batch, heads, lq, lk, device=device)
+        if len(_BLOCK_MASKS) >= _BLOCK_MASK_CACHE_ENTRIES:
+            _BLOCK_MASKS.popitem(last=False)
+        _BLOCK_MASKS[key] = block_mask
+    else:
+        _BLOCK_MASKS.move_to_end(key)
+    return block_mask
+
+
+def _math_reference(q: Tensor, k: Tensor, v: Tensor, mask_mod: Callable[..., Tensor], batch: Optional[int],
+                    heads: Optional[int], scale: Optional[float]) -> Tensor:
+    """SDPA's math on the dense evaluation of ``mask_mod``: the CPU path when gradients are needed."""
+    dense = create_mask(mask_mod, batch or 1, heads or 1, q.shape[-2], k.shape[-2], device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, dense, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])
+
+
+def flex_attention_forward(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float],
+                           pattern: Optional[tuple] = None, pattern_tensor: Optional[Tensor] = None) -> Tensor:
+    """``flex_attention`` on 4-D (B, H, L, E) inputs; K/V may have fewer heads (Hq % Hk == 0); ``pattern``
+    (with ``pattern_tensor``) is a mask pattern (module docstring), exclusive with ``is_causal``."""
+    if pattern is not None and is_causal:
+        raise ValueError("a mask pattern and is_causal are exclusive (causal is the pattern ('band', 0, None))")
     block_mask = None
     if is_causal:
         # Rebuilt per call: the lengths (and, under torch.compile with dynamic shapes, their symbols) are
         # the call's own, so no cached mask can be stale.
         block_mask = create_block_mask(causal_mask_mod, None, None, q.shape[-2], k.shape[-2], device=q.device)
+    elif pattern is not None:
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if q.device.type == "cpu" and needs_grad:  # FlexAttention has no CPU backward (module docstring)
+            return _math_reference(q, k, v, pattern_mask_mod(pattern, pattern_tensor),
+                                   *_mask_batch_heads(pattern, pattern_tensor), scale)
+        block_mask = pattern_block_mask(pattern, pattern_tensor, q.shape[-2], k.shape[-2], q.device)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])

@@ -318,13 +318,18 @@ def attention(
     enable_gqa: bool = False,
     *,
     kernel: str = "sdpa",
+    pattern: Optional[tuple] = None,
+    pattern_tensor: Optional[Tensor] = None,
 ) -> Tensor:
     """``F.scaled_dot_product_attention`` computed by the fused kernel ``kernel``.
 
     Arguments are SDPA's: ``q`` (..., Hq, Lq, E), ``k`` (..., Hk, Lk, E), ``v`` (..., Hk, Lk, Ev);
     ``attn_mask`` bool (True = attend) or float (added to the scores), broadcastable to (..., Hq, Lq, Lk);
     ``is_causal`` masks top-left aligned (query i sees keys 0..i); ``scale=None`` is 1/sqrt(E);
-    ``enable_gqa`` lets Hq be a multiple of Hk. ``kernel`` is one of :data:`ATTENTION_KERNELS`; a kernel
+    ``enable_gqa`` lets Hq be a multiple of Hk. ``pattern`` (``kernel="flex"`` only, with no ``attn_mask``
+    and no ``is_causal``) is a block-structured mask given by its rule instead of a tensor, and
+    ``pattern_tensor`` the document ids or allowed positions it reads (:mod:`kernel_pytorch.attention.flex`).
+    ``kernel`` is one of :data:`ATTENTION_KERNELS`; a kernel
     that cannot compute the call as SDPA would (see the module docstring) raises ``ValueError``, and an
     ``attn_mask`` that requires grad is refused by every kernel but ``"efficient"`` and ``"sdpa"``.
 
@@ -335,12 +340,15 @@ def attention(
         out = attention(q, k, v, is_causal=True, enable_gqa=True, kernel="cpu_flash")  # (2, 8, 128, 64)
     """
     _check_kernel_name(kernel)
+    if (pattern is not None or pattern_tensor is not None) and kernel != "flex":
+        raise ValueError(f"a mask pattern is computed by kernel 'flex' only (got kernel={kernel!r}); pass the mask "
+                         "as attn_mask to the other kernels")
     if kernel == "sdpa":
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     _check_shapes(q, k, v, enable_gqa)
     if kernel in _DIRECT:
-        return _direct_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, kernel)
+        return _direct_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, kernel, pattern, pattern_tensor)
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled() and kernel not in _MASK_GRAD:
         raise ValueError(f"attention kernel {kernel!r} cannot return a gradient for attn_mask, which requires "
                          f"grad; use one of {', '.join(sorted(_MASK_GRAD))} or 'sdpa', or detach the mask")
@@ -360,7 +368,8 @@ def attention(
 
 
 def _direct_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
-                      is_causal: bool, scale: Optional[float], kernel: str) -> Tensor:
+                      is_causal: bool, scale: Optional[float], kernel: str, pattern: Optional[tuple] = None,
+                      pattern_tensor: Optional[Tensor] = None) -> Tensor:
     """``flex`` and ``flash_attn``: refuse what they would compute differently from SDPA, call them on
     (B, H, L, E) views (autograd and tracing are theirs), and give the output q's leading dims back."""
     if attn_mask is not None:
@@ -383,7 +392,8 @@ def _direct_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
     out_shape = (*q.shape[:-1], v.shape[-1])
     q, k, v = _to_4d(q), _to_4d(k), _to_4d(v)
     if kernel == "flex":
-        out = flex_attention_forward(q, k, v, is_causal=is_causal, scale=scale)
+        out = flex_attention_forward(q, k, v, is_causal=is_causal, scale=scale, pattern=pattern,
+                                     pattern_tensor=pattern_tensor)
     else:
         out = flash_attn_forward(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
     return out.reshape(out_shape)

@@ -42,6 +42,13 @@ What is matched, and how each part is decided:
   bump the buffer's version); calls where it fails run the unrewritten graph
   (:mod:`kernel_pytorch.passes.causal_mask`). A mask that depends on an input (padding: HF BERT/Llama
   with ``attention_mask``), or ``Lq != Lk``, is passed as a tensor.
+* **Block-structured masks** (:mod:`kernel_pytorch.passes.mask_pattern`): a single mask term that is not
+  causal is classified the same way (evaluated, or for document masks checked on probe document ids) as a
+  band / sliding window, a document mask, or a block-sparse mask. The dispatcher then chooses between the
+  dense kernels (the mask tensor, as before) and FlexAttention with the pattern (``kernel="flex",
+  pattern=..., pattern_tensor=...``, no mask tensor, the BlockMask built once per shape and pattern); only
+  the latter relies on the pattern, so only then does a pattern from sizes or buffers carry its guard.
+  The report line names what was recognized either way.
 * **Softmax**: over the last axis only (``-1`` or ``ndim - 1``), computed in float32 (``dtype=`` or an
   upcast) and cast back: fused kernels accumulate in float32.
 * **Dropout** on the probabilities: ``dropout_p`` is ``p`` when the graph trains, ``0.0`` otherwise.
@@ -76,6 +83,7 @@ from kernel_pytorch.passes.attention_match import AttentionMatch, NotAttention, 
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
 from kernel_pytorch.passes.causal_mask import CausalMaskGuard, decide_causal
 from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of, set_example_value
+from kernel_pytorch.passes.mask_pattern import PatternDecision, decide_pattern
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import Bindings, ConstantEvaluator, example_value
@@ -88,7 +96,8 @@ def _attention_op() -> Callable[..., Any]:
     return attention
 
 
-def _choose_kernel(q, k, v, mask, *, is_causal, dropout_p, enable_gqa, ctx: PassContext) -> tuple[str, str]:
+def _choose_kernel(q, k, v, mask, *, is_causal, dropout_p, enable_gqa, ctx: PassContext,
+                   sparsity: Optional[tuple] = None) -> tuple[str, str]:
     from kernel_pytorch.attention.dispatch import choose_kernel
 
     if any(not isinstance(t, torch.Tensor) for t in (q, k, v)) or any(
@@ -96,7 +105,7 @@ def _choose_kernel(q, k, v, mask, *, is_causal, dropout_p, enable_gqa, ctx: Pass
         return "sdpa", "PyTorch's SDPA dispatch (symbolic or unknown shapes: no kernel measured)"
     try:
         return choose_kernel(q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
-                             hardware=ctx.hardware, training=ctx.training, compiled=ctx.compiled)
+                             hardware=ctx.hardware, training=ctx.training, compiled=ctx.compiled, sparsity=sparsity)
     except Exception as error:  # the rewrite stands on its own; SDPA's dispatch is always correct
         return "sdpa", f"the kernel dispatcher failed ({type(error).__name__}: {error}); PyTorch's SDPA dispatch"
 
@@ -145,6 +154,7 @@ class _MaskPlan:
         self.notes: list[str] = []  # skip-like report lines (the rewrite still happens)
         self.dead_when_causal: list[Node] = []
         self.guard: Optional[CausalMaskGuard] = None  # set when is_causal holds only for checked values
+        self.pattern: Optional[PatternDecision] = None  # a block structure of the (single, non-causal) mask
 
 
 def _negated(mask: Node, builder: _Builder, match: AttentionMatch) -> Node:
@@ -172,6 +182,8 @@ def _mask_node(match: AttentionMatch, builder: _Builder, q_dtype: torch.dtype, c
             plan.dead_when_causal = ConstantEvaluator(bindings).ancestors(terms[0].node)
             return None
         term = terms[0]
+        plan.pattern, detail = decide_pattern(term, match, constants, bindings)
+        plan.description += detail
         if term.kind == "fill" and term.fill == -math.inf:
             # SDPA's bool mask: True means attend.
             return _negated(term.node, builder, match) if term.masked_value else term.node
@@ -188,6 +200,22 @@ def _mask_node(match: AttentionMatch, builder: _Builder, q_dtype: torch.dtype, c
                 part = builder.function(operator.mul, part, term.multiplier)
         total = part if total is None else builder.function(operator.add, total, part)
     return builder.cast(total, q_dtype)
+
+
+def _pattern_arguments(decision: PatternDecision, mask: Node, builder: _Builder) -> dict[str, Any]:
+    """``pattern``/``pattern_tensor`` of the flex call: the document ids as (B, L), the allowed positions
+    of a block-sparse mask as 4-D bool (from SDPA's mask: bool True = attend, additive 0 = attend)."""
+    pattern = decision.pattern
+    tensor = None
+    if pattern.kind == "document":
+        ids = example_value(decision.doc)
+        tensor = builder.function(torch.unsqueeze, decision.doc, 0) if ids.dim() == 1 else decision.doc
+    elif pattern.kind == "blocks":
+        value = example_value(mask)
+        allowed = mask if value.dtype == torch.bool else builder.function(torch.eq, mask, 0)
+        tensor = allowed if value.dim() == 4 else builder.function(
+            operator.getitem, allowed, (None,) * (4 - value.dim()) + (Ellipsis,))
+    return {"pattern": pattern.spec, "pattern_tensor": tensor}
 
 
 @register_pass
@@ -233,12 +261,22 @@ class AttentionPass(GraphPass):
         q, k, v = builder.operand(match.q), builder.operand(match.k), builder.operand(match.v)
         q_dtype = example_value(q).dtype
         plan = _MaskPlan()
+        before_mask = set(graph.nodes)
         mask = _mask_node(match, builder, q_dtype, constants, bindings, plan)
+        pattern = plan.pattern.pattern if plan.pattern is not None else None
         kernel, why = _choose_kernel(example_value(q), example_value(k), example_value(v), example_value(mask),
                                      is_causal=plan.is_causal, dropout_p=match.dropout_p,
-                                     enable_gqa=match.enable_gqa, ctx=ctx)
+                                     enable_gqa=match.enable_gqa, ctx=ctx,
+                                     sparsity=None if pattern is None else pattern.sparsity)
         kwargs = {"dropout_p": match.dropout_p, "is_causal": plan.is_causal, "scale": match.scale,
                   "enable_gqa": match.enable_gqa, "kernel": kernel}
+        if pattern is not None and kernel == "flex":
+            kwargs.update(_pattern_arguments(plan.pattern, mask, builder))
+            plan.dead_when_causal += [*plan.pattern.dead, *(set(graph.nodes) - before_mask)]
+            plan.guard, plan.description, mask = plan.pattern.guard, f"mask {pattern.describe()}", None
+            plan.notes += [plan.pattern.note] if plan.pattern.note else []
+        elif pattern is not None:
+            plan.description += f" ({pattern.describe()}: recognized, run dense)"
         with graph.inserting_before(match.pv):
             call = graph.call_function(_attention_op(), (q, k, v, mask), kwargs)
         if match.out_dims is None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx
@@ -29,7 +29,7 @@ from torch.fx import Node
 from kernel_pytorch.passes.attention_match import AttentionMatch, MaskTerm
 from kernel_pytorch.passes.shape_constants import Bindings, ConstantEvaluator, Evaluation, example_value
 
-__all__ = ["CausalDecision", "decide_causal", "is_top_left_causal", "CausalMaskGuard"]
+__all__ = ["CausalDecision", "decide_causal", "is_top_left_causal", "MaskGuard", "CausalMaskGuard"]
 
 # Distinct (sizes, buffer states) a guard remembers; past it the oldest is forgotten and re-checked
 # if seen again. A model serves few sequence lengths at once; each entry is a handful of ints.
@@ -92,14 +92,21 @@ def decide_causal(term: MaskTerm, match: AttentionMatch, constants: ConstantEval
         f"values, re-checked at run time for each new size or buffer state (graph runs unrewritten where not)"))
 
 
-class CausalMaskGuard:
-    """Re-checks at run time that a mask evaluated from sizes or buffers is still causal.
+# (evaluated mask value, the term as applied, Lq, Lk) -> whether the rewrite's assumption holds
+MaskPredicate = Callable[[torch.Tensor, MaskTerm, int, int], bool]
 
-    It keeps a private copy of the mask's subgraph (the rewrite erases the original) and the symbolic
+
+class MaskGuard:
+    """Re-checks at run time that a mask evaluated from sizes or buffers still has the property a
+    rewrite relies on (``predicate``: causal, a sliding window, a block pattern...).
+
+    It keeps a private copy of the mask's subgraph (the rewrite may erase the original) and the symbolic
     query/key lengths; :meth:`bind` ties its inputs to the compiled graph's argument positions.
     """
 
-    def __init__(self, term: MaskTerm, nodes: Sequence[Node], lq: Any, lk: Any, evaluation: Evaluation) -> None:
+    def __init__(self, term: MaskTerm, nodes: Sequence[Node], lq: Any, lk: Any, evaluation: Evaluation,
+                 predicate: MaskPredicate, what: str) -> None:
+        self.predicate, self.what = predicate, what
         self.graph = torch.fx.Graph()
         copies: dict[Node, Node] = {}
         for node in nodes:
@@ -144,9 +151,15 @@ class CausalMaskGuard:
         bindings = Bindings(sizes, buffers)
         value = ConstantEvaluator(bindings).evaluate(self.root).value
         lq, lk = bindings.size(self.lq), bindings.size(self.lk)
-        return value is not None and lq is not None and lk is not None and \
-            is_top_left_causal(value, self.term, lq, lk)
+        return value is not None and lq is not None and lk is not None and self.predicate(value, self.term, lq, lk)
 
     def describe(self) -> str:
-        return f"causal mask from {', '.join(self.inputs)}"
+        return f"{self.what} from {', '.join(self.inputs)}"
+
+
+class CausalMaskGuard(MaskGuard):
+    """A :class:`MaskGuard` for ``is_causal``: the mask must stay exactly top-left causal."""
+
+    def __init__(self, term: MaskTerm, nodes: Sequence[Node], lq: Any, lk: Any, evaluation: Evaluation) -> None:
+        super().__init__(term, nodes, lq, lk, evaluation, is_top_left_causal, "causal mask")
 

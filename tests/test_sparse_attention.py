@@ -1,0 +1,277 @@
+"""Block-structured attention masks: recognized by the attention pass (sliding windows, bands, document
+masks, block-sparse masks; built in the graph or held in buffers), routed to FlexAttention with the
+pattern instead of the tensor, and equal to the dense masked original, forward and gradients (fp32).
+
+On this CPU the dispatcher keeps sparse masks dense (FlexAttention is taken only when measured fastest on
+a GPU), so the flex route is forced here by standing in for the dispatcher; forward without gradients
+runs FlexAttention itself (its CPU path, with the cached BlockMask), with gradients the pattern's mask_mod
+evaluated densely through SDPA's math (FlexAttention has no CPU backward).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import kernel_pytorch.attention.flex as flex
+import kernel_pytorch.passes.attention as attention_pass
+from kernel_pytorch import optimize, report_of
+from kernel_pytorch.attention.flex import pattern_block_mask
+from kernel_pytorch.passes.mask_pattern import block_density, classify_allowed
+
+from .conftest import rel_err, twin
+from .test_attention_pass import Rewritten, kwargs_of
+
+B, H, E = 2, 2, 16
+NEG = float("-inf")
+
+
+def _qkv(length: int = 48, batch: int = B):
+    return tuple(torch.randn(batch, H, length, E) for _ in range(3))
+
+
+@pytest.fixture
+def forced_flex(monkeypatch):
+    """The dispatcher's choice for recognized sparse masks is flex (as a GPU measurement would make it)."""
+    original = attention_pass._choose_kernel
+
+    def choose(*args, sparsity=None, **kwargs):
+        if sparsity is not None:
+            return "flex", "forced by the test"
+        return original(*args, sparsity=sparsity, **kwargs)
+
+    monkeypatch.setattr(attention_pass, "_choose_kernel", choose)
+    flex._BLOCK_MASKS.clear()
+    yield
+    flex._BLOCK_MASKS.clear()
+
+
+def _check_equal(module: nn.Module, rewritten: Rewritten, inputs: tuple[torch.Tensor, ...]) -> None:
+    """Forward without gradients (FlexAttention itself) and with gradients: equal to the module within 1e-5."""
+    with torch.no_grad():
+        assert rel_err(rewritten(*inputs), module(*inputs)) < 1e-5
+    fresh = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    ref = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out, expected = rewritten(*fresh), module(*ref)
+    assert rel_err(out, expected) < 1e-5
+    seed = torch.randn_like(expected)
+    grads = torch.autograd.grad(out, [t for t in fresh if t.requires_grad], seed)
+    want = torch.autograd.grad(expected, [t for t in ref if t.requires_grad], seed)
+    for got, wanted in zip(grads, want):
+        assert rel_err(got, wanted) < 1e-5, rel_err(got, wanted)
+
+
+# --------------------------------------------------------------------------------------------------
+# masks as models build them
+# --------------------------------------------------------------------------------------------------
+
+
+class WindowIndexArithmetic(nn.Module):
+    """Causal sliding window from index arithmetic: key j is blocked when j > i or i - j >= window."""
+
+    def __init__(self, window: int = 8):
+        super().__init__()
+        self.window = window
+
+    def forward(self, q, k, v):
+        i = torch.arange(q.shape[-2])
+        blocked = (i[None, :] > i[:, None]) | ((i[:, None] - i[None, :]) >= self.window)
+        return torch.softmax((q @ k.mT * 0.25).masked_fill(blocked, NEG), -1) @ v
+
+
+class WindowTriuTril(nn.Module):
+    """Mistral's way: an additive causal triu, and the keys past the window blocked by tril with an offset."""
+
+    def __init__(self, window: int = 8):
+        super().__init__()
+        self.window = window
+
+    def forward(self, q, k, v):
+        n = q.shape[-2]
+        causal = torch.triu(torch.full((n, n), NEG), diagonal=1)
+        outside = torch.tril(torch.full((n, n), NEG), diagonal=-self.window)
+        return torch.softmax(q @ k.mT * 0.25 + (causal + outside), -1) @ v
+
+
+class Banded(nn.Module):
+    """Bidirectional band |i - j| <= 5 (local attention in encoders), with torch.where."""
+
+    def forward(self, q, k, v):
+        i = torch.arange(q.shape[-2])
+        allowed = (i[:, None] - i[None, :]).abs() <= 5
+        return torch.softmax(torch.where(allowed, q @ k.mT * 0.25, NEG), -1) @ v
+
+
+class DocumentCausal(nn.Module):
+    """Packed sequences: a query sees the earlier keys of its own document (doc ids are a model input)."""
+
+    def forward(self, q, k, v, doc):
+        n = q.shape[-2]
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        same = doc[:, None, :, None] == doc[:, None, None, :]
+        return torch.softmax(torch.where(same & causal, q @ k.mT * 0.25, NEG), -1) @ v
+
+
+class BufferWindow(nn.Module):
+    """A causal sliding window held in a registered bool buffer, sliced to the length."""
+
+    def __init__(self, n: int = 48, window: int = 8):
+        super().__init__()
+        i = torch.arange(n)
+        self.register_buffer("allowed", (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window))
+
+    def forward(self, q, k, v):
+        n = q.shape[-2]
+        return torch.softmax((q @ k.mT * 0.25).masked_fill(~self.allowed[:n, :n], NEG), -1) @ v
+
+
+class BlockDiagonal(nn.Module):
+    """Fixed 128-token blocks (block-diagonal, not a band): a general block-sparse mask."""
+
+    def forward(self, q, k, v):
+        block = torch.arange(q.shape[-2]) // 128
+        allowed = block[:, None] == block[None, :]
+        return torch.softmax((q @ k.mT * 0.25).masked_fill(~allowed, NEG), -1) @ v
+
+
+class RandomDense(nn.Module):
+    """A random mask (diagonal kept) in a buffer: no block structure."""
+
+    def __init__(self, n: int = 48):
+        super().__init__()
+        generator = torch.Generator().manual_seed(1)
+        self.register_buffer("allowed", (torch.rand(n, n, generator=generator) < 0.5) | torch.eye(n, dtype=torch.bool))
+
+    def forward(self, q, k, v):
+        return torch.softmax((q @ k.mT * 0.25).masked_fill(~self.allowed, NEG), -1) @ v
+
+
+# --------------------------------------------------------------------------------------------------
+# recognized and routed to flex, equal values and gradients
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module, pattern, text", [
+    (WindowIndexArithmetic(), ("band", 0, 7), "causal sliding window 8"),
+    (WindowTriuTril(), ("band", 0, 7), "causal sliding window 8"),
+    (Banded(), ("band", -5, 5), "band -5 <= i-j <= 5"),
+], ids=["index-arithmetic", "triu-tril", "banded"])
+def test_band_masks_go_to_flex_with_equal_values_and_gradients(forced_flex, module, pattern, text):
+    torch.manual_seed(0)
+    rewritten = Rewritten(module, _qkv())
+    [description] = rewritten.descriptions
+    assert description.startswith("attention[flex]") and text in description, description
+    kwargs = kwargs_of(rewritten)
+    assert kwargs["pattern"] == pattern and kwargs["mask"] is None and kwargs["pattern_tensor"] is None
+    assert not rewritten.result.guards  # static sizes, built from constants: proven
+    assert not [n for n in rewritten.gm.graph.nodes if n.target in (torch.triu, torch.tril, torch.arange)]
+    _check_equal(module, rewritten, _qkv())
+
+
+def test_document_mask_reads_the_ids_with_equal_values_and_gradients(forced_flex):
+    torch.manual_seed(0)
+    doc = torch.tensor([[0] * 20 + [1] * 13 + [2] * 15, [5] * 7 + [3] * 41])
+    module = DocumentCausal()
+    rewritten = Rewritten(module, (*_qkv(), doc))
+    [description] = rewritten.descriptions
+    assert "attention[flex]" in description and "document mask & causal" in description, description
+    kwargs = kwargs_of(rewritten)
+    assert kwargs["pattern"] == ("document", 0, None) and kwargs["pattern_tensor"] is not None
+    other = torch.tensor([[4] * 30 + [9] * 18, [1] * 48])  # other documents, same graph: read at run time
+    _check_equal(module, rewritten, (*_qkv(), other))
+
+
+def test_buffer_window_is_guarded_and_an_in_place_edit_falls_back(forced_flex):
+    torch.manual_seed(0)
+    module = BufferWindow()
+    rewritten = Rewritten(module, _qkv())
+    [description] = rewritten.descriptions
+    assert "attention[flex]" in description and "causal sliding window 8" in description, description
+    assert any("from a buffer" in r and "re-checked at run time" in r for r in rewritten.reasons), rewritten.reasons
+    _check_equal(module, rewritten, _qkv())
+    [guard] = rewritten.result.guards
+    guard.bind(rewritten.gm.graph)
+    args = rewritten.runtime_args(*_qkv())
+    assert guard.holds(args)
+    module.allowed[20, 5] = True  # in place: no longer a window
+    assert not guard.holds(args)
+    module.allowed[20, 5] = False
+    assert guard.holds(args)
+
+
+def test_buffer_window_edited_after_optimize_runs_unrewritten_with_equal_values(forced_flex):
+    torch.manual_seed(0)
+    module = BufferWindow()
+    model = optimize(twin(module), example_inputs=_qkv(), compile=False)
+    assert "attention[flex]" in report_of(model).rewrites[0].replacement, report_of(model).rewrites
+    inputs = _qkv()
+    assert rel_err(model(*inputs), module(*inputs)) < 1e-5
+    for m in (model, module):  # the same in-place edit on both: the rewrite's window no longer holds
+        m.allowed[30, 2] = True
+    assert rel_err(model(*inputs), module(*inputs)) < 1e-5
+    assert sum("did not hold" in note for note in report_of(model).notes) == 1, report_of(model).notes
+
+
+def test_block_diagonal_mask_is_block_sparse_with_its_density(forced_flex):
+    torch.manual_seed(0)
+    module = BlockDiagonal()
+    rewritten = Rewritten(module, _qkv(512, batch=1))
+    [description] = rewritten.descriptions
+    assert "attention[flex]" in description and "block-sparse mask, block density 0.25" in description, description
+    assert kwargs_of(rewritten)["pattern"] == ("blocks",)
+    _check_equal(module, rewritten, _qkv(512, batch=1))
+
+
+# --------------------------------------------------------------------------------------------------
+# what stays dense
+# --------------------------------------------------------------------------------------------------
+
+
+def test_random_dense_mask_stays_a_dense_tensor(forced_flex):
+    torch.manual_seed(0)
+    rewritten = Rewritten(RandomDense(), _qkv())
+    [description] = rewritten.descriptions
+    assert "attention[sdpa]" in description and "recognized" not in description, description
+    assert kwargs_of(rewritten)["mask"] is not None and "pattern" not in kwargs_of(rewritten)
+
+
+def test_on_this_cpu_a_window_is_recognized_and_run_dense():
+    torch.manual_seed(0)
+    module = WindowIndexArithmetic()
+    rewritten = Rewritten(module, _qkv())
+    [description] = rewritten.descriptions
+    assert "attention[sdpa]" in description and "(causal sliding window 8, block density 1.00: recognized, run dense)" \
+        in description, description
+    assert kwargs_of(rewritten)["mask"] is not None and not rewritten.result.guards
+    _check_equal(module, rewritten, _qkv())
+
+
+# --------------------------------------------------------------------------------------------------
+# classification and the BlockMask cache
+# --------------------------------------------------------------------------------------------------
+
+
+def test_classification_of_evaluated_masks():
+    i = torch.arange(300)
+    distance = i[:, None] - i[None, :]
+    window = (distance >= 0) & (distance < 64)
+    assert classify_allowed(window, 300, 300).spec == ("band", 0, 63)
+    assert classify_allowed(distance >= 0, 300, 300) is None  # causal: decided before, by the causal rules
+    assert classify_allowed(torch.ones(300, 300, dtype=torch.bool), 300, 300) is None  # no mask at all
+    shifted = (distance >= 1)  # row 0 fully masked: eager gives NaN there, FlexAttention 0
+    assert classify_allowed(shifted, 300, 300) is None
+    assert block_density(window) == pytest.approx(5 / 9)  # 3x3 tiles: the diagonal and the one below
+
+
+def test_block_mask_is_built_once_per_pattern_and_shape():
+    flex._BLOCK_MASKS.clear()
+    first = pattern_block_mask(("band", 0, 63), None, 256, 256, torch.device("cpu"))
+    assert pattern_block_mask(("band", 0, 63), None, 256, 256, torch.device("cpu")) is first
+    assert pattern_block_mask(("band", 0, 63), None, 384, 384, torch.device("cpu")) is not first
+    ids = torch.zeros(1, 256, dtype=torch.long)
+    doc_mask = pattern_block_mask(("document", None, None), ids, 256, 256, torch.device("cpu"))
+    assert pattern_block_mask(("document", None, None), ids, 256, 256, torch.device("cpu")) is doc_mask
+    ids[0, 128:] = 1  # an in-place edit: the ids' version changes, so the mask is rebuilt
+    assert pattern_block_mask(("document", None, None), ids, 256, 256, torch.device("cpu")) is not doc_mask
+    flex._BLOCK_MASKS.clear()
