@@ -275,3 +275,48 @@ def test_block_mask_is_built_once_per_pattern_and_shape():
     ids[0, 128:] = 1  # an in-place edit: the ids' version changes, so the mask is rebuilt
     assert pattern_block_mask(("document", None, None), ids, 256, 256, torch.device("cpu")) is not doc_mask
     flex._BLOCK_MASKS.clear()
+
+
+# --------------------------------------------------------------------------------------------------
+# the dispatcher
+# --------------------------------------------------------------------------------------------------
+
+
+def _problem(length: int, sparsity):
+    from kernel_pytorch.attention.dispatch import AttentionProblem
+
+    q = torch.empty(1, 16, length, 128, dtype=torch.bfloat16, device="meta")
+    mask = torch.empty(length, length, dtype=torch.bool, device="meta")
+    return AttentionProblem.from_tensors(q, q, q, mask, is_causal=False, dropout_p=0.0, enable_gqa=False,
+                                         training=False, sparsity=sparsity)
+
+
+def test_dispatch_measures_flex_only_for_sparse_masks_from_the_length_threshold():
+    from kernel_pytorch.attention.dispatch import SPARSE_MIN_LENGTH, _flex_not_measured, eligible_kernels
+    from kernel_pytorch.hardware import HardwareInfo
+
+    h100 = HardwareInfo(vendor="nvidia", device_name="sim H100", compute_capability=(9, 0), cudnn_attention=True,
+                        triton_usable=True)
+    window = ("band", 0, 1023, 0.12)
+    dense, rejected = eligible_kernels(_problem(SPARSE_MIN_LENGTH, None), h100)
+    assert "flex" not in dense and "mask tensor" in rejected["flex"]  # a plain mask tensor: as before
+    sparse, _ = eligible_kernels(_problem(SPARSE_MIN_LENGTH, window), h100)
+    assert "flex" in sparse and "cudnn" in sparse  # the dense kernels keep the tensor
+    assert _flex_not_measured(_problem(SPARSE_MIN_LENGTH, window), sparse) == ""
+    assert "fewer than" in _flex_not_measured(_problem(SPARSE_MIN_LENGTH // 2, window), sparse)
+
+
+@pytest.mark.parametrize("sparsity", [("band", 0, 31, 0.5), ("document", 0, None, 0.25), ("blocks", 0.25)])
+def test_dispatch_measurement_inputs_pair_the_mask_with_its_pattern(sparsity):
+    from kernel_pytorch.attention.dispatch import AttentionProblem, _random_inputs, _run
+    from kernel_pytorch.ops.attention import attention
+
+    q = torch.empty(1, 2, 256, 16)
+    mask = torch.empty(256, 256, dtype=torch.bool)
+    problem = AttentionProblem.from_tensors(q, q, q, mask, is_causal=False, dropout_p=0.0, enable_gqa=False,
+                                            training=False, sparsity=sparsity)
+    torch.manual_seed(0)
+    inputs = _random_inputs(problem)
+    assert inputs["mask"].dtype == torch.bool and not bool(inputs["mask"].all())
+    dense = _run(attention, inputs, "sdpa", problem, with_dropout=False)
+    assert rel_err(_run(attention, inputs, "flex", problem, with_dropout=False), dense) < 1e-5
