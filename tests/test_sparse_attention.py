@@ -320,3 +320,16 @@ def test_dispatch_measurement_inputs_pair_the_mask_with_its_pattern(sparsity):
     assert inputs["mask"].dtype == torch.bool and not bool(inputs["mask"].all())
     dense = _run(attention, inputs, "sdpa", problem, with_dropout=False)
     assert rel_err(_run(attention, inputs, "flex", problem, with_dropout=False), dense) < 1e-5
+
+
+def test_flex_route_compiles_with_inductor(forced_flex):
+    # Under Inductor the BlockMask is built in the traced graph (fake tensors), not taken from the cache.
+    torch.manual_seed(0)
+    module = WindowIndexArithmetic()
+    model = optimize(twin(module), example_inputs=_qkv(), compile=True)
+    report = report_of(model)
+    assert report.compiler.startswith("inductor") and "attention[flex]" in report.rewrites[0].replacement
+    inputs = _qkv()
+    with torch.no_grad():
+        assert rel_err(model(*inputs), module(*inputs)) < 1e-5
+    assert not flex._BLOCK_MASKS  # nothing cached from the trace
