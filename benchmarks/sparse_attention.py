@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.attention import _step  # noqa: E402  (one forward (+ backward) step, as attention.py times it)
 from benchmarks.harness import RESULTS_DIR, measure, write_result  # noqa: E402
 from kernel_pytorch import optimize, report_of  # noqa: E402
 
@@ -103,14 +104,6 @@ def _dense_masked(allowed):
     def run(q, k, v):
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
-    return run
-
-
-def _step(fn, q, k, v, backward):
-    def run():
-        out = fn(q, k, v)
-        if backward:
-            out.backward(torch.ones_like(out))
     return run
 
 
