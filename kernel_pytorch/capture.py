@@ -28,9 +28,9 @@ from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.errors import PassError
 from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
-from kernel_pytorch.passes.graph_utils import clone_graph_module
+from kernel_pytorch.passes.graph_utils import block_of, calls_per_block, clone_graph_module
 from kernel_pytorch.passes.manager import PassManager
-from kernel_pytorch.report import OptimizationReport, RewriteRecord, RollbackRecord, SkipRecord
+from kernel_pytorch.report import BlockRecord, OptimizationReport, RewriteRecord, RollbackRecord, SkipRecord
 from kernel_pytorch.verify import Run, compare, run_reference
 
 __all__ = ["GraphOptimizer", "GuardedGraph", "CompilerChoice", "draws_random_numbers", "install", "without_dropout"]
@@ -181,6 +181,7 @@ class GraphOptimizer:
             candidate, results = self._verified(gm, candidate, results, example_inputs, ctx)
             self.report.add_time("verify", time.perf_counter() - started)
         self._record(results, name)
+        self._record_blocks(gm, candidate, results, name)
         started = time.perf_counter()
         compiled = self._compile(candidate, example_inputs, name)
         self.report.add_time("compile", time.perf_counter() - started)
@@ -245,6 +246,19 @@ class GraphOptimizer:
             self.report.skipped += [SkipRecord(pass_name=graph_pass.name, location=s.location,
                                                reason=s.reason, graph=graph) for s in result.skipped]
 
+    def _record_blocks(self, gm: torch.fx.GraphModule, candidate: torch.fx.GraphModule,
+                       results: list[tuple[GraphPass, PassResult]], graph: str) -> None:
+        """Per repeated block: the rewrites kept and the graph operations before and after the passes."""
+        before, after = calls_per_block(gm), calls_per_block(candidate)
+        rewrites: dict[str, dict[str, int]] = {}
+        for graph_pass, result in results:
+            for record in result.rewrites:
+                per_pass = rewrites.setdefault(block_of(record.location), {})
+                per_pass[graph_pass.name] = per_pass.get(graph_pass.name, 0) + 1
+        for block in sorted(before.keys() | after.keys(), key=_natural_order):
+            self.report.blocks.append(BlockRecord(block=block, graph=graph, rewrites=rewrites.get(block, {}),
+                                                  ops_before=before.get(block, 0), ops_after=after.get(block, 0)))
+
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str) -> Callable[..., Any]:
         try:
             return self.compiler.compile(gm, example_inputs)
@@ -254,6 +268,11 @@ class GraphOptimizer:
             self.report.notes.append(
                 f"{name}: compiler {self.compiler.name} failed ({type(error).__name__}: {error}); running it eagerly")
             return gm.forward
+
+
+def _natural_order(block: str) -> tuple:
+    """``layers.2`` before ``layers.10``; the part outside the blocks (``""``) first."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in block.split(".")) if block else ()
 
 
 class GuardedGraph:

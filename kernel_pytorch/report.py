@@ -10,7 +10,8 @@ from rich.table import Table
 
 from kernel_pytorch.hardware import HardwareInfo
 
-__all__ = ["MemoryRecord", "OptimizationReport", "RewriteRecord", "RollbackRecord", "SkipRecord", "VerificationRecord"]
+__all__ = ["BlockRecord", "MemoryRecord", "OptimizationReport", "RewriteRecord", "RollbackRecord", "SkipRecord",
+           "VerificationRecord"]
 
 
 class RewriteRecord(BaseModel):
@@ -41,6 +42,19 @@ class VerificationRecord(BaseModel):
     error: float
     tolerance: float
     compared_gradients: bool
+
+
+class BlockRecord(BaseModel):
+    """One repeated block of one captured graph (``layers.3``: a module path up to its first index; ``""``
+    is everything outside the blocks): the rewrites applied there, and its graph operations before and
+    after the passes. Operations are FX call nodes, before the compiler fuses further; the GPU kernels a
+    block launches are measured by benchmarks/block_fusion.py."""
+
+    block: str
+    graph: str
+    rewrites: dict[str, int] = Field(default_factory=dict, description="pass name -> rewrites in this block")
+    ops_before: int
+    ops_after: int
 
 
 class MemoryRecord(BaseModel):
@@ -81,6 +95,7 @@ class OptimizationReport(BaseModel):
     verification: Optional[VerificationRecord] = None
     notes: list[str] = Field(default_factory=list)
     memory: list[MemoryRecord] = Field(default_factory=list)
+    blocks: list[BlockRecord] = Field(default_factory=list)
     timings_s: dict[str, float] = Field(default_factory=dict)
 
     def add_time(self, phase: str, seconds: float) -> None:
@@ -121,6 +136,10 @@ class OptimizationReport(BaseModel):
                                  [(s.pass_name, s.location, s.reason) for s in self.skipped])
         tables += _records_table("rolled back", ("pass", "graph", "reason"),
                                  [(r.pass_name, r.graph, r.reason) for r in self.rollbacks])
+        tables += _records_table("per block", ("block", "graph", "rewrites", "graph ops before -> after"),
+                                 [(b.block or "(outside blocks)", b.graph,
+                                   ", ".join(f"{name} {n}" for name, n in b.rewrites.items()) or "-",
+                                   f"{b.ops_before} -> {b.ops_after}") for b in self.blocks])
         return tables
 
 

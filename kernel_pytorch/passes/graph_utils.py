@@ -18,7 +18,9 @@ if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
 __all__ = [
+    "block_of",
     "blocks_reordering",
+    "calls_per_block",
     "checkpointed_subgraphs",
     "clone_graph_module",
     "count_calls",
@@ -82,6 +84,29 @@ def module_path_of(node: torch.fx.Node, default: str = "") -> str:
     if node.op == "call_module":
         return str(node.target)
     return default
+
+
+# The first index segment of a module path ends its block: "layers.3.attn.q_proj" -> "layers.3".
+_BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
+
+
+def block_of(path: str) -> str:
+    """The repeated block a module path lies in (``"layers.3.attn"`` -> ``"layers.3"``: the path up to its
+    first index), or ``""`` outside any (embeddings, the head)."""
+    match = _BLOCK.match(path)
+    return match.group(1) if match else ""
+
+
+def calls_per_block(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Operator nodes per repeated block (:func:`block_of`; ``""`` for the rest), checkpointed bodies
+    included: what the block costs in graph operations before the compiler fuses them further."""
+    counts: dict[str, int] = {}
+    for graph in (gm, *(body for _, body in checkpointed_subgraphs(gm))):
+        for node in graph.graph.nodes:
+            if node.op in ("call_function", "call_method", "call_module"):
+                block = block_of(module_path_of(node))
+                counts[block] = counts.get(block, 0) + 1
+    return counts
 
 
 def count_calls(gm: torch.fx.GraphModule) -> int:
