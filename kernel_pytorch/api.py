@@ -13,6 +13,7 @@ import torch.nn as nn
 from kernel_pytorch import float8_conversion
 from kernel_pytorch.backends import OptimizationState, get_backend
 from kernel_pytorch.config import OptimizeConfig
+from kernel_pytorch.distributed import context_parallel
 from kernel_pytorch.errors import KernelPytorchError
 from kernel_pytorch.hardware import detect_hardware
 from kernel_pytorch.report import OptimizationReport, VerificationRecord
@@ -65,9 +66,10 @@ def optimize(
         with _preserved_buffers(model):
             reference = run_reference(model, args, kwargs, wrt)
     fp8 = float8_conversion.convert_for_config(model, config, example_inputs, training)
-    model, report = backend.prepare_model(model, config, example_inputs)
+    model, report = backend.prepare_model(model, context_parallel.backend_config(config), example_inputs)
     float8_conversion.record_in_report(fp8, model, report)
     memory.install_memory_options(model, config, report, plan, training)
+    context_parallel.install(model, config, report)  # around the compiled call: shard in, gather out
     if example_inputs is not None:
         started = time.perf_counter()
         with _preserved_buffers(model), _our_errors_unwrapped():

@@ -110,6 +110,12 @@ class OptimizeConfig(BaseModel):
         description="Relative errors accepted end to end when layers run in FP8 (0.1 is 20 dB, torchao's output "
         "floor; 0.15 ~ 16.5 dB for gradients, summed over layers)."
     )
+    context_parallel: Any = Field(
+        None, description="A torch.distributed ProcessGroup (or None: off) whose ranks share each sequence: every "
+        "rank passes the full inputs; the model runs on its zigzag shard of the sequence (dim 1 of each tensor "
+        "input) with causal attention as ring attention and RoPE tables at the global positions, and the "
+        "outputs are gathered back (kernel_pytorch.distributed.context_parallel)."
+    )
     checkpointing: Literal["off", "full", "selective"] = Field(
         "off", description="Activation checkpointing of the model's repeated blocks (kernel_pytorch.memory."
         "apply_checkpointing): 'full' recomputes whole blocks, 'selective' saves matmul/attention outputs."
@@ -139,6 +145,17 @@ class OptimizeConfig(BaseModel):
         if isinstance(value, str):
             lowered = value.strip().lower()
             return DEVICE_ALIASES.get(lowered, lowered)
+        return value
+
+    @field_validator("context_parallel")
+    @classmethod
+    def _is_process_group(cls, value: object) -> object:
+        # Any rather than ProcessGroup in the annotation: pydantic takes no arbitrary classes without
+        # arbitrary_types_allowed, and torch.distributed may be unavailable in this build of torch.
+        import torch.distributed as dist
+
+        if value is not None and not (dist.is_available() and isinstance(value, dist.ProcessGroup)):
+            raise ValueError(f"context_parallel takes a torch.distributed ProcessGroup or None, got {type(value).__name__}")
         return value
 
     @field_validator("tolerances", mode="before")

@@ -251,6 +251,10 @@ class AttentionPass(GraphPass):
             result.rewrite(location, description)
             result.changed += len(removed)
         result.changed += erase_unused(graph, mask_candidates)
+        if ctx.config.context_parallel is not None:  # ring attention over the sequence shards, or a refusal
+            from kernel_pytorch.distributed.context_parallel_graph import shard_attention_calls
+
+            shard_attention_calls(gm, ctx.config.context_parallel, result, _attention_op())
         return result
 
     @staticmethod

@@ -1,0 +1,226 @@
+"""``optimize(model, context_parallel=group)`` on gloo, world sizes 2 and 4, against the single-process model.
+
+One spawned process group per world size runs every case (as tests/test_ring_attention.py does); each rank
+writes its results as JSON and the tests below assert on them, per rank. Numerics in float64, relative error
+< 1e-8, on a LlamaStyleLM whose RMSNorm and softmax keep float64: the library's LlamaStyleLM computes both in
+float32 even in a float64 model, so its float64 logits are only float32-accurate (~3e-8 apart from any exact
+re-implementation, which is also why plain ``optimize`` rolls its attention back at the 1e-10 tolerance).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import kernel_pytorch
+from kernel_pytorch.config import OptimizeConfig
+from kernel_pytorch.testing.llama_style import LlamaStyleAttention, LlamaStyleConfig, LlamaStyleLM, RMSNorm
+
+pytestmark = pytest.mark.distributed
+
+WORLD_SIZES = (2, 4)
+_JOIN_TIMEOUT_S = 150  # rank processes are killed after this; each group's own timeout (60 s) fires first
+_TOLERANCE = 1e-8
+_SEQ = 16  # divisible by 2 x 4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The model: LlamaStyleLM with float64 kept in its norms and softmax (module docstring).
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _ExactNorm(RMSNorm):
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class _ExactAttention(LlamaStyleAttention):
+    """LlamaStyleAttention with the softmax in the inputs' dtype; ``extra_mask`` (a buffer) is added to the
+    scores when set: an arbitrary mask, which context parallelism must refuse."""
+
+    def forward(self, x, cos, sin, mask):
+        c = self.config
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, c.n_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+        k = k.repeat_interleave(c.n_heads // c.n_kv_heads, dim=1)
+        v = v.repeat_interleave(c.n_heads // c.n_kv_heads, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(c.head_dim) + mask
+        if hasattr(self, "extra_mask"):
+            scores = scores + self.extra_mask[:seq, :seq]
+        out = torch.matmul(F.softmax(scores, dim=-1), v)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def _rotary(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _model(extra_mask: bool = False) -> LlamaStyleLM:
+    torch.manual_seed(0)  # the same weights on every rank
+    model = LlamaStyleLM(LlamaStyleConfig.tiny()).double()
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.__class__ = _ExactNorm
+        if isinstance(module, LlamaStyleAttention):
+            module.__class__ = _ExactAttention
+            if extra_mask:
+                module.register_buffer("extra_mask", torch.randn(64, 64, dtype=torch.float64), persistent=False)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What every rank runs.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _rel(actual, expected) -> float:
+    return float((actual.detach() - expected.detach()).norm() / expected.detach().norm())
+
+
+def _train_step(model, tokens, weight):
+    logits = model(tokens)
+    (logits * weight).sum().backward()
+    return logits
+
+
+def _equivalence_case(world_size: int) -> dict:
+    """Logits and parameter gradients of the context-parallel model vs the same model on one process."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 97, (2, _SEQ))
+    weight = torch.randn(2, _SEQ, 97, dtype=torch.float64)
+    expected = _train_step(reference, tokens, weight)
+    model = kernel_pytorch.optimize(model, context_parallel=dist.group.WORLD, example_inputs=(tokens,))
+    report = kernel_pytorch.report_of(model)
+    logits = _train_step(model, tokens, weight)
+    grads = {name: _rel(p.grad, q.grad) for (name, p), q in zip(model.named_parameters(), reference.parameters())}
+    second = model(tokens)  # a second call reuses the compiled graph and gives the same logits
+    return {
+        "logits": _rel(logits, expected),
+        "grads": grads,
+        "second_call": _rel(second, expected),
+        "verification_passed": report.verification is not None and report.verification.passed,
+        "rolled_back": any("rolled back" in note for note in report.notes),
+        "rewrites": [r.replacement for r in report.rewrites if "context parallel" in r.replacement],
+        "indivisible": _raised(lambda: model(tokens[:, :2 * world_size + 2])),
+    }
+
+
+def _masked_case() -> dict:
+    """A model with an arbitrary additive mask: refused on every rank, with the place named."""
+    model = _model(extra_mask=True)
+    tokens = torch.randint(0, 97, (2, _SEQ))
+    return {"error": _raised(lambda: kernel_pytorch.optimize(model, context_parallel=dist.group.WORLD,
+                                                             example_inputs=(tokens,)))}
+
+
+def _raised(call) -> str | None:
+    try:
+        call()
+    except Exception as error:  # the message is what the tests check
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _worker(rank: int, world_size: int, directory: str) -> None:
+    torch.set_num_threads(1)  # 6 ranks share CI's 2 cores
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store_{world_size}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        # The refusal first: the group must still be usable after it (nothing left half-exchanged).
+        results = {"masked": _masked_case(), "equivalence": _equivalence_case(world_size)}
+    finally:
+        dist.destroy_process_group()
+    Path(directory, f"world{world_size}_rank{rank}.json").write_text(json.dumps(results))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The tests.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory) -> dict[int, list[dict]]:
+    """{world size: [rank 0's results, rank 1's, ...]}: every group runs at once, each rank its own process."""
+    directory = tmp_path_factory.mktemp("context_parallel")
+    context = mp.get_context("spawn")
+    processes = {}
+    for world_size in WORLD_SIZES:
+        for rank in range(world_size):
+            process = context.Process(target=_worker, args=(rank, world_size, str(directory)))
+            process.start()
+            processes[world_size, rank] = process
+    deadline = time.monotonic() + _JOIN_TIMEOUT_S
+    for process in processes.values():
+        process.join(max(0.0, deadline - time.monotonic()))
+    hung = [key for key, process in processes.items() if process.is_alive()]
+    for key in hung:
+        processes[key].kill()
+    failed = {key: process.exitcode for key, process in processes.items() if process.exitcode != 0}
+    assert not hung and not failed, f"rank processes hung {hung} or failed {failed} ((world size, rank): exit code)"
+    return {world_size: [json.loads(Path(directory, f"world{world_size}_rank{rank}.json").read_text())
+                         for rank in range(world_size)] for world_size in WORLD_SIZES}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_logits_and_gradients_match_the_single_process_model(rank_results, world_size):
+    for rank, results in enumerate(rank_results[world_size]):
+        case = results["equivalence"]
+        assert case["logits"] < _TOLERANCE and case["second_call"] < _TOLERANCE, (rank, case)
+        assert len(case["grads"]) == 2 + 2 * 9 + 1  # embed, lm_head, per layer 7 linears + 2 norms, final norm
+        assert max(case["grads"].values()) < _TOLERANCE, (rank, case["grads"])
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_rewrites_are_in_place_and_verified(rank_results, world_size):
+    """Equal numbers could also come from a model rolled back to running whole on every rank: the report
+    must show ring attention and global RoPE tables in use, and the end-to-end check passed."""
+    for results in rank_results[world_size]:
+        case = results["equivalence"]
+        assert case["verification_passed"] and not case["rolled_back"]
+        assert case["rewrites"] == ["context parallel: 2 RoPE table(s) indexed at the global positions",
+                                    "context parallel: 2 attention call(s) -> ring_attention over the group"]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_indivisible_sequence_raises_on_every_rank(rank_results, world_size):
+    length = 2 * world_size + 2
+    for results in rank_results[world_size]:
+        error = results["equivalence"]["indivisible"]
+        assert error is not None and error.startswith("ContextParallelError")
+        assert f"sequence length {length} is not divisible by 2 x world size = {2 * world_size}" in error
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_arbitrary_mask_is_refused_on_every_rank(rank_results, world_size):
+    for results in rank_results[world_size]:
+        error = results["masked"]["error"]
+        assert error is not None and error.startswith("ContextParallelError"), error
+        assert "cannot run on a shard of the sequence" in error
+        assert "layers.0.attn: attention with a mask" in error and "layers.1.attn: attention with a mask" in error
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In-process: the config.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_context_parallel_takes_only_a_process_group():
+    with pytest.raises(ValueError, match="context_parallel takes a torch.distributed ProcessGroup or None, got str"):
+        OptimizeConfig(context_parallel="world")
+    assert OptimizeConfig().context_parallel is None
