@@ -69,9 +69,25 @@ def _rotary(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def _model(extra_mask: bool = False) -> LlamaStyleLM:
+class _ComputedRopeLM(LlamaStyleLM):
+    """RoPE tables computed in the forward from ``arange`` positions (as Hugging Face models do from
+    ``position_ids``): their global rows cannot be proven, so context parallelism must refuse."""
+
+    def forward(self, tokens):
+        seq, c = tokens.shape[1], self.config
+        x = self.embed(tokens)
+        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=x.dtype) / c.head_dim)
+        angles = torch.arange(seq, dtype=x.dtype)[:, None] * inv_freq
+        angles = torch.cat((angles, angles), dim=-1)
+        mask = torch.full((seq, seq), float("-inf"), dtype=x.dtype).triu(1)
+        for layer in self.layers:
+            x = layer(x, angles.cos(), angles.sin(), mask)
+        return self.lm_head(self.norm(x))
+
+
+def _model(extra_mask: bool = False, model_class=LlamaStyleLM) -> LlamaStyleLM:
     torch.manual_seed(0)  # the same weights on every rank
-    model = LlamaStyleLM(LlamaStyleConfig.tiny()).double()
+    model = model_class(LlamaStyleConfig.tiny()).double()
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.__class__ = _ExactNorm
@@ -129,6 +145,13 @@ def _masked_case() -> dict:
                                                              example_inputs=(tokens,)))}
 
 
+def _computed_rope_case() -> dict:
+    model = _model(model_class=_ComputedRopeLM)
+    tokens = torch.randint(0, 97, (2, _SEQ))
+    return {"error": _raised(lambda: kernel_pytorch.optimize(model, context_parallel=dist.group.WORLD,
+                                                             example_inputs=(tokens,)))}
+
+
 def _raised(call) -> str | None:
     try:
         call()
@@ -143,7 +166,8 @@ def _worker(rank: int, world_size: int, directory: str) -> None:
                             world_size=world_size, timeout=datetime.timedelta(seconds=60))
     try:
         # The refusal first: the group must still be usable after it (nothing left half-exchanged).
-        results = {"masked": _masked_case(), "equivalence": _equivalence_case(world_size)}
+        results = {"masked": _masked_case(), "computed_rope": _computed_rope_case(),
+                   "equivalence": _equivalence_case(world_size)}
     finally:
         dist.destroy_process_group()
     Path(directory, f"world{world_size}_rank{rank}.json").write_text(json.dumps(results))
@@ -213,6 +237,15 @@ def test_arbitrary_mask_is_refused_on_every_rank(rank_results, world_size):
         assert error is not None and error.startswith("ContextParallelError"), error
         assert "cannot run on a shard of the sequence" in error
         assert "layers.0.attn: attention with a mask" in error and "layers.1.attn: attention with a mask" in error
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_rope_computed_from_positions_is_refused_on_every_rank(rank_results, world_size):
+    for results in rank_results[world_size]:
+        error = results["computed_rope"]["error"]
+        assert error is not None and error.startswith("ContextParallelError"), error
+        assert "layers.0.attn: the RoPE cos/sin tables are not the first rows of a table input" in error
+        assert "arange computes positions" in error
 
 
 # ---------------------------------------------------------------------------------------------------------

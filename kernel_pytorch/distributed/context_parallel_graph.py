@@ -44,6 +44,7 @@ _ROW_PRESERVING_METHODS = ("to", "float", "double", "half", "bfloat16", "type_as
 # Ops whose value depends on positions; on a shard they would see local positions.
 _POSITION_FUNCTIONS = (torch.arange, torch.triu, torch.tril, torch.cumsum)
 _POSITION_METHODS = ("triu", "tril", "cumsum")
+_REFUSAL_HEADER = "optimize(context_parallel=...): this model cannot run on a shard of the sequence:"
 
 
 @has_side_effect  # no users: without this, dead-code elimination would drop it
@@ -228,22 +229,25 @@ def _live_nodes(graph: torch.fx.Graph) -> list[Node]:
 
 
 def _refuse_in(gm: torch.fx.GraphModule, problems: list[str], result) -> None:
-    """Insert the raising node at the top of the graph, after its placeholders; report each problem."""
+    """Report each problem, and raise them all from one node at the top of the graph (after its
+    placeholders); a refusal an earlier pass inserted gets these problems added."""
     if not problems:
         return
     for problem in problems:
         location, _, reason = problem.partition(": ")
         result.skip(location, f"context parallel: {reason}")
+    existing = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target is refuse_context_parallel),
+                    None)
+    earlier = existing.args[0].split("\n  ")[1:] if existing is not None else []
+    message = "\n  ".join([_REFUSAL_HEADER, *dict.fromkeys([*earlier, *problems])])
+    if existing is not None:
+        existing.args = (message,)
+        return
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    message = ("optimize(context_parallel=...): this model cannot run on a shard of the sequence:\n  " +
-               "\n  ".join(dict.fromkeys(problems)))
-    anchor = placeholders[-1] if placeholders else None
-    if anchor is None:
-        with gm.graph.inserting_before(next(iter(gm.graph.nodes))):
-            gm.graph.call_function(refuse_context_parallel, (message,))
-    else:
-        with gm.graph.inserting_after(anchor):
-            gm.graph.call_function(refuse_context_parallel, (message,))
+    where = gm.graph.inserting_after(placeholders[-1]) if placeholders else \
+        gm.graph.inserting_before(next(iter(gm.graph.nodes)))
+    with where:
+        gm.graph.call_function(refuse_context_parallel, (message,))
 
 
 def _example(node):
