@@ -24,7 +24,12 @@ import torch.nn.functional as F
 
 import kernel_pytorch
 from kernel_pytorch.config import OptimizeConfig
-from kernel_pytorch.testing.llama_style import LlamaStyleAttention, LlamaStyleConfig, LlamaStyleLM, RMSNorm
+from kernel_pytorch.testing.llama_style import (
+    LlamaStyleAttention,
+    LlamaStyleConfig,
+    LlamaStyleLM,
+    RMSNorm,
+)
 
 pytestmark = pytest.mark.distributed
 

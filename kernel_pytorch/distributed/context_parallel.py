@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
