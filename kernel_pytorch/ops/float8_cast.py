@@ -87,9 +87,11 @@ def abs_max(t: Tensor, tensorwise: bool, rows: bool = False, cols: bool = False)
         a = t.detach().abs().float()
         return Amax(tensor=a.amax().reshape(1) if tensorwise else None, rows=a.amax(1) if rows else None,
                     cols=a.amax(0) if cols else None)
-    zeros = lambda n: torch.zeros(n, device=t.device, dtype=torch.float32)  # noqa: E731
-    out = Amax(tensor=zeros(1) if tensorwise else None, rows=zeros(t.shape[0]) if rows else None,
-               cols=zeros(t.shape[1]) if cols else None)
+    # One zero-filled buffer for all the maxima asked for: one memset launch, not one per kind (the host
+    # cost per FP8 layer call, ~1 ms on an H100 with 3 fills among 7 launches, is what FP8 loses on).
+    sizes = {"tensor": 1 if tensorwise else 0, "rows": t.shape[0] if rows else 0, "cols": t.shape[1] if cols else 0}
+    parts = torch.zeros(sum(sizes.values()), device=t.device, dtype=torch.float32).split(list(sizes.values()))
+    out = Amax(**{kind: part for (kind, n), part in zip(sizes.items(), parts) if n})
     any_out = _or(out.tensor, out.rows, out.cols)
     row_tiles, col_tiles = triton.cdiv(t.shape[0], _AMAX_BLOCK_R), triton.cdiv(t.shape[1], _AMAX_BLOCK_C)
     steps = _amax_steps(row_tiles * col_tiles)
