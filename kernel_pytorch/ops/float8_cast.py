@@ -87,8 +87,9 @@ def abs_max(t: Tensor, tensorwise: bool, rows: bool = False, cols: bool = False)
         a = t.detach().abs().float()
         return Amax(tensor=a.amax().reshape(1) if tensorwise else None, rows=a.amax(1) if rows else None,
                     cols=a.amax(0) if cols else None)
-    # One zero-filled buffer for all the maxima asked for: one memset launch, not one per kind (the host
-    # cost per FP8 layer call, ~1 ms on an H100 with 3 fills among 7 launches, is what FP8 loses on).
+    # One zero-filled buffer for all the maxima asked for: one memset launch, not one per kind (rowwise
+    # asks for rows and columns: a layer's forward + backward made 6 fills, now 3). The host cost per FP8
+    # layer step, ~1 ms on an H100 (benchmarks/results/fp8.json, small shapes), is what FP8 loses on.
     sizes = {"tensor": 1 if tensorwise else 0, "rows": t.shape[0] if rows else 0, "cols": t.shape[1] if cols else 0}
     parts = torch.zeros(sum(sizes.values()), device=t.device, dtype=torch.float32).split(list(sizes.values()))
     out = Amax(**{kind: part for (kind, n), part in zip(sizes.items(), parts) if n})
