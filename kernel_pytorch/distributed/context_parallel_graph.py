@@ -23,6 +23,7 @@ graph's communication, and every rank captures the same graph, so every rank rai
 
 from __future__ import annotations
 
+import math
 import operator
 from functools import cache
 
@@ -31,9 +32,10 @@ import torch.fx
 from torch.fx import Node
 from torch.fx.node import has_side_effect
 
+from kernel_pytorch.distributed.block_attention import default_block_kernel
 from kernel_pytorch.distributed.context_parallel import ContextParallelError
 from kernel_pytorch.distributed.rank_group import RankGroup
-from kernel_pytorch.distributed.ring_attention import ring_attention
+from kernel_pytorch.distributed.ring_attention import ring_attention_fwd  # noqa: F401 (registers the op)
 from kernel_pytorch.distributed.sequence_sharding import shard_sequence
 from kernel_pytorch.passes.graph_utils import module_path_of
 
@@ -44,6 +46,8 @@ _ROW_PRESERVING_METHODS = ("to", "float", "double", "half", "bfloat16", "type_as
 # Ops whose value depends on positions; on a shard they would see local positions.
 _POSITION_FUNCTIONS = (torch.arange, torch.triu, torch.tril, torch.cumsum)
 _POSITION_METHODS = ("triu", "tril", "cumsum")
+# The op's overload, as graphs hold ops (importing ring_attention_fwd registers it).
+_RING_ATTENTION_FWD = torch.ops.kernel_pytorch.ring_attention_fwd.default
 _REFUSAL_HEADER = "optimize(context_parallel=...): this model cannot run on a shard of the sequence:"
 
 
@@ -51,18 +55,6 @@ _REFUSAL_HEADER = "optimize(context_parallel=...): this model cannot run on a sh
 def refuse_context_parallel(message: str) -> None:
     """The first node of a graph that cannot run on a sequence shard."""
     raise ContextParallelError(message)
-
-
-@cache
-def _ring_attention_for(group):
-    """The graph's ring attention call for ``group`` (one function per group: graphs hold callables)."""
-
-    def ring_attention_over_group(q, k, v, *, causal: bool, scale: float):
-        # No per-call shape all_gather (a host sync per layer on GPUs): the boundary checked that every rank
-        # passed the same input shapes, and every rank runs the same graph, so q, k, v agree too.
-        return ring_attention(q, k, v, causal=causal, scale=scale, group=group, check_inputs=False)
-
-    return ring_attention_over_group
 
 
 @cache
@@ -167,10 +159,8 @@ def shard_attention_calls(gm: torch.fx.GraphModule, group, result, attention_op)
         if reason is not None:
             problems.append(f"{location}: {reason}")
             continue
-        q, k, v = call.args[:3]
         with gm.graph.inserting_before(call):
-            ring = gm.graph.call_function(_ring_attention_for(group), (q, k, v),
-                                          {"causal": bool(call.kwargs.get("is_causal")), "scale": call.kwargs["scale"]})
+            ring = gm.graph.call_function(operator.getitem, (_ring_attention_node(gm, call, group), 0))
         ring.meta.update(call.meta)
         call.replace_all_uses_with(ring)
         gm.graph.erase_node(call)
@@ -179,6 +169,22 @@ def shard_attention_calls(gm: torch.fx.GraphModule, group, result, attention_op)
         result.rewrite("(model)", f"context parallel: {count} attention call(s) -> ring_attention over the group")
     problems += _positional_leftovers(gm, result)
     _refuse_in(gm, problems, result)
+
+
+def _ring_attention_node(gm: torch.fx.GraphModule, call: Node, group) -> Node:
+    """``ring_attention_fwd(q, k, v, group name, causal, scale, kernel)`` for the attention ``call``: the
+    custom op itself, not the Python ``ring_attention``, so the graph holds a traceable op with constants
+    and the compiler (AOTAutograd, Inductor) never sees the point-to-point exchanges. The public function's
+    per-call shape all_gather is left out on purpose (a host sync per layer on GPUs): the boundary checked
+    that every rank passed the same input shapes, and every rank runs the same graph, so q, k, v agree too.
+    The local checks are the pass's own (``_unshardable_attention``) and the boundary's (even lengths)."""
+    q, k, v = call.args[:3]
+    example = _example(q)
+    scale = call.kwargs.get("scale")
+    scale = 1.0 / math.sqrt(example.shape[-1]) if scale is None else float(scale)
+    causal = bool(call.kwargs.get("is_causal"))
+    return gm.graph.call_function(_RING_ATTENTION_FWD, (q, k, v, RankGroup.of(group).name, causal, scale,
+                                                        default_block_kernel(example)))
 
 
 def _unshardable_attention(call: Node, result) -> str | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 __all__ = ["PendingReceive", "RankGroup", "require_same_on_all_ranks"]
 
@@ -53,6 +54,21 @@ class RankGroup:
         if rank < 0:
             raise ValueError("this process is not a member of the given process group")
         return cls(group, rank, dist.get_world_size(group))
+
+    @classmethod
+    def named(cls, name: str) -> RankGroup:
+        """The group whose :attr:`name` is ``name``. Custom ops take groups by name: their schema has no
+        ProcessGroup type, and a string is a constant that traces into a graph. torch 2.13 has no public
+        resolver (functional collectives use this private one too)."""
+        return cls.of(_resolve_process_group(name) if name else None)
+
+    @property
+    def name(self) -> str:
+        """The group's registered name (``group.group_name``; the default group's for ``None``), or ``""``
+        for the group of one without ``torch.distributed``: what :meth:`named` takes back."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return ""
+        return (self.group if self.group is not None else dist.group.WORLD).group_name
 
     def pass_to_next(self, tensor: Tensor, tag: int) -> PendingReceive:
         """Send ``tensor`` to the next rank and receive the previous rank's into a new buffer, both posted

@@ -15,6 +15,11 @@ holds chunks r and 2N-1-r of 2N. Every block pair is then one of three kinds (se
 the rank's own block (causal), an earlier rank's (all queries see the first key chunk, none the second)
 or a later rank's (the second query chunk sees both key chunks, the first none): every step but the
 first does half a block of work, without masking, on every rank.
+
+Both rings are ``torch.library`` custom ops, ``kernel_pytorch::ring_attention_fwd`` (output and fp32 LSE)
+and ``kernel_pytorch::ring_attention_bwd`` (dq and the packed dK/dV), with fake implementations and a
+registered autograd formula, taking the group by name: Dynamo, AOTAutograd and Inductor cannot trace the
+point-to-point exchanges, so a graph holds the op as one opaque call and compiles with ``fullgraph=True``.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from kernel_pytorch.distributed.block_attention import (
     BLOCK_KERNELS,
@@ -40,7 +44,7 @@ from kernel_pytorch.distributed.rank_group import (
     require_same_on_all_ranks,
 )
 
-__all__ = ["RING_ATTENTION_KERNELS", "ring_attention"]
+__all__ = ["RING_ATTENTION_KERNELS", "ring_attention", "ring_attention_bwd", "ring_attention_fwd"]
 
 RING_ATTENTION_KERNELS = BLOCK_KERNELS
 # Point-to-point tags: gloo matches messages by (peer, tag), so K/V and dK/dV never take each other's place.
@@ -61,7 +65,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 
     ``check_inputs``: all ranks' shapes are compared (one small all_gather, which on GPUs also waits
     for the host) and bad input raises the same ``ValueError`` on every rank. With ``False`` only the
-    local checks run: for a training loop whose shapes are known to agree.
+    local checks run: for a training loop whose shapes are known to agree. Under ``torch.compile`` the
+    all_gather is skipped (it would run once, at trace time, not per call).
 
     Example (on each of N ranks; ``gather_sequence`` reassembles the output)::
 
@@ -71,7 +76,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     """
     ranks = RankGroup.of(group)
     kernel = default_block_kernel(q) if kernel is None else kernel
-    if check_inputs:
+    # Under torch.compile the check is skipped: an all_gather of shapes at trace time would run once, not
+    # per call (the graph's shape guards, the same on every rank, stand in for it).
+    if check_inputs and not torch.compiler.is_compiling():
         # Before any local raise: a rank raising alone would leave the others waiting in this all_gather.
         kernel_index = RING_ATTENTION_KERNELS.index(kernel) if kernel in RING_ATTENTION_KERNELS else -1
         require_same_on_all_ranks(ranks, {"q": q, "k": k, "v": v},
@@ -80,7 +87,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         raise ValueError(f"unknown ring attention kernel {kernel!r}; valid: {', '.join(RING_ATTENTION_KERNELS)}")
     _check_local_inputs(q, k, v, causal, ranks.size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, _RingOptions(causal, scale, kernel, ranks))
+    out, _ = ring_attention_fwd(q, k, v, ranks.name, causal, scale, kernel)
+    return out
 
 
 def _check_local_inputs(q: Tensor, k: Tensor, v: Tensor, causal: bool, world_size: int) -> None:
@@ -183,6 +191,17 @@ def _with_layout_of(out: Tensor, grad_out: Tensor) -> Tensor:
     return torch.empty_like(out).copy_(grad_out)  # empty_like keeps a dense tensor's strides
 
 
+def _forward_block(step: int, q: Tensor, kv: Tensor, k_shape: torch.Size, v_shape: torch.Size,
+                   options: _RingOptions) -> tuple[Tensor, Tensor, _Block]:
+    """(output, LSE, block) of this rank's queries against the packed K/V block held at ``step``."""
+    block = _block_for_step(step, options.ranks.rank, options.ranks.size, options.causal, q.shape[2])
+    k_held, v_held = _unpack(kv, k_shape, v_shape)
+    block_out, block_lse = block_attention_forward(
+        _rows(q, block.q_rows), _rows(k_held, block.kv_rows), _rows(v_held, block.kv_rows),
+        causal=block.causal, scale=options.scale, kernel=options.kernel)
+    return block_out, block_lse, block
+
+
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, options: _RingOptions) -> tuple[Tensor, Tensor]:
     """(output in q's dtype, LSE in the accumulation dtype) of this rank's queries over all keys."""
     ranks, dtype = options.ranks, accumulation_dtype(q.dtype)
@@ -190,11 +209,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, options: _RingOptions) -> tup
     out = lse = None
     for step in range(ranks.size):
         incoming = ranks.pass_to_next(kv, _KV_TAG) if step + 1 < ranks.size else None
-        block = _block_for_step(step, ranks.rank, ranks.size, options.causal, q.shape[2])
-        k_held, v_held = _unpack(kv, k.shape, v.shape)
-        block_out, block_lse = block_attention_forward(
-            _rows(q, block.q_rows), _rows(k_held, block.kv_rows), _rows(v_held, block.kv_rows),
-            causal=block.causal, scale=options.scale, kernel=options.kernel)
+        block_out, block_lse, block = _forward_block(step, q, kv, k.shape, v.shape, options)
         if out is None:  # step 0 covers every query row (the own block: each query sees at least itself);
             # .to keeps the kernel's layout, so the output is laid out as the kernel's (and SDPA's) would be
             out, lse = block_out.to(dtype, copy=True), block_lse.to(dtype, copy=True)
@@ -206,9 +221,10 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, options: _RingOptions) -> tup
 
 
 def _ring_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                   options: _RingOptions) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of this rank's shard. The dK/dV of the block held at step s are passed on after the
-    step's compute and waited for one step later, so that transfer too runs behind a block's compute."""
+                   options: _RingOptions) -> tuple[Tensor, Tensor]:
+    """(dq, dK and dV packed as ``_pack`` packs K and V) of this rank's shard. The dK/dV of the block held
+    at step s are passed on after the step's compute and waited for one step later, so that transfer too
+    runs behind a block's compute."""
     ranks, dtype = options.ranks, accumulation_dtype(q.dtype)
     grad_out = _with_layout_of(out, grad_out)
     kv = _pack(k, v)
@@ -234,21 +250,72 @@ def _ring_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
             kv = incoming.wait()
     if pending_kv_grad is not None:
         kv_grad = pending_kv_grad.wait()
-    grad_k, grad_v = _unpack(kv_grad, k.shape, v.shape)
-    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+    return grad_q.to(q.dtype), kv_grad.to(k.dtype)  # k and v share a dtype (checked)
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, options: _RingOptions) -> Tensor:
-        out, lse = _ring_forward(q, k, v, options)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = options
-        return out
+# ---------------------------------------------------------------------------------------------------------
+# The custom ops: opaque to Dynamo/AOTAutograd/Inductor, which cannot trace the point-to-point exchanges
+# inside; the group travels by name (a string constant in the graph; the schema has no ProcessGroup type).
+# ---------------------------------------------------------------------------------------------------------
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        grad_q, grad_k, grad_v = _ring_backward(grad_out, q, k, v, out, lse, ctx.options)
-        return grad_q, grad_k, grad_v, None
+
+def _ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bool, scale: float,
+                        kernel: str) -> tuple[Tensor, Tensor]:
+    """(this rank's output (B, Hq, Lq, Dv) in q's dtype, its LSE (B, Hq, Lq) in the accumulation dtype).
+    ``group_name``: ``RankGroup.name`` (``""``: no torch.distributed, a group of one)."""
+    return _ring_forward(q, k, v, _RingOptions(causal, scale, kernel, RankGroup.named(group_name)))
+
+
+def _ring_attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        group_name: str, causal: bool, scale: float, kernel: str) -> tuple[Tensor, Tensor]:
+    """(dq, dK and dV in one flat buffer, k's elements first). Packed rather than two tensors: dK and dV
+    arrive in one message buffer, and two views of it as outputs would alias each other, which a custom op
+    may not return (splitting them would copy both); the autograd formula takes the views."""
+    options = _RingOptions(causal, scale, kernel, RankGroup.named(group_name))
+    return _ring_backward(grad_out, q, k, v, out, lse, options)
+
+
+ring_attention_fwd = torch.library.custom_op("kernel_pytorch::ring_attention_fwd", _ring_attention_fwd,
+                                             mutates_args=())
+ring_attention_bwd = torch.library.custom_op("kernel_pytorch::ring_attention_bwd", _ring_attention_bwd,
+                                             mutates_args=())
+
+# Step 0 holds the rank's own block on every rank and in every layout (all queries, all keys, causal iff
+# ``causal``), so a group of one computes the first block exactly as rank r of N does.
+_ONE_RANK = RankGroup(None, 0, 1)
+
+
+@ring_attention_fwd.register_fake
+def _ring_attention_fwd_fake(q, k, v, group_name, causal, scale, kernel):
+    """Step 0 of the real forward on fake tensors: the block kernel's own output layout (flash's and
+    cpu_flash's (B, L, H, D) memory, math's contiguous) and LSE, as the merged result keeps them."""
+    options = _RingOptions(causal, scale, kernel, _ONE_RANK)
+    block_out, block_lse, _ = _forward_block(0, q, _pack(k, v), k.shape, v.shape, options)
+    dtype = accumulation_dtype(q.dtype)
+    return block_out.to(dtype, copy=True).to(q.dtype), block_lse.to(dtype, copy=True)
+
+
+@ring_attention_bwd.register_fake
+def _ring_attention_bwd_fake(grad_out, q, k, v, out, lse, group_name, causal, scale, kernel):
+    # dq: a contiguous accumulator in q's dtype; dK/dV: one flat buffer in k's
+    return q.new_empty(q.shape), k.new_empty(k.numel() + v.numel())
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, group_name, causal, scale, kernel = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.params = (group_name, causal, scale, kernel)
+    # The LSE is returned for callers that merge it further; no gradient flows through it (none is derived).
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
+    # Not differentiable again: ring_attention_bwd has no autograd formula (double backward raises).
+    q, k, v, out, lse = ctx.saved_tensors
+    grad_q, grad_kv = ring_attention_bwd(grad_out, q, k, v, out, lse, *ctx.params)
+    grad_k, grad_v = _unpack(grad_kv, k.shape, v.shape)
+    return grad_q, grad_k, grad_v, None, None, None, None
+
+
+ring_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
