@@ -145,11 +145,65 @@ def _error_cases(world_size) -> dict:
     return results
 
 
+def _compiled_case(world_size) -> dict:
+    """``torch.compile(fullgraph=True)`` (aot_eager: AOTAutograd traces forward and backward) of a function
+    calling ring_attention, against the same call eagerly: output and q/k/v gradients, per kernel."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(5)
+    q, k, v = (shard_sequence(t, 2) for t in _tensors(4, 2, 4 * world_size))
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    grad_out = torch.randn(q.shape, dtype=torch.float64)
+    results = {}
+    for kernel in ("math", "cpu_flash"):
+        def attend(q, k, v, kernel=kernel):
+            return ring_attention(q, k, v, causal=True, kernel=kernel).sin()  # something around the op too
+
+        counter = CompileCounterWithBackend("aot_eager")
+        torch._dynamo.reset()
+        compiled = torch.compile(attend, fullgraph=True, backend=counter)(q, k, v)
+        expected = attend(q, k, v)
+        grads = torch.autograd.grad(compiled, (q, k, v), grad_out)
+        expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
+        results[kernel] = {
+            "errors": [_rel(compiled, expected)] + [_rel(g, e) for g, e in zip(grads, expected_grads)],
+            "graphs": counter.frame_count,
+            "op_in_graph": any("ring_attention_fwd" in str(g.graph) for g in counter.graphs),
+        }
+    return results
+
+
+def _opcheck_case() -> dict:
+    """``torch.library.opcheck`` of both ops over this world-size-1 group (its real name, resolved by the
+    ops), per block kernel: schema, fake tensors against real, autograd registration, AOT dispatch."""
+    from kernel_pytorch.distributed.ring_attention import ring_attention_bwd, ring_attention_fwd
+
+    torch.manual_seed(6)
+    name = dist.group.WORLD.group_name
+    q, k, v = (t.double().requires_grad_() for t in _tensors(4, 2, 6))
+    failures = {}
+    for kernel in ("math", "cpu_flash"):
+        fwd_args = (q, k, v, name, True, 0.3, kernel)
+        out, lse = ring_attention_fwd(*fwd_args)
+        bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, name, True, 0.3,
+                    kernel)
+        for op, args in ((ring_attention_fwd, fwd_args), (ring_attention_bwd, bwd_args)):
+            try:
+                torch.library.opcheck(op, args)
+            except Exception as error:  # the message is what the test shows
+                failures[f"{op._name} {kernel}"] = f"{type(error).__name__}: {error}"
+    return {"group_name": name, "failures": failures}
+
+
 def _run_cases(world_size) -> dict:
     results = {name: _attention_case(world_size, **options) for name, options in ATTENTION_CASES.items()}
     results["layout"] = _layout_case(world_size)
     results["gather_gradient"] = _gather_gradient_case(world_size)
     results["errors"] = _error_cases(world_size)
+    if world_size == 2:  # compiling costs seconds per process: one world size with a real ring is enough
+        results["compiled"] = _compiled_case(world_size)
+    if world_size == 1:
+        results["opcheck"] = _opcheck_case()
     return results
 
 
@@ -238,6 +292,22 @@ def test_bad_input_raises_on_every_rank(rank_results, world_size):
         assert max(errors["afterwards"].values()) < _TOLERANCE
     if world_size > 1:  # the mismatch message lists every rank's shapes
         assert "rank 0: q (1, 2, 3, 8)" in rank_results[world_size][-1]["errors"]["one_rank_odd_length"]
+
+
+@pytest.mark.parametrize("kernel", ["math", "cpu_flash"])
+def test_compiled_fullgraph_matches_eager(rank_results, kernel):
+    """One graph (fullgraph=True would raise on a break) holding the custom op, and the same numbers as eager
+    (the op runs the same code: only the tracing around it differs)."""
+    for rank, results in enumerate(rank_results[2]):
+        case = results["compiled"][kernel]
+        assert case["graphs"] == 1 and case["op_in_graph"], (rank, case)
+        assert max(case["errors"]) < 1e-12, (rank, case)
+
+
+def test_opcheck_on_a_group_of_one(rank_results):
+    results = rank_results[1][0]["opcheck"]
+    assert results["group_name"]  # a real registered name, resolved inside the ops
+    assert results["failures"] == {}
 
 
 # ---------------------------------------------------------------------------------------------------------
