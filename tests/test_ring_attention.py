@@ -19,7 +19,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kernel_pytorch.distributed import gather_sequence, ring_attention, shard_sequence
-from kernel_pytorch.distributed.ring_attention import _block_for_step
+from kernel_pytorch.distributed.ring_attention import (
+    _block_for_step,
+    ring_attention_bwd,
+    ring_attention_fwd,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -176,7 +180,6 @@ def _compiled_case(world_size) -> dict:
 def _opcheck_case() -> dict:
     """``torch.library.opcheck`` of both ops over this world-size-1 group (its real name, resolved by the
     ops), per block kernel: schema, fake tensors against real, autograd registration, AOT dispatch."""
-    from kernel_pytorch.distributed.ring_attention import ring_attention_bwd, ring_attention_fwd
 
     torch.manual_seed(6)
     name = dist.group.WORLD.group_name
@@ -190,7 +193,7 @@ def _opcheck_case() -> dict:
         for op, args in ((ring_attention_fwd, fwd_args), (ring_attention_bwd, bwd_args)):
             try:
                 torch.library.opcheck(op, args)
-            except Exception as error:  # the message is what the test shows
+            except Exception as error:  # noqa: BLE001 (OpCheckError and what it wraps: the test shows the message)
                 failures[f"{op._name} {kernel}"] = f"{type(error).__name__}: {error}"
     return {"group_name": name, "failures": failures}
 
