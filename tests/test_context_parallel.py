@@ -10,16 +10,11 @@ re-implementation, which is also why plain ``optimize`` rolls its attention back
 from __future__ import annotations
 
 import copy
-import datetime
-import json
 import math
-import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import kernel_pytorch
@@ -30,6 +25,8 @@ from kernel_pytorch.testing.llama_style import (
     LlamaStyleLM,
     RMSNorm,
 )
+
+from .spawned_ranks import run_in_spawned_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -187,19 +184,13 @@ def _raised(call) -> str | None:
     return None
 
 
-def _worker(rank: int, world_size: int, directory: str) -> None:
-    torch.set_num_threads(1)  # 6 ranks share CI's 2 cores
-    dist.init_process_group("gloo", init_method=f"file://{directory}/store_{world_size}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
-    try:
-        # The refusal first: the group must still be usable after it (nothing left half-exchanged).
-        results = {"masked": _masked_case(), "computed_rope": _computed_rope_case(),
-                   "equivalence": _equivalence_case(world_size)}
-        if world_size == 2:  # compiling costs seconds per process: one world size with a real ring is enough
-            results["compiled"] = _compiled_case()
-    finally:
-        dist.destroy_process_group()
-    Path(directory, f"world{world_size}_rank{rank}.json").write_text(json.dumps(results))
+def _run_cases(world_size: int) -> dict:
+    # The refusals first: the group must still be usable after them (nothing left half-exchanged).
+    results = {"masked": _masked_case(), "computed_rope": _computed_rope_case(),
+               "equivalence": _equivalence_case(world_size)}
+    if world_size == 2:  # compiling costs seconds per process: one world size with a real ring is enough
+        results["compiled"] = _compiled_case()
+    return results
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -210,24 +201,8 @@ def _worker(rank: int, world_size: int, directory: str) -> None:
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory) -> dict[int, list[dict]]:
     """{world size: [rank 0's results, rank 1's, ...]}: every group runs at once, each rank its own process."""
-    directory = tmp_path_factory.mktemp("context_parallel")
-    context = mp.get_context("spawn")
-    processes = {}
-    for world_size in WORLD_SIZES:
-        for rank in range(world_size):
-            process = context.Process(target=_worker, args=(rank, world_size, str(directory)))
-            process.start()
-            processes[world_size, rank] = process
-    deadline = time.monotonic() + _JOIN_TIMEOUT_S
-    for process in processes.values():
-        process.join(max(0.0, deadline - time.monotonic()))
-    hung = [key for key, process in processes.items() if process.is_alive()]
-    for key in hung:
-        processes[key].kill()
-    failed = {key: process.exitcode for key, process in processes.items() if process.exitcode != 0}
-    assert not hung and not failed, f"rank processes hung {hung} or failed {failed} ((world size, rank): exit code)"
-    return {world_size: [json.loads(Path(directory, f"world{world_size}_rank{rank}.json").read_text())
-                         for rank in range(world_size)] for world_size in WORLD_SIZES}
+    return run_in_spawned_ranks(_run_cases, WORLD_SIZES, tmp_path_factory.mktemp("context_parallel"),
+                                _JOIN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

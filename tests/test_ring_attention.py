@@ -7,16 +7,11 @@ Numerics: float64, against attention written out on the full sequence, relative 
 
 from __future__ import annotations
 
-import datetime
-import json
 import math
-import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from kernel_pytorch.distributed import gather_sequence, ring_attention, shard_sequence
 from kernel_pytorch.distributed.ring_attention import (
@@ -24,6 +19,8 @@ from kernel_pytorch.distributed.ring_attention import (
     ring_attention_bwd,
     ring_attention_fwd,
 )
+
+from .spawned_ranks import run_in_spawned_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -210,17 +207,6 @@ def _run_cases(world_size) -> dict:
     return results
 
 
-def _worker(rank: int, world_size: int, directory: str) -> None:
-    torch.set_num_threads(1)  # 7 ranks share CI's 2 cores
-    dist.init_process_group("gloo", init_method=f"file://{directory}/store_{world_size}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
-    try:
-        results = _run_cases(world_size)
-    finally:
-        dist.destroy_process_group()
-    Path(directory, f"world{world_size}_rank{rank}.json").write_text(json.dumps(results))
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The tests.
 # ---------------------------------------------------------------------------------------------------------
@@ -229,24 +215,7 @@ def _worker(rank: int, world_size: int, directory: str) -> None:
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory) -> dict[int, list[dict]]:
     """{world size: [rank 0's results, rank 1's, ...]}: every group runs at once, each rank its own process."""
-    directory = tmp_path_factory.mktemp("ring_attention")
-    context = mp.get_context("spawn")
-    processes = {}
-    for world_size in WORLD_SIZES:
-        for rank in range(world_size):
-            process = context.Process(target=_worker, args=(rank, world_size, str(directory)))
-            process.start()
-            processes[world_size, rank] = process
-    deadline = time.monotonic() + _JOIN_TIMEOUT_S
-    for process in processes.values():
-        process.join(max(0.0, deadline - time.monotonic()))
-    hung = [key for key, process in processes.items() if process.is_alive()]
-    for key in hung:
-        processes[key].kill()
-    failed = {key: process.exitcode for key, process in processes.items() if process.exitcode != 0}
-    assert not hung and not failed, f"rank processes hung {hung} or failed {failed} ((world size, rank): exit code)"
-    return {world_size: [json.loads(Path(directory, f"world{world_size}_rank{rank}.json").read_text())
-                         for rank in range(world_size)] for world_size in WORLD_SIZES}
+    return run_in_spawned_ranks(_run_cases, WORLD_SIZES, tmp_path_factory.mktemp("ring_attention"), _JOIN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
