@@ -115,14 +115,19 @@ def _train_step(model, tokens, weight):
     return logits
 
 
-def _equivalence_case(world_size: int) -> dict:
-    """Logits and parameter gradients of the context-parallel model vs the same model on one process."""
+def _model_and_reference():
+    """(model, an unoptimized twin trained one step, tokens, the loss weight, the twin's logits)."""
     model = _model()
     reference = copy.deepcopy(model)
     torch.manual_seed(1)
     tokens = torch.randint(0, 97, (2, _SEQ))
     weight = torch.randn(2, _SEQ, 97, dtype=torch.float64)
-    expected = _train_step(reference, tokens, weight)
+    return model, reference, tokens, weight, _train_step(reference, tokens, weight)
+
+
+def _equivalence_case(world_size: int) -> dict:
+    """Logits and parameter gradients of the context-parallel model vs the same model on one process."""
+    model, reference, tokens, weight, expected = _model_and_reference()
     model = kernel_pytorch.optimize(model, context_parallel=dist.group.WORLD, example_inputs=(tokens,))
     report = kernel_pytorch.report_of(model)
     logits = _train_step(model, tokens, weight)
@@ -145,12 +150,7 @@ def _compiled_case() -> dict:
     adds C++ builds, ~10 s per rank, without tracing anything more). Compared with the unsharded model."""
     from kernel_pytorch.backends.cpu import CpuBackend
 
-    model = _model()
-    reference = copy.deepcopy(model)
-    torch.manual_seed(1)
-    tokens = torch.randint(0, 97, (2, _SEQ))
-    weight = torch.randn(2, _SEQ, 97, dtype=torch.float64)
-    expected = _train_step(reference, tokens, weight)
+    model, reference, tokens, weight, expected = _model_and_reference()
     CpuBackend.compiler = "aot_eager"  # this spawned process only
     model = kernel_pytorch.optimize(model, context_parallel=dist.group.WORLD, example_inputs=(tokens,), compile=True)
     notes = kernel_pytorch.report_of(model).notes

@@ -26,6 +26,10 @@ from kernel_pytorch.passes.manager import PassManager
 from kernel_pytorch.passes.shape_constants import example_value
 from kernel_pytorch.testing import LlamaStyleConfig, LlamaStyleLM
 
+# The attention pass inserts logical_not for MaskedFillInf's -inf fill (SDPA's bool mask: True = attend) and
+# where(masked, fill, 0) for MaskedFillFinfo's finfo.min fill (an additive mask).
+from .test_attention_pass import MaskedFillFinfo, MaskedFillInf
+
 # The passes whose inserted nodes are checked (normalize respells nodes in place; activations copies
 # the replaced node's metadata onto its one new call).
 CHECKED_PASSES = ("norms", "horizontal_gemm", "rope", "attention")
@@ -170,24 +174,6 @@ def test_llama_style_inserted_nodes_have_example_values(monkeypatch, case):
 # --------------------------------------------------------------------------------------------------
 
 B, H, L, E = 2, 4, 6, 8
-
-
-class MaskedFillInf(nn.Module):
-    """-inf where ``keep == 0``: the pass inserts ``logical_not`` for SDPA's bool mask (True = attend)."""
-
-    def forward(self, q, k, v, keep):
-        scores = (q @ k.mT) * 0.25
-        scores = scores.masked_fill(keep[:, None, None, :] == 0, float("-inf"))
-        return scores.softmax(-1) @ v
-
-
-class MaskedFillFinfo(nn.Module):
-    """finfo.min fill: the pass inserts ``where(masked, fill, 0)`` (an additive mask)."""
-
-    def forward(self, q, k, v, keep):
-        scores = (q @ k.mT) * 0.25
-        scores = scores.masked_fill(~keep.bool()[:, None, None, :], torch.finfo(scores.dtype).min)
-        return scores.softmax(-1) @ v
 
 
 class EinsumSeqFirst(nn.Module):
