@@ -322,10 +322,9 @@ def _dense(tensor: torch.Tensor) -> bool:
 
 
 def _empty_host_like(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
-    """Uninitialized (optionally pinned) memory shaped like ``tensor``, with the strides ``empty_like``
-    would give (kept when dense, contiguous otherwise); ``empty_like`` itself cannot pin."""
-    strides = torch.empty_like(tensor, device="meta").stride()  # a meta tensor allocates nothing
-    return torch.empty_strided(tensor.size(), strides, dtype=tensor.dtype, device=device, pin_memory=pin)
+    """Uninitialized (optionally pinned) memory with ``tensor``'s size and strides (only dense tensors are
+    offloaded, see ``_dense``, so the strides cover exactly its elements); ``empty_like`` cannot pin."""
+    return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=device, pin_memory=pin)
 
 
 @contextlib.contextmanager

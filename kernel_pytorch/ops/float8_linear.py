@@ -42,6 +42,7 @@ Layers (DESIGN.md "Kernels"): ``float8_cast`` kernels -> :func:`float8_mm_fwd` /
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -102,9 +103,13 @@ def float8_dtypes_for(device: torch.device) -> tuple[torch.dtype, torch.dtype]:
     return torch.float8_e4m3fn, torch.float8_e5m2
 
 
+# Every FP8 forward and backward asks; the answer for a device never changes within a process.
+_cached_hardware_reason = functools.lru_cache(maxsize=None)(float8_hardware_reason)
+
+
 def _check_fp8_device(device: torch.device) -> None:
     """Raise unless ``device`` can run ``torch._scaled_mm``."""
-    reason = float8_hardware_reason(device)
+    reason = _cached_hardware_reason(device)
     if reason is not None:
         raise RuntimeError(f"Float8Linear with emulate=False: {reason}; use Float8Linear.from_linear(..., "
                            f"emulate=True) to run the same numerics in fp32")
