@@ -17,7 +17,7 @@ from kernel_pytorch.distributed import context_parallel
 from kernel_pytorch.errors import KernelPytorchError
 from kernel_pytorch.hardware import detect_hardware
 from kernel_pytorch.report import OptimizationReport, VerificationRecord
-from kernel_pytorch.verify import compare, run_reference
+from kernel_pytorch.verify import call_arguments, compare, run_reference
 
 __all__ = ["optimize", "report_of"]
 
@@ -56,7 +56,7 @@ def optimize(
     memory.check_memory_options(config)
     hardware = detect_hardware(config.device)
     backend = get_backend(hardware)
-    args, kwargs = _as_call(example_inputs)
+    args, kwargs = call_arguments(example_inputs)
     verify = config.verify is True or (config.verify == "auto" and example_inputs is not None)
     training = config.mode == "training" or (config.mode == "auto" and model.training)
     wrt = _gradient_targets(model, args, kwargs) if training else None
@@ -100,16 +100,6 @@ def _config_with(config: OptimizeConfig | None, overrides: dict[str, Any]) -> Op
             raise TypeError(f"optimize() got an unknown option '{name}'{hint} (options: {', '.join(fields)})")
     base = config.model_dump() if config is not None else {}
     return OptimizeConfig.model_validate({**base, **overrides}) if overrides or config is None else config
-
-
-def _as_call(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if example_inputs is None:
-        return (), {}
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
 
 
 def _gradient_targets(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:

@@ -43,6 +43,7 @@ from kernel_pytorch.ops.float8_linear import (
     float8_hardware_reason,
 )
 from kernel_pytorch.timing import median_cuda_ms
+from kernel_pytorch.verify import call_arguments
 
 __all__ = ["Float8Plan", "LayerDecision", "convert_to_float8", "MIN_SPEEDUP", "FilterFn"]
 
@@ -176,8 +177,7 @@ def _record_shapes(model: nn.Module, linears: dict[str, nn.Linear], example_inpu
         return record
 
     handles = [m.register_forward_hook(hook(fqn)) for fqn, m in linears.items()]
-    args, kwargs = (((), example_inputs) if isinstance(example_inputs, dict) else
-                    (tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,), {}))
+    args, kwargs = call_arguments(example_inputs)
     try:
         with torch.no_grad():
             model(*args, **kwargs)

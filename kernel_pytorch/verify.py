@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from kernel_pytorch.config import OptimizeConfig
 
-__all__ = ["Comparison", "Run", "relative_error", "compare", "run_reference", "flatten_tensors"]
+__all__ = ["Comparison", "Run", "relative_error", "compare", "run_reference", "flatten_tensors", "call_arguments"]
 
 # Below this RMS the reference counts as zero: errors are then measured against it, as absolute
 # errors, so that noise on an all-zero gradient (e.g. 1e-12 after reordering) does not fail.
@@ -29,6 +29,18 @@ _RMS_FLOOR = 1e-6
 # as rounding noise ~1e-7 of the other gradients' scale on both sides; measured against itself it
 # looked like a 1e-3 relative error. A wrong rewrite changes some value by O(its scale), far above.
 _RELATIVE_FLOOR = 1e-2
+
+
+def call_arguments(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` of ``example_inputs`` as ``optimize`` takes them: a dict is keyword arguments, a
+    tuple or list positional arguments, anything else (a tensor) the one positional argument; None, none."""
+    if example_inputs is None:
+        return (), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from torch.utils.checkpoint import (
 )
 
 from kernel_pytorch.memory.activation_offload import _eager_saved_tensors_hooks
+from kernel_pytorch.verify import call_arguments
 
 __all__ = [
     "POLICIES",
@@ -314,18 +315,6 @@ class _ChargeSavedOutputs(TorchDispatchMode):
         return out
 
 
-def _as_args(example_inputs: Any) -> tuple[tuple, dict]:
-    """A tensor, a tuple/list of positional arguments, or a dict of keyword arguments."""
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    raise ValueError(f"example_inputs: expected a tensor, a tuple/list of arguments or a dict of keyword "
-                     f"arguments, got {type(example_inputs).__name__}")
-
-
 def _state_storages(model: nn.Module) -> set[tuple[torch.device, int]]:
     return {_storage_key(t)[0] for t in [*model.parameters(), *model.buffers()]}
 
@@ -371,7 +360,11 @@ def _undisturbed(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[None]:
 def _measure(model: nn.Module, example_inputs: Any, loss_fn: Callable | None,
              blocks: dict[str, nn.Module]) -> _SavedBytesMeter:
     """One forward (and ``loss_fn``) under saved-tensor hooks; storages charged to ``blocks``' paths."""
-    args, kwargs = _as_args(example_inputs)
+    if not isinstance(example_inputs, (torch.Tensor, tuple, list, dict)):
+        # call_arguments would pass it as the one argument; the model's error would not name the cause.
+        raise ValueError(f"example_inputs: expected a tensor, a tuple/list of arguments or a dict of keyword "
+                         f"arguments, got {type(example_inputs).__name__}")
+    args, kwargs = call_arguments(example_inputs)
     meter = _SavedBytesMeter(_state_storages(model))
 
     def pack(tensor):
