@@ -9,6 +9,8 @@ copies synchronously between CPU tensors; the GPU tests repeat the equality chec
 from __future__ import annotations
 
 import copy
+import ctypes
+import mmap
 
 import pytest
 import torch
@@ -563,6 +565,23 @@ def test_param_groups_are_fixed_at_construction():
         opt.add_param_group({"params": list(model.parameters())[2:]})
 
 
+def test_host_blocks_are_page_aligned_allocations_of_their_own():
+    """The CUDA transport registers each block from its storage's first byte, the address
+    ``Tensor.is_pinned()`` asks about: a block must start its storage and a page, and outlive its own
+    tensor object for as long as views of it exist."""
+    block = oo._host_block(1000, torch.bfloat16)
+    assert block.dtype == torch.bfloat16 and block.shape == (1000,)
+    assert block.untyped_storage().data_ptr() == block.data_ptr()
+    assert block.data_ptr() % mmap.PAGESIZE == 0
+    assert block.untyped_storage().nbytes() == 2000
+    assert not block.any()
+    view = block[64:128]
+    view.fill_(1.5)
+    del block
+    assert float(view.sum()) == 96.0
+    assert oo._host_block(0, torch.float32).numel() == 0
+
+
 def test_close_removes_hooks_and_refuses_to_step():
     model = make_model()
     opt = offloaded(model.parameters(), "cpu")
@@ -603,20 +622,45 @@ def test_gpu_lr_scheduler(cuda):
     check_lr_scheduler(cuda)
 
 
+def pinned_at(address: int) -> bool:
+    """``Tensor.is_pinned()`` of one host address. PyTorch asks CUDA (``cudaPointerGetAttributes``, which
+    knows ``cudaHostRegister``ed ranges) about the first byte of a tensor's *storage*, so a one-byte
+    tensor wrapped around ``address`` asks about exactly that byte."""
+    return torch.frombuffer((ctypes.c_char * 1).from_address(address), dtype=torch.uint8).is_pinned()
+
+
 @pytest.mark.gpu
 def test_gpu_pinned_blocks_are_registered_and_exactly_sized(cuda):
     model = make_model(cuda, torch.bfloat16)
-    stats_before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
-    opt = OffloadedOptimizer(model.parameters())
-    slot = opt._host_slots[0]
-    for t in (slot.master, slot.exp_avg, slot.exp_avg_sq, slot.grad):
-        assert t.is_pinned()
-    # Not from the caching host allocator (which rounds up to powers of two).
-    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == stats_before
     numels = [p.numel() for p in model.parameters()]
-    assert opt.pinned_bytes == 12 * oo._carve(numels, torch.float32)[1] + 2 * oo._carve(numels, torch.bfloat16)[1]
+
+    def caching_allocator_bytes() -> int:
+        return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+
+    before = caching_allocator_bytes()
+    opt = OffloadedOptimizer(model.parameters())
+    # Not from the caching host allocator (which rounds up to powers of two).
+    assert caching_allocator_bytes() == before
+    blocks = list(opt._host_store._blocks)
+    fp32_len, bf16_len = oo._carve(numels, torch.float32)[1], oo._carve(numels, torch.bfloat16)[1]
+    assert sorted((str(b.dtype), b.numel()) for b in blocks) == sorted(
+        [("torch.bfloat16", bf16_len)] + [("torch.float32", fp32_len)] * 3)
+    assert opt.pinned_bytes == sum(b.nbytes for b in blocks) == 12 * fp32_len + 2 * bf16_len
+    for b in blocks:
+        # Each block is its own page-aligned allocation, registered from its first to its last byte.
+        assert b.untyped_storage().data_ptr() == b.data_ptr() and b.data_ptr() % mmap.PAGESIZE == 0
+        assert b.untyped_storage().nbytes() == b.nbytes
+        assert b.is_pinned()
+        assert pinned_at(b.data_ptr()) and pinned_at(b.data_ptr() + b.nbytes - 1)
+    slot = opt._host_slots[len(numels) - 1]   # the last parameter: views at an offset in each block
+    views = (slot.master, slot.exp_avg, slot.exp_avg_sq, slot.grad)
+    for t in views:
+        assert t.storage_offset() > 0 and t.is_pinned() and pinned_at(t.data_ptr())
+    addresses = [b.data_ptr() for b in blocks]
     opt.close()
-    assert not slot.master.is_pinned()
+    # The views (and `blocks`) keep the memory mapped, so the addresses are still ours: unregistered.
+    assert not any(pinned_at(a) for a in addresses)
+    assert not any(t.is_pinned() for t in views)
 
 
 @pytest.mark.gpu

@@ -41,11 +41,18 @@ the update always uses ``p.grad`` as it is when ``step()`` is called. ``self.cli
 the landed copies on the host instead, so it costs no copy.
 
 Pinned memory: one block per kind (master, ``exp_avg``, ``exp_avg_sq``, and the gradient landing
-buffer per parameter dtype), each a plain CPU tensor registered with ``cudaHostRegister``
-(``torch.cuda.cudart()``), with every parameter's view carved at a 64-byte boundary. PyTorch's caching
-host allocator (``pin_memory=True``) rounds each allocation up to a power of two, which would cost up
-to 2x the states' size; registration pins exactly the bytes needed (plus under two pages per block).
-The available host memory (``MemAvailable``) is checked before allocating.
+buffer per parameter dtype), each a CPU tensor at the start of its own anonymous memory mapping,
+registered with ``cudaHostRegister`` (``torch.cuda.cudart()``), with every parameter's view carved at a
+64-byte boundary. PyTorch's caching host allocator (``pin_memory=True``) rounds each allocation up to a
+power of two, which would cost up to 2x the states' size; registration pins exactly the bytes needed
+(rounded up to whole pages). The block's storage starts at the registered address, which is the one
+address ``Tensor.is_pinned()`` asks CUDA about, so the blocks and their views report ``is_pinned()``
+truthfully (PyTorch refuses copies of unpinned host memory during CUDA graph capture). Otherwise
+``copy_(..., non_blocking=True)`` does not consult ``is_pinned()``: it issues ``cudaMemcpyAsync`` on
+the tensor's own address (asynchronous for registered memory) and records events only for blocks of
+its caching host allocator, so the ordering of every copy against the host's reads
+and writes of these blocks is the transport's own (events, stream waits, a synchronize before
+unregistering). The available host memory (``MemAvailable``) is checked before allocating.
 
 Master weights follow the parameters: if a parameter is written outside the optimizer (loading a model
 checkpoint after building the optimizer), its version counter changes and the next ``step()``
@@ -58,6 +65,7 @@ checkpoint moves between the two either way.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import warnings
 import weakref
@@ -234,6 +242,19 @@ def _aligned(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
+def _host_block(numel: int, dtype: torch.dtype) -> Tensor:
+    """A zero-filled CPU tensor of ``numel`` elements at the start of its own private anonymous mapping
+    of ``numel * itemsize`` bytes rounded up to whole pages: page-aligned, nothing else in its pages, and
+    its storage starts where its data starts (``Tensor.is_pinned()`` asks CUDA about the storage's first
+    byte, not the tensor's). The mapping lives as long as the storage (the block or any view of it)."""
+    if numel == 0:
+        return torch.empty(0, dtype=dtype)
+    span = _aligned(numel * dtype.itemsize, mmap.PAGESIZE)
+    mapping = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # The tensor keeps the mmap object (and so the mapping) alive through the buffer it exports.
+    return torch.frombuffer(mapping, dtype=dtype, count=numel)
+
+
 def _carve(numels: Sequence[int], dtype: torch.dtype) -> tuple[list[int], int]:
     """Offsets (in elements) of consecutive views of ``numels`` in one block, each starting on a
     ``_ALIGN_BYTES`` boundary, and the block's total length."""
@@ -372,24 +393,21 @@ class _CudaTransport(_Transport):
         return cls(torch.device(devices[0]))
 
     def pin(self, numel: int, dtype: torch.dtype) -> Tensor:
-        """A CPU tensor of exactly ``numel`` elements in page-locked memory: a plain allocation with a
-        page-aligned start, registered with cudaHostRegister (flag 1, cudaHostRegisterPortable, as in
-        ``torch.cuda._pin_memory_utils``); unregistered when the returned tensor is collected or
-        ``unpin`` is called, and always before its memory can be freed (views only keep the storage)."""
-        itemsize = dtype.itemsize
+        """A CPU tensor of exactly ``numel`` elements in page-locked memory: ``_host_block``'s mapping,
+        registered whole with cudaHostRegister (flag 1, cudaHostRegisterPortable, as in
+        ``torch.cuda._pin_memory_utils``) from the storage's first byte, so ``is_pinned()`` is true for
+        the block and its views; unregistered when the returned tensor is collected or ``unpin`` is
+        called, and always before its memory can be freed (views only keep the storage)."""
+        block = _host_block(numel, dtype)
         if numel == 0:
-            return torch.empty(0, dtype=dtype)
-        page = os.sysconf("SC_PAGE_SIZE")
-        span = _aligned(numel * itemsize, page)
-        raw = torch.empty(span + page, dtype=torch.uint8)
-        start = (-raw.data_ptr()) % page
-        ptr = raw.data_ptr() + start
+            return block
+        ptr = block.data_ptr()
+        span = _aligned(block.nbytes, mmap.PAGESIZE)
         err = int(torch.cuda.cudart().cudaHostRegister(ptr, span, 1))
         if err != 0:
             raise RuntimeError(
                 f"cudaHostRegister of {span} bytes failed with cudaError {err}: the host may be out of "
                 "lockable memory (check `ulimit -l` and other pinned allocations)")
-        block = raw[start:start + numel * itemsize].view(dtype)
         finalizer = weakref.finalize(block, _unregister_host_memory, ptr, self.device)
         # At interpreter exit the process releases the pages anyway; CUDA may already be torn down.
         finalizer.atexit = False
@@ -455,7 +473,7 @@ class _SyncTransport(_Transport):
         self.pinned_blocks: list[Tensor] = []
 
     def pin(self, numel: int, dtype: torch.dtype) -> Tensor:
-        block = torch.empty(numel, dtype=dtype)
+        block = _host_block(numel, dtype)  # the CUDA transport's memory, unregistered
         self.pinned_blocks.append(block)
         return block
 
