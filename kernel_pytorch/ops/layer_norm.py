@@ -18,7 +18,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from kernel_pytorch.ops import triton_utils as tu
-from kernel_pytorch.ops.triton_utils import jit, load_grad_rows, load_rows, store_grad_rows, tl
+from kernel_pytorch.ops.triton_utils import (grad_row_indices, jit, load_grad_rows, load_rows, row_indices,
+                                             store_grad_rows, tl)
 
 __all__ = ["layer_norm", "LayerNorm", "layer_norm_fwd", "layer_norm_bwd", "TRITON_FWD_MIN_ELEMENTS",
            "TRITON_BWD_MIN_ELEMENTS", "TRITON_BWD_MIN_HIDDEN", "TRITON_BWD_MAX_HIDDEN"]
@@ -52,8 +53,8 @@ def _layer_norm_fwd_kernel(
     ACC: tl.constexpr,  # tl.float32, or tl.float64 for fp64 inputs
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):
-    x, rows, cols, row_mask, col_mask, mask = load_rows(
-        X, R, H, stride_x, stride_r, stride_h, n_rows, n_cols, HAS_RESIDUAL, ACC, BLOCK_N, ROWS)
+    rows, cols, row_mask, col_mask, mask = row_indices(n_rows, n_cols, BLOCK_N, ROWS)
+    x = load_rows(X, R, H, rows, cols, mask, stride_x, stride_r, stride_h, HAS_RESIDUAL, ACC)
     mean = tl.sum(x, axis=1) / n_cols
     # Two passes over the row in registers: no E[x²] - E[x]² cancellation.
     d = tl.where(mask, x - mean[:, None], 0.0)
@@ -98,8 +99,8 @@ def _layer_norm_bwd_kernel(
     dw = tl.zeros((BLOCK_N,), ACC)
     db = tl.zeros((BLOCK_N,), ACC)
     for start in range(row_start, row_end, ROWS):
-        x, dy, rows, row_mask, mask = load_grad_rows(X, DY, start, row_end, stride_x, stride_dy, cols, col_mask,
-                                                     ACC, ROWS)
+        rows, row_mask, mask = grad_row_indices(start, row_end, col_mask, ROWS)
+        x, dy = load_grad_rows(X, DY, rows, cols, mask, stride_x, stride_dy, ACC)
         mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         # Padding columns hold -mean * rstd here, but only ever meet dy = 0 and g = 0: no mask needed.

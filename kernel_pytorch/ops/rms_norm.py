@@ -27,7 +27,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from kernel_pytorch.ops import triton_utils as tu
-from kernel_pytorch.ops.triton_utils import jit, load_grad_rows, load_rows, store_grad_rows, tl
+from kernel_pytorch.ops.triton_utils import (grad_row_indices, jit, load_grad_rows, load_rows, row_indices,
+                                             store_grad_rows, tl)
 
 __all__ = ["rms_norm", "RMSNorm", "rms_norm_fwd", "rms_norm_bwd", "TRITON_FWD_MIN_ELEMENTS",
            "TRITON_BWD_MIN_ELEMENTS", "TRITON_BWD_MIN_HIDDEN"]
@@ -58,8 +59,8 @@ def _rms_norm_fwd_kernel(
     ACC: tl.constexpr,  # tl.float32, or tl.float64 for fp64 inputs
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):
-    x, rows, cols, row_mask, col_mask, mask = load_rows(
-        X, R, H, stride_x, stride_r, stride_h, n_rows, n_cols, HAS_RESIDUAL, ACC, BLOCK_N, ROWS)
+    rows, cols, row_mask, col_mask, mask = row_indices(n_rows, n_cols, BLOCK_N, ROWS)
+    x = load_rows(X, R, H, rows, cols, mask, stride_x, stride_r, stride_h, HAS_RESIDUAL, ACC)
     # .to(ACC): Inductor passes a Python-float eps as fp64 (eager Triton as fp32), which made the whole
     # tile fp64 inside compiled graphs (H100, LayerNorm 16384 x 8192: 235 us against 181 us eager).
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps).to(ACC)
@@ -98,8 +99,8 @@ def _rms_norm_bwd_kernel(
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
     dw = tl.zeros((BLOCK_N,), ACC)
     for start in range(row_start, row_end, ROWS):
-        x, dy, rows, row_mask, mask = load_grad_rows(X, DY, start, row_end, stride_x, stride_dy, cols, col_mask,
-                                                     ACC, ROWS)
+        rows, row_mask, mask = grad_row_indices(start, row_end, col_mask, ROWS)
+        x, dy = load_grad_rows(X, DY, rows, cols, mask, stride_x, stride_dy, ACC)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         n = x * rstd[:, None]
         g = dy
