@@ -440,7 +440,9 @@ def test_compile_fullgraph_with_backward_has_no_graph_break():
 
 def test_row_tile_table():
     assert tu.row_tile(4096) == tu.RowTile(4096, 1, 8)
-    assert tu.row_tile(4096, backward=True) == tu.RowTile(4096, 1, 16)
+    assert tu.row_tile(4096, n_rows=16384, backward=True, hip=False) == tu.RowTile(4096, 2, 16)  # measured table
+    assert tu.row_tile(4096, n_rows=1, backward=True, hip=False) == tu.RowTile(4096, 1, 16)
+    assert tu.row_tile(2048, backward=True, hip=True).num_warps == 8  # the rule: no table on ROCm
     assert tu.row_tile(1000, n_rows=64) == tu.RowTile(1024, 2, 4)
     assert tu.row_tile(64, n_rows=1000).rows == 32
     assert tu.row_tile(64, n_rows=5).rows == 8  # no more rows per tile than the problem has

@@ -98,9 +98,13 @@ def _rms_norm_bwd_kernel(
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
     dw = tl.zeros((BLOCK_N,), ACC)
+    rows, row_mask, mask = grad_row_indices(row_start, row_end, col_mask, ROWS)
+    x, dy = load_grad_rows(X, DY, rows, cols, mask, stride_x, stride_dy, ACC)
     for start in range(row_start, row_end, ROWS):
-        rows, row_mask, mask = grad_row_indices(start, row_end, col_mask, ROWS)
-        x, dy = load_grad_rows(X, DY, rows, cols, mask, stride_x, stride_dy, ACC)
+        # The next tile's reads go out before this one is reduced: software pipelining by hand (H100,
+        # 16384 x 8192 bf16: 0.91 of copy against 0.84 loading each tile where it is used). Past row_end all masked.
+        next_rows, next_row_mask, next_mask = grad_row_indices(start + ROWS, row_end, col_mask, ROWS)
+        next_x, next_dy = load_grad_rows(X, DY, next_rows, cols, next_mask, stride_x, stride_dy, ACC)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         n = x * rstd[:, None]
         g = dy
@@ -113,6 +117,7 @@ def _rms_norm_bwd_kernel(
                 dw += tl.sum(dy * n, axis=0)
         dx = rstd[:, None] * (g - n * (tl.sum(g * n, axis=1) / n_cols)[:, None])
         store_grad_rows(DX, DH, dx, rows, cols, mask, stride_dx, stride_dh, HAS_DH)
+        rows, row_mask, mask, x, dy = next_rows, next_row_mask, next_mask, next_x, next_dy
     if WEIGHT_GRAD:
         tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
 
