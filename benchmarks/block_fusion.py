@@ -1,6 +1,6 @@
 """Block-fusion benchmark: the Llama-style block of DESIGN.md (d 2048, 16 heads / 4 kv, ffn 5632), bf16.
 
-    python benchmarks/block_fusion.py [--quick] [--out DIR] [--parts launches train latency] [--device cpu]
+    python benchmarks/block_fusion.py [--quick] [--out DIR] [--parts launches train latency epilogue] [--device cpu]
 
 Parts (issue 6 targets in brackets):
 
@@ -16,6 +16,9 @@ Parts (issue 6 targets in brackets):
 - ``latency``: a 12-layer block stack, batch 1 x 128, inference: eager, torch.compile (default and
   ``reduce-overhead``), ``optimize`` (default compile and ``compile="reduce-overhead"``: CUDA graphs).
   [optimize >= 3x faster than eager]
+- ``epilogue``: the output projection followed by the fused residual add + RMSNorm kernel, against the
+  residual added in the GEMM's epilogue (``addmm``) followed by RMSNorm, compiled, at the latency and
+  train shapes, forward and forward+backward. [the epilogue form is used where it measures faster]
 
 Every row records what the passes did (``horizontal_gemm`` fusions and skips with their reasons, rewrite
 counts per pass, verification). Times: harness.measure (CUDA events, L2 flushed before each call, median).
@@ -40,6 +43,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import RESULTS_DIR, measure, write_result
 from kernel_pytorch import optimize, report_of
+from kernel_pytorch.ops.rms_norm import rms_norm
 from kernel_pytorch.passes.horizontal_gemm import MACHINE_BALANCE, weight_copy_share
 from kernel_pytorch.testing import LlamaStyleBlock, LlamaStyleConfig, rotary_tables
 
@@ -265,6 +269,45 @@ def latency_part(s: Setup) -> list[dict]:
     return [row]
 
 
+def _residual_forms(o_proj: torch.Tensor, norm_weight: torch.Tensor) -> dict[str, Callable]:
+    """The block boundary after the attention output projection, two ways: the projection, then the
+    fused residual add + RMSNorm (what the passes build); or the residual added in the GEMM's epilogue
+    (``addmm``, beta 1), then RMSNorm alone. Each returns (normed, h = residual + projection)."""
+    def fused_norm(x, residual):
+        return rms_norm(x @ o_proj.t(), norm_weight, 1e-6, residual=residual)
+
+    def gemm_epilogue(x, residual):
+        h = torch.addmm(residual.flatten(0, 1), x.flatten(0, 1), o_proj.t()).view_as(residual)
+        return rms_norm(h, norm_weight, 1e-6), h
+    return {"projection, then residual + RMSNorm kernel": fused_norm,
+            "addmm residual epilogue, then RMSNorm": gemm_epilogue}
+
+
+def epilogue_part(s: Setup) -> list[dict]:
+    """Issue 6's "output projection with the residual add as its epilogue where measured faster": both
+    forms compiled (static shapes, as optimize compiles), forward and forward+backward."""
+    d, rows = s.config.dim, []
+    weights = [(torch.randn(d, d, device=s.device, dtype=s.dtype) / d ** 0.5).requires_grad_(),
+               torch.ones(d, device=s.device, dtype=s.dtype, requires_grad=True)]
+    for (batch, seq), backward in ((s.latency_shape, False), (s.train_shape, False), (s.train_shape, True)):
+        x, residual = (torch.randn(batch, seq, d, device=s.device, dtype=s.dtype, requires_grad=backward)
+                       for _ in range(2))
+        row = {"batch": batch, "seq": seq, "backward": backward, "ms": {}}
+        for name, form in _residual_forms(*weights).items():
+            compiled = torch.compile(form, dynamic=False)
+
+            def step(compiled=compiled):
+                y, h = compiled(x, residual)
+                if backward:
+                    torch.autograd.backward((y, h), (torch.ones_like(y), torch.ones_like(h)))
+            row["ms"][name] = _guarded(lambda step=step: _time(step, s))
+        times = [v for v in row["ms"].values() if isinstance(v, float)]
+        if len(times) == 2:
+            row["epilogue_speedup"] = round(times[0] / times[1], 3)  # > 1: the epilogue form is faster
+        rows.append(row)
+    return rows
+
+
 def _predicted_share(s: Setup, tokens: int, training: bool) -> float:
     """The pass's own estimate of the weight copy's share of the fused GEMM time at this shape."""
     vendor = "nvidia" if s.device == "cuda" else "cpu"
@@ -280,7 +323,7 @@ def _guarded(fn: Callable[[], Any]) -> Any:
         return f"error: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
 
 
-PARTS = {"launches": launches_part, "train": train_part, "latency": latency_part}
+PARTS = {"launches": launches_part, "train": train_part, "latency": latency_part, "epilogue": epilogue_part}
 
 
 # ------------------------------------------------------------------------------------------------- plot
