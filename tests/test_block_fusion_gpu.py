@@ -83,4 +83,4 @@ def test_horizontal_gemm_twin_trains_to_the_same_parameters_in_bf16():
         # moved the same way as its twin's (a gradient missing through the concatenated weight would not).
         update, update_ref = p.float() - initial[name].float(), p_ref.float() - initial[name].float()
         assert update_ref.norm() > 0, name
-        assert rel_err(update, update_ref) < 0.1, name
+        assert rel_err(update, update_ref) < 0.25, name  # measured up to 0.10 (k_proj); a lost gradient: 1.0
