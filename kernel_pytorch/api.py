@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 import time
 from typing import Any
@@ -17,7 +18,8 @@ from kernel_pytorch.distributed import context_parallel
 from kernel_pytorch.errors import KernelPytorchError
 from kernel_pytorch.hardware import detect_hardware
 from kernel_pytorch.report import OptimizationReport, VerificationRecord
-from kernel_pytorch.verify import call_arguments, compare, run_reference
+from kernel_pytorch.verify import (LOW_PRECISION, NoiseAwareCheck, Run, call_arguments, float32_fits, is_low_precision,
+                                   run_reference, to_float32)
 
 __all__ = ["optimize", "report_of"]
 
@@ -61,10 +63,12 @@ def optimize(
     training = config.mode == "training" or (config.mode == "auto" and model.training)
     wrt = _gradient_targets(model, args, kwargs) if training else None
     plan = memory.checkpoint_for_config(model, config, example_inputs)
-    reference = None
+    reference, original = None, None
     if verify and example_inputs is not None:
         with _preserved_buffers(model):
             reference = run_reference(model, args, kwargs, wrt)
+        if is_low_precision(reference):
+            original = _structure_copy(model)  # for a float32 referee, should the end-to-end check fail
     fp8 = float8_conversion.convert_for_config(model, config, example_inputs, training)
     model, report = backend.prepare_model(model, context_parallel.backend_config(config), example_inputs)
     float8_conversion.record_in_report(fp8, model, report)
@@ -76,7 +80,9 @@ def optimize(
             optimized = run_reference(model, args, kwargs, wrt)
         report.add_time("first call (capture, passes, compile)", time.perf_counter() - started)
         if reference is not None:
-            _check_end_to_end(model, reference, optimized, float8_conversion.verification_config(fp8, config))
+            check = NoiseAwareCheck(reference, lambda: _float32_run(original, args, kwargs, training),
+                                    float8_conversion.verification_config(fp8, config))
+            _check_end_to_end(model, optimized, check)
             memory.sync_memory_report(model, report)
     return model
 
@@ -139,16 +145,61 @@ class _preserved_buffers:
                     buffer.copy_(self.saved[name])
 
 
-def _check_end_to_end(model: nn.Module, reference, optimized, config: OptimizeConfig) -> None:
+def _structure_copy(model: nn.Module) -> nn.Module | None:
+    """A copy of the module tree sharing every parameter and buffer (no tensor memory): what the model was
+    before the passes swapped modules, kept in case a float32 referee is needed."""
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    try:
+        return copy.deepcopy(model, memo=shared)
+    except Exception:
+        return None
+
+
+def _float32_run(original: nn.Module | None, args: tuple, kwargs: dict, training: bool) -> Run | str:
+    """The original model, with its bfloat16/float16 parameters, buffers and inputs upcast to float32, run
+    as the reference runs were; or why not."""
+    if original is None:
+        return "the model could not be copied"
+    tensors = [*original.parameters(), *original.buffers(), *(a for a in (*args, *kwargs.values())
+                                                              if isinstance(a, torch.Tensor))]
+    reason = float32_fits(tensors, training)
+    if reason:
+        return reason
+    memo: dict[int, Any] = {}
+    for tensor in (*original.parameters(), *original.buffers()):
+        if tensor.dtype in LOW_PRECISION:
+            upcast = tensor.detach().float()
+            memo[id(tensor)] = nn.Parameter(upcast, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else upcast
+        else:
+            memo[id(tensor)] = tensor
+    try:
+        fp32 = copy.deepcopy(original, memo=memo)
+        args32 = tuple(to_float32(a) for a in args)
+        kwargs32 = {k: to_float32(v) for k, v in kwargs.items()}
+        wrt = _gradient_targets(fp32, args32, kwargs32) if training else None
+        return run_reference(fp32, args32, kwargs32, wrt)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return "out of memory"
+    except Exception as error:  # the referee is optional: its failure leaves the plain verdict
+        return f"it failed: {type(error).__name__}: {error}"
+
+
+def _check_end_to_end(model: nn.Module, optimized: Run, check: NoiseAwareCheck) -> None:
     state: OptimizationState = model._kernel_pytorch
     report = state.report
     if state.graph_optimizer.draws_random_numbers:
         report.notes.append("end-to-end check skipped: the model draws random numbers (e.g. dropout in "
                             "training), which the compiler samples differently; each graph was verified instead")
         return
-    comparison = compare(optimized, reference, config)
+    comparison = check(optimized)
     report.verification = VerificationRecord(passed=comparison.ok, worst=comparison.worst, error=comparison.error,
                                              tolerance=comparison.tolerance,
-                                             compared_gradients=reference.gradients is not None)
+                                             compared_gradients=check.reference.gradients is not None,
+                                             rule=comparison.rule, detail=comparison.describe())
+    if check.unavailable:
+        report.notes.append(f"end-to-end check judged by tolerance only, no float32 referee ({check.unavailable})")
+    elif comparison.ok and comparison.rule != "tolerance":
+        report.notes.append(f"end-to-end check passed against a float32 run of the original: {comparison.describe()}")
     if not comparison.ok:
         state.roll_back_everything(model, f"end-to-end check failed: {comparison.describe()}")

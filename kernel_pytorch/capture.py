@@ -28,10 +28,10 @@ from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.errors import PassError
 from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
-from kernel_pytorch.passes.graph_utils import block_of, calls_per_block, clone_graph_module
+from kernel_pytorch.passes.graph_utils import block_of, calls_per_block, checkpointed_subgraphs, clone_graph_module
 from kernel_pytorch.passes.manager import PassManager
 from kernel_pytorch.report import BlockRecord, OptimizationReport, RewriteRecord, RollbackRecord, SkipRecord
-from kernel_pytorch.verify import Run, compare, run_reference
+from kernel_pytorch.verify import LOW_PRECISION, NoiseAwareCheck, Run, float32_fits, run_reference, to_float32
 
 __all__ = ["GraphOptimizer", "GuardedGraph", "CompilerChoice", "draws_random_numbers", "install", "without_dropout"]
 
@@ -220,8 +220,10 @@ class GraphOptimizer:
             self.report.notes.append(f"{ctx.graph_name}: not verified ({inputs.unusable_reason})")
             return candidate, results
         reference = inputs.run(without_dropout(gm))
-        comparison = compare(inputs.run(without_dropout(candidate)), reference, self.config)
+        check = NoiseAwareCheck(reference, lambda: inputs.run_float32(float32_graph(without_dropout(gm))), self.config)
+        comparison = check(inputs.run(without_dropout(candidate)))
         if comparison.ok:
+            self._note_referee(comparison, check, ctx.graph_name, "the rewritten graph")
             return candidate, results
         current, kept = clone_graph_module(gm), []
         for graph_pass, _ in results:
@@ -229,15 +231,25 @@ class GraphOptimizer:
             if not trial_results:
                 continue
             result = trial_results[0][1]
-            comparison = compare(inputs.run(without_dropout(trial)), reference, self.config) if result.changed else None
+            comparison = check(inputs.run(without_dropout(trial))) if result.changed else None
             if comparison is None or comparison.ok:
+                if comparison is not None:
+                    self._note_referee(comparison, check, ctx.graph_name, f"pass {graph_pass.name}")
                 current = trial
                 kept.append((graph_pass, result))
             else:
                 self.report.rollbacks.append(RollbackRecord(
                     pass_name=graph_pass.name, graph=ctx.graph_name,
                     reason=f"rolled back: {comparison.describe()}"))
+        if check.unavailable:
+            self.report.notes.append(f"{ctx.graph_name}: judged by tolerance only, no float32 referee "
+                                     f"({check.unavailable})")
         return current, kept
+
+    def _note_referee(self, comparison: Any, check: NoiseAwareCheck, graph: str, what: str) -> None:
+        if comparison.rule != "tolerance":
+            self.report.notes.append(f"{graph}: {what} accepted against a float32 run of the graph: "
+                                     f"{comparison.describe()}")
 
     def _record(self, results: list[tuple[GraphPass, PassResult]], graph: str) -> None:
         for graph_pass, result in results:
@@ -321,13 +333,55 @@ class _VerificationInputs:
         self.grad = training and torch.is_grad_enabled() and any(
             isinstance(v, torch.Tensor) and v.requires_grad for v in self.values)
 
-    def run(self, gm: torch.fx.GraphModule) -> Run:
-        args = [_fresh(v) for v in self.values]
+    def run_float32(self, gm: torch.fx.GraphModule) -> Run | str:
+        """``gm`` (see :func:`float32_graph`) on float32 copies of the bfloat16/float16 inputs, or why not."""
+        reason = float32_fits([v for v in self.values if isinstance(v, torch.Tensor)], self.grad)
+        if reason:
+            return reason
+        try:
+            return self.run(gm, float32=True)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return "out of memory"
+        except Exception as error:  # the referee is optional: its failure leaves the plain verdict
+            return f"it failed: {type(error).__name__}: {error}"
+
+    def run(self, gm: torch.fx.GraphModule, float32: bool = False) -> Run:
+        args = [to_float32(v) if float32 and isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION else _fresh(v)
+                for v in self.values]
         wrt = None
         if self.grad:
             wrt = {name: a for name, a in zip(self.names, args)
                    if isinstance(a, torch.Tensor) and a.requires_grad}
         return run_reference(gm, args, None, wrt)
+
+
+def float32_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` computing in float32 where it computed in bfloat16/float16, for a float32 referee
+    run: dtype arguments (``x.to(torch.bfloat16)``, ``softmax(..., dtype=)``) become float32 and
+    low-precision attributes are upcast where read. Autocast regions are left as they are."""
+    copy = clone_graph_module(gm)
+
+    def upcast(arg: Any) -> Any:
+        return torch.float32 if isinstance(arg, torch.dtype) and arg in LOW_PRECISION else arg
+
+    for node in list(copy.graph.nodes):
+        if "autocast" in str(getattr(node.target, "__name__", node.target)):
+            continue
+        node.args = torch.fx.node.map_aggregate(node.args, upcast)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, upcast)
+        if node.op == "get_attr":
+            value = copy
+            for part in str(node.target).split("."):
+                value = getattr(value, part, None)
+            if isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION:
+                with copy.graph.inserting_after(node):
+                    cast = copy.graph.call_method("to", (node, torch.float32))
+                node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+    for name, body in checkpointed_subgraphs(copy):
+        setattr(copy, name, float32_graph(body))
+    copy.recompile()
+    return copy
 
 
 def _fresh(value: Any) -> Any:

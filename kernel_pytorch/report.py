@@ -42,6 +42,10 @@ class VerificationRecord(BaseModel):
     error: float
     tolerance: float
     compared_gradients: bool
+    rule: str = Field("tolerance", description="'tolerance': against the original; 'float32 referee': a "
+                      "low-precision model judged against a float32 run of the original, within the larger of the "
+                      "tolerance and NOISE_FACTOR x the original's own error against it")
+    detail: str = ""
 
 
 class BlockRecord(BaseModel):
@@ -124,7 +128,10 @@ class OptimizationReport(BaseModel):
         if self.verification is not None:
             v = self.verification
             verdict = "passed" if v.passed else "FAILED"
-            head.add_row("verification", f"{verdict}: worst {v.worst} error {v.error:.2e} (tolerance {v.tolerance:.0e})")
+            if v.rule == "tolerance":
+                head.add_row("verification", f"{verdict}: worst {v.worst} error {v.error:.2e} (tolerance {v.tolerance:.0e})")
+            else:
+                head.add_row("verification", f"{verdict} ({v.rule}): {v.detail}")
         for note in self.notes:
             head.add_row("note", note)
         for record in self.memory:

@@ -4,6 +4,12 @@ Used twice: per captured graph (each pass's rewrite against the graph as dynamo 
 end (the optimized model against the original, on the example inputs). Errors are relative norms,
 ``||actual - expected|| / ||expected||``, judged against the per-dtype tolerance of the config; in
 training, gradients of a fixed random projection of the outputs are compared too.
+
+Low precision (bfloat16, float16): the original model is itself far from exact, so a rewrite that is
+*more* accurate (fp32 accumulation, one rounding instead of several) can differ from it by as much as
+the tolerance. When a low-precision comparison fails, :class:`NoiseAwareCheck` brings in a float32
+run of the original as referee and accepts a leaf whose error against it is within ``NOISE_FACTOR``
+times the low-precision original's own error against it (or within the tolerance).
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from torch.utils import _pytree as pytree
 
 from kernel_pytorch.config import OptimizeConfig
 
-__all__ = ["Comparison", "Run", "relative_error", "compare", "run_reference", "flatten_tensors", "call_arguments"]
+__all__ = ["Comparison", "Run", "relative_error", "compare", "compare_against_float32", "NoiseAwareCheck",
+           "NOISE_FACTOR", "LOW_PRECISION", "is_low_precision", "to_float32", "float32_fits",
+           "run_reference", "flatten_tensors", "call_arguments"]
 
 # Below this RMS the reference counts as zero: errors are then measured against it, as absolute
 # errors, so that noise on an all-zero gradient (e.g. 1e-12 after reordering) does not fail.
@@ -29,6 +37,13 @@ _RMS_FLOOR = 1e-6
 # as rounding noise ~1e-7 of the other gradients' scale on both sides; measured against itself it
 # looked like a 1e-3 relative error. A wrong rewrite changes some value by O(its scale), far above.
 _RELATIVE_FLOOR = 1e-2
+# A rewrite judged against a float32 run of the original may be off by this many times the low-precision
+# original's own error against that run. Above 1: two computations in the same low precision that
+# round at different places have errors of the same size but not the same value (an fp32-accumulated
+# kernel can still round its output once more than eager does); 1.5 leaves room for that while a
+# wrong rewrite (an O(1) change of some value) stays orders of magnitude above.
+NOISE_FACTOR = 1.5
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def call_arguments(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -48,11 +63,26 @@ class Comparison:
     ok: bool
     worst: str  # which output or gradient came closest to (or went over) its tolerance
     error: float
-    tolerance: float
+    tolerance: float  # the limit applied: the dtype's tolerance, or the noise-aware limit
+    # Set when judged against a float32 run of the original (``compare_against_float32``): the
+    # low-precision original's own error against it on ``worst``, its dtype, and the failed plain check.
+    noise: float | None = None
+    dtype: str = ""
+    plain: Comparison | None = None
+
+    @property
+    def rule(self) -> str:
+        return "tolerance" if self.plain is None and self.noise is None else "float32 referee"
 
     def describe(self) -> str:
         verdict = "within" if self.ok else "exceeds"
-        return f"{self.worst}: relative error {self.error:.2e} {verdict} tolerance {self.tolerance:.0e}"
+        if self.noise is None:
+            text = f"{self.worst}: relative error {self.error:.2e} {verdict} tolerance {self.tolerance:.0e}"
+            return text + (f" (against float32; against the original, {self.plain.describe()})" if self.plain else "")
+        text = (f"{self.worst}: relative error against float32 {self.error:.2e} {verdict} {self.tolerance:.2e}, "
+                f"the larger of the tolerance and {NOISE_FACTOR:g}x the {self.dtype} original's own error "
+                f"against float32 ({self.noise:.2e})")
+        return text + (f"; against the {self.dtype} original, {self.plain.describe()}" if self.plain else "")
 
 
 @dataclass
@@ -114,6 +144,91 @@ def compare(actual: Run, expected: Run, config: OptimizeConfig) -> Comparison:
         if _badness(comparison) > _badness(worst):
             worst = comparison
     return worst
+
+
+def is_low_precision(run: Run) -> bool:
+    """Whether any output or gradient of ``run`` is bfloat16 or float16."""
+    values = [*run.outputs.values(), *(run.gradients or {}).values()]
+    return any(isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION for v in values)
+
+
+def to_float32(value: Any) -> Any:
+    """A bfloat16/float16 tensor as a float32 leaf (same ``requires_grad``); anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION:
+        return value.detach().float().requires_grad_(value.requires_grad)
+    return value
+
+
+def float32_fits(tensors: Sequence[torch.Tensor], gradients: bool) -> str | None:
+    """None if a float32 copy of the low-precision ``tensors`` (and their gradients) fits, twice over for
+    the activations of its run, in free CUDA memory; else why not. Always fits on the CPU."""
+    low = [t for t in tensors if isinstance(t, torch.Tensor) and t.dtype in LOW_PRECISION and t.is_cuda]
+    if not low:
+        return None
+    needed = 2 * sum(t.numel() * 4 for t in low) * (2 if gradients else 1)
+    device = low[0].device
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < needed:
+        return f"a float32 copy needs ~{needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free on {device}"
+    return None
+
+
+def compare_against_float32(actual: Run, original: Run, float32: Run, config: OptimizeConfig) -> Comparison:
+    """The worst leaf of ``actual`` judged against ``float32`` (a float32 run of the original): accepted when
+    its error is at most ``max(tolerance, NOISE_FACTOR * error of original against float32)``."""
+    if actual.outputs.keys() != float32.outputs.keys() or original.outputs.keys() != float32.outputs.keys():
+        return Comparison(False, "output structure differs from the float32 run", math.inf, 0.0)
+    pairs: list[tuple[str, Any, Any, Any, Literal["outputs", "gradients"]]] = [
+        (f"output {k}", actual.outputs[k], original.outputs[k], float32.outputs[k], "outputs")
+        for k in float32.outputs]
+    if float32.gradients is not None and actual.gradients is not None and original.gradients is not None:
+        pairs += [(f"gradient of {k}", actual.gradients.get(k), original.gradients.get(k), float32.gradients[k],
+                   "gradients") for k in float32.gradients]
+    scale = {kind: max((_rms(r) for *_, r, k in pairs if k == kind), default=0.0) for kind in ("outputs", "gradients")}
+    worst = Comparison(True, "nothing compared", 0.0, 1.0)
+    for name, a, o, r, kind in pairs:
+        floor = _RELATIVE_FLOOR * scale[kind]
+        if not (isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and o.is_floating_point()):
+            comparison = _compare_leaf(name, a, o, kind, config, floor)  # exact or absent leaves: as before
+        elif a is not None and not isinstance(a, torch.Tensor):
+            comparison = Comparison(False, f"{name} (tensor vs {type(a).__name__})", math.inf, 0.0)
+        else:
+            tolerance = config.tolerance_for(o.dtype)
+            own = relative_error(o, r, floor)
+            error = relative_error(torch.zeros_like(r) if a is None else a, r, floor)
+            limit = max(getattr(tolerance, kind) if tolerance is not None else 0.0, NOISE_FACTOR * own)
+            comparison = Comparison(error <= limit, name, error, limit, noise=own,
+                                    dtype=str(o.dtype).removeprefix("torch."))
+        if _badness(comparison) > _badness(worst):
+            worst = comparison
+    return worst
+
+
+class NoiseAwareCheck:
+    """``check(actual)``: :func:`compare` against ``reference``; when that fails and ``reference`` is low
+    precision, judged again against a float32 run of the original (``float32_run()``, called at most once;
+    it returns the run, or a string saying why there is none, and the plain verdict stands)."""
+
+    def __init__(self, reference: Run, float32_run: Callable[[], Run | str], config: OptimizeConfig):
+        self.reference, self.config = reference, config
+        self._float32_run = float32_run
+        self._float32: Run | str | None = None
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why no float32 referee could be had, once one was asked for."""
+        return self._float32 if isinstance(self._float32, str) else None
+
+    def __call__(self, actual: Run) -> Comparison:
+        plain = compare(actual, self.reference, self.config)
+        if plain.ok or not is_low_precision(self.reference):
+            return plain
+        if self._float32 is None:
+            self._float32 = self._float32_run()
+        if isinstance(self._float32, str):
+            return plain
+        return dataclasses.replace(compare_against_float32(actual, self.reference, self._float32, self.config),
+                                   plain=plain)
 
 
 def _rms(value: Any) -> float:

@@ -294,3 +294,101 @@ def test_a_gradient_that_is_zero_in_exact_arithmetic_is_judged_against_the_other
     assert compare(actual, expected, OptimizeConfig()).ok
     wrong = Run({"out": big}, {"w": big, "bias": torch.ones(48) * 0.1})
     assert not compare(wrong, expected, OptimizeConfig()).ok
+
+
+def _fma_in_float32(a, b, c, d):
+    """``a * b + c * d`` computed in float32 and rounded once: more accurate than eager bf16 (three roundings)."""
+    return (a.float() * b.float() + c.float() * d.float()).to(a.dtype)
+
+
+def _fma_off_by_5_percent(a, b, c, d):
+    return (_fma_in_float32(a, b, c, d) * 1.05).to(a.dtype)
+
+
+def _fma_pass(pass_name, function):
+    class FusedMultiplyAdd(GraphPass):
+        name = pass_name
+        description = "a * b + c * d -> one float32 computation, for tests"
+
+        def run(self, gm, ctx):
+            result = PassResult()
+            for node in _targets(gm, operator.add):
+                m1, m2 = node.args
+                if all(isinstance(m, torch.fx.Node) and m.target is operator.mul for m in (m1, m2)):
+                    with gm.graph.inserting_after(node):
+                        fused = gm.graph.call_function(function, (*m1.args, *m2.args))
+                    node.replace_all_uses_with(fused)
+                    result.rewrite("(model)", function.__name__)
+            gm.graph.eliminate_dead_code()
+            return result
+
+    return register_pass(FusedMultiplyAdd)
+
+
+_fma_pass("test_fma_float32", _fma_in_float32)
+_fma_pass("test_fma_wrong", _fma_off_by_5_percent)
+
+
+class RopeLike(nn.Module):
+    """``h * cos + rotate(h) * sin`` in bf16, as eager RoPE rounds it (three roundings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(64, 64)
+        self.register_buffer("cos", torch.randn(64))
+        self.register_buffer("sin", torch.randn(64))
+
+    def forward(self, x):
+        h = self.inner(x)
+        return h * self.cos + torch.flip(h, (-1,)) * self.sin
+
+
+_TINY_BF16 = {"bfloat16": {"outputs": 1e-6, "gradients": 1e-6}}
+
+
+def test_a_bf16_rewrite_more_accurate_than_the_original_passes_against_a_float32_referee():
+    from kernel_pytorch.verify import NOISE_FACTOR
+
+    torch.manual_seed(0)
+    model = RopeLike().to(torch.bfloat16).eval()
+    reference = twin(model)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    optimize(model, example_inputs=(x,), extra_passes=("test_fma_float32",), tolerances=_TINY_BF16)
+    report = report_of(model)
+    assert report.rollbacks == []
+    assert [r.pass_name for r in report.rewrites if r.pass_name.startswith("test_")] == ["test_fma_float32"]
+    graph_notes = [n for n in report.notes if "accepted against a float32 run of the graph" in n]
+    assert graph_notes and f"{NOISE_FACTOR:g}x the bfloat16 original's own error" in graph_notes[0]
+    v = report.verification
+    assert v.passed and v.rule == "float32 referee" and "exceeds tolerance 1e-06" in v.detail, v
+    assert any("end-to-end check passed against a float32 run" in n for n in report.notes)
+    with torch.no_grad():
+        exact = RopeLike().eval()
+        exact.load_state_dict({k: t.float() for k, t in reference.state_dict().items()})
+        ours, theirs, truth = model(x), reference(x), exact(x.float())
+    assert 0 < rel_err(ours, truth) < rel_err(theirs, truth), "the rewrite must really be more accurate"
+    assert rel_err(ours, theirs) > 1e-6, "and the plain check must really fail"
+
+
+def test_a_wrong_bf16_rewrite_is_still_rolled_back_against_the_float32_referee():
+    torch.manual_seed(0)
+    model = RopeLike().to(torch.bfloat16).eval()
+    reference = twin(model)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    optimize(model, example_inputs=(x,), extra_passes=("test_fma_wrong",), tolerances=_TINY_BF16)
+    rolled = report_of(model).rollbacks
+    assert [r.pass_name for r in rolled] == ["test_fma_wrong"]
+    assert "against float32" in rolled[0].reason and "exceeds" in rolled[0].reason
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+
+
+def test_float32_verification_never_consults_a_referee(monkeypatch):
+    from kernel_pytorch import verify
+
+    monkeypatch.setattr(verify, "compare_against_float32", lambda *a: pytest.fail("no referee in float32"))
+    torch.manual_seed(0)
+    model = RopeLike().eval()
+    optimize(model, example_inputs=(torch.randn(8, 64),), extra_passes=("test_fma_wrong",))
+    assert [r.pass_name for r in report_of(model).rollbacks] == ["test_fma_wrong"]
+    assert report_of(model).verification.rule == "tolerance"
