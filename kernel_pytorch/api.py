@@ -145,21 +145,22 @@ class _preserved_buffers:
                     buffer.copy_(self.saved[name])
 
 
-def _structure_copy(model: nn.Module) -> nn.Module | None:
+def _structure_copy(model: nn.Module) -> nn.Module | str:
     """A copy of the module tree sharing every parameter and buffer (no tensor memory): what the model was
-    before the passes swapped modules, kept in case a float32 referee is needed."""
+    before the passes swapped modules, kept in case a float32 referee is needed; or why it could not be
+    copied (a module holding something deepcopy refuses), which the report's note then gives."""
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     try:
         return copy.deepcopy(model, memo=shared)
-    except Exception:
-        return None
+    except Exception as error:  # the referee is optional: the reason reaches the report if it is needed
+        return f"the model could not be copied: {type(error).__name__}: {error}"
 
 
-def _float32_run(original: nn.Module | None, args: tuple, kwargs: dict, training: bool) -> Run | str:
+def _float32_run(original: nn.Module | str | None, args: tuple, kwargs: dict, training: bool) -> Run | str:
     """The original model, with its bfloat16/float16 parameters, buffers and inputs upcast to float32, run
     as the reference runs were; or why not."""
-    if original is None:
-        return "the model could not be copied"
+    if not isinstance(original, nn.Module):
+        return original or "no copy of the original model was kept"
     tensors = [*original.parameters(), *original.buffers(), *(a for a in (*args, *kwargs.values())
                                                               if isinstance(a, torch.Tensor))]
     reason = float32_fits(tensors, training)
