@@ -27,6 +27,7 @@ __all__ = [
     "erase_unused",
     "evaluate_fake",
     "fake_mode_of",
+    "is_view",
     "module_path_of",
     "operand_value",
     "set_example_value",
@@ -35,6 +36,24 @@ __all__ = [
 
 # Dynamo records module paths as "L['self'].layers.0.attn" (the root is the forward's first argument).
 _ROOT_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
+
+
+# Ops whose result may share the input's storage (``contiguous`` too: it returns its input when it can).
+VIEW_FUNCTIONS = (operator.getitem, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.flatten,
+                  torch.reshape, torch.chunk, torch.split, torch.narrow, torch.select, torch.unbind,
+                  torch.movedim, torch.diagonal)
+VIEW_METHODS = ("view", "view_as", "reshape", "reshape_as", "transpose", "permute", "unsqueeze", "squeeze",
+                "expand", "expand_as", "flatten", "unflatten", "contiguous", "narrow", "select", "t", "split",
+                "chunk", "unbind", "as_strided", "detach", "movedim", "diagonal", "__getitem__")
+
+
+def is_view(node: Any) -> bool:
+    """Whether ``node`` is a call whose result may be a view of its first argument."""
+    if not isinstance(node, Node):
+        return False
+    if node.op == "call_function":
+        return node.target in VIEW_FUNCTIONS
+    return node.op == "call_method" and node.target in VIEW_METHODS
 
 
 def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -80,6 +80,7 @@ from kernel_pytorch.passes.graph_utils import (
     blocks_reordering,
     erase_unused,
     evaluate_fake,
+    is_view,
     module_path_of,
     operand_value,
     set_example_value,
@@ -112,13 +113,6 @@ MACHINE_BALANCE: dict[str, tuple[float, float]] = {
     "cpu": (20.0, 20.0),
 }
 
-# Ops whose result may share the input's storage: an in-place write through one reaches the linear's output.
-_VIEW_FUNCTIONS = (operator.getitem, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.flatten,
-                   torch.reshape, torch.chunk, torch.split, torch.narrow, torch.select, torch.unbind,
-                   torch.movedim, torch.diagonal)
-_VIEW_METHODS = ("view", "view_as", "reshape", "reshape_as", "transpose", "permute", "unsqueeze", "squeeze",
-                 "expand", "expand_as", "flatten", "unflatten", "contiguous", "narrow", "select", "t", "split",
-                 "chunk", "unbind", "as_strided", "detach", "movedim", "diagonal", "__getitem__")
 
 
 @dataclass(frozen=True)
@@ -190,7 +184,7 @@ def _modified_in_place(node: Node) -> bool:
         for user in current.users:
             if writes_in_place(user):
                 return True
-            if user not in seen and (is_call(user, *_VIEW_FUNCTIONS) or is_call(user, *_VIEW_METHODS)):
+            if user not in seen and (is_view(user)):
                 seen.add(user)
                 pending.append(user)
     return False
