@@ -42,7 +42,7 @@ from kernel_pytorch.ops.float8_linear import (
     float8_eligible,
     float8_hardware_reason,
 )
-from kernel_pytorch.timing import median_cuda_ms
+from kernel_pytorch.timing import fastest_cuda_ms
 from kernel_pytorch.verify import call_arguments
 
 __all__ = ["Float8Plan", "LayerDecision", "convert_to_float8", "MIN_SPEEDUP", "FilterFn"]
@@ -51,7 +51,7 @@ FilterFn = Callable[[nn.Module, str], bool]
 # FP8 must beat the layer's own dtype by this factor to be chosen: the timing noise of a warm GPU on
 # these ms-scale steps is ~1-2%, so a smaller margin could pick a layer that is really a tie or a loss.
 MIN_SPEEDUP = 1.05
-_MEASURE_WARMUP, _MEASURE_RUNS = 3, 10
+_MEASURE_WARMUP, _MEASURE_RUNS = 3, 5  # runs per round: kernel_pytorch.timing times 3 interleaved rounds
 _measured: dict[tuple, tuple[float, float]] = {}  # (m, k, n, dtype, recipe, training, device) -> (base, fp8) ms
 
 
@@ -197,11 +197,13 @@ def _measure(shape, dtype: torch.dtype, recipe: str, training: bool, device: tor
         fp8 = Float8Linear.from_linear(base, recipe=recipe, forward_dtype=forward_dtype, backward_dtype=backward_dtype)
         x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=training)
         dy = torch.randn(m, n, device=device, dtype=dtype)
-        _measured[key] = (_time_ms(base, x, dy, training), _time_ms(fp8, x, dy, training))
+        timings = fastest_cuda_ms({"base": _step(base, x, dy, training), "fp8": _step(fp8, x, dy, training)},
+                                  warmup=_MEASURE_WARMUP, runs=_MEASURE_RUNS)
+        _measured[key] = (timings["base"], timings["fp8"])
     return _measured[key]
 
 
-def _time_ms(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, training: bool) -> float:
+def _step(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, training: bool) -> Callable[[], None]:
     def step():
         if training:
             torch.autograd.grad(layer(x), (x, layer.weight), dy)
@@ -209,7 +211,7 @@ def _time_ms(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, training: bool
             with torch.no_grad():
                 layer(x)
 
-    return median_cuda_ms(step, warmup=_MEASURE_WARMUP, runs=_MEASURE_RUNS)
+    return step
 
 
 def _parameter_device(model: nn.Module) -> torch.device:

@@ -26,6 +26,7 @@ L=16384, 6.66x dense causal flash), so there it is measured against the fused ke
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -34,7 +35,7 @@ import torch
 
 from kernel_pytorch.attention.flex import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM
 from kernel_pytorch.hardware import HardwareInfo
-from kernel_pytorch.timing import median_cuda_ms
+from kernel_pytorch.timing import fastest_cuda_ms
 
 __all__ = ["AttentionProblem", "choose_kernel", "eligible_kernels", "PREFERENCE", "MEASURED_ONLY",
            "SPARSE_MIN_LENGTH"]
@@ -300,23 +301,26 @@ def _measure(problem: AttentionProblem, kernels: list[str]) -> tuple[dict[str, f
     with unset_fake_temporarily(), torch.random.fork_rng(devices=rng_devices):
         inputs = _random_inputs(problem)
         reference = _run(_attention_fn("sdpa"), inputs, "sdpa", problem, with_dropout=False)
-        timings, failures = {}, []
+        runnable, failures = {}, []
         for kernel in kernels:
             try:
-                # The numerics run comes first, so a compiled kernel is compiled (once) before the timing.
+                # The numerics run comes first, so a compiled kernel is compiled (once) before the timing;
+                # then one run as timed (with dropout, where the problem has it), so the timing cannot fail.
                 fn = _attention_fn(kernel)
+                timed = functools.partial(_run, fn, inputs, kernel, problem, with_dropout=True)
                 with _compile_limits_lifted():
                     result = _run(fn, inputs, kernel, problem, with_dropout=False)
+                    timed()
                 error = _relative_error(result, reference)
                 if not error <= _NUMERICS_LIMIT.get(problem.dtype, 1e-4):
                     failures.append(f"{kernel}: differs from math by {error:.1e}")
                     continue
-                timings[kernel] = median_cuda_ms(
-                    lambda fn=fn, kernel=kernel: _run(fn, inputs, kernel, problem, with_dropout=True))
+                runnable[kernel] = timed
             except Exception as error:  # noqa: BLE001 - a limit not modelled above, a failed compile, a
                 # missing package: the kernel is passed over with the error, the choice goes on.
                 first_line = (str(error).strip().splitlines() or [""])[0][:160]
                 failures.append(f"{kernel}: {type(error).__name__}: {first_line}")
+        timings = fastest_cuda_ms(runnable) if runnable else {}
     return timings, failures
 
 
