@@ -235,6 +235,25 @@ def test_interp_backward_partial_sums_over_programs(n_programs):
 
 
 @interp
+@pytest.mark.parametrize("sums, dtypes", [(1, (torch.bfloat16,)), (2, (torch.float16, torch.float32)),
+                                          (2, (torch.float64, torch.float64))])
+def test_interp_sum_partials_over_many_programs_and_odd_columns(sums, dtypes):
+    # More partial rows than one load holds (64), and columns that are not a multiple of the block: the
+    # masked loads add nothing, each sum is cast to its own dtype.
+    torch.manual_seed(3)
+    acc = torch.float64 if torch.float64 in dtypes else torch.float32
+    partial = torch.randn(150, sums, 77, dtype=acc)
+    got = tu.sum_partials(partial, dtypes)
+    for index, (out, dtype) in enumerate(zip(got, dtypes)):
+        want = partial[:, index].double().sum(0).to(dtype)
+        assert out.dtype == dtype and out.shape == (77,)
+        torch.testing.assert_close(out, want, rtol=1e-6 if dtype in (torch.float32, torch.float64) else 1e-2,
+                                   atol=1e-5)
+    with pytest.raises(ValueError, match="1 or 2 partial buffers"):
+        tu.sum_partials(partial, dtypes * 2)
+
+
+@interp
 def test_interp_zero_rows():
     x, w = torch.randn(0, 7), torch.randn(7)
     y, _, rstd = R.rms_norm_fwd(x, w)

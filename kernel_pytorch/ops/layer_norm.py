@@ -85,9 +85,9 @@ def _layer_norm_bwd_kernel(
     RSTD,  # (n_rows,) from the forward, in ACC
     DH,  # (n_rows, n_cols) gradient of the residual-sum output h, added to DX; read only if HAS_DH
     DX,  # (n_rows, n_cols) output in X's dtype (also the residual's gradient)
-    DW_PARTIAL,  # (n_programs, n_cols) output in ACC: per-program sum of dy * xhat; only if WEIGHT_GRAD
-    DB_PARTIAL,  # (n_programs, n_cols) output in ACC: per-program sum of dy; only if BIAS_GRAD
-    stride_dy, stride_x, stride_dh, stride_dx,
+    PARTIAL,  # (n_programs, WEIGHT_GRAD + BIAS_GRAD, n_cols) output in ACC: per program, the sum of dy * xhat
+    #           (if WEIGHT_GRAD), then that of dy (if BIAS_GRAD); one buffer, summed by one launch
+    stride_dy, stride_x, stride_dh, stride_dx, stride_partial,
     n_rows, n_cols, rows_per_program,
     HAS_WEIGHT: tl.constexpr, HAS_DH: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr,
     ACC: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
@@ -127,10 +127,12 @@ def _layer_norm_bwd_kernel(
         dx = rstd[:, None] * (g - (sum_g / n_cols)[:, None] - xhat * (sum_gx / n_cols)[:, None])
         store_grad_rows(DX, DH, dx, rows, cols, mask, stride_dx, stride_dh, HAS_DH)
         rows, row_mask, mask, x, dy = next_rows, next_row_mask, next_mask, next_x, next_dy
+    partial = PARTIAL + pid * stride_partial + cols
     if WEIGHT_GRAD:
-        tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
+        tl.store(partial, dw, mask=col_mask)
+        partial += n_cols
     if BIAS_GRAD:
-        tl.store(DB_PARTIAL + pid * n_cols + cols, db, mask=col_mask)
+        tl.store(partial, db, mask=col_mask)
 
 
 # -------------------------------------------------------------------------------------------- launches
@@ -190,21 +192,20 @@ def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Option
     acc = tu.acc_dtype(x.dtype)
     dx2 = dx.view(-1, hidden)
     unused = tu.unused_pointer
-    dw_partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if weight_grad else unused(rstd)
-    db_partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if bias_grad else unused(rstd)
+    sums = [p.dtype for p, wanted in ((weight, weight_grad), (bias, bias_grad)) if wanted]
+    partial = torch.empty((programs, len(sums), hidden), dtype=acc, device=x.device) if sums else unused(rstd)
     dh2 = tu.as_rows(dh) if dh is not None else unused(x)
     with tu.device_guard(x):
         tu.launch(_layer_norm_bwd_kernel)[(programs,)](
             dy2, x2, weight.contiguous() if weight is not None else unused(x),
-            mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous(), dh2, dx2, dw_partial, db_partial,
-            dy2.stride(0), x2.stride(0), dh2.stride(0), dx2.stride(0),
+            mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous(), dh2, dx2, partial,
+            dy2.stride(0), x2.stride(0), dh2.stride(0), dx2.stride(0), len(sums) * hidden,
             n_rows, hidden, rows_per_program,
             HAS_WEIGHT=weight is not None, HAS_DH=dh is not None, WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad,
             ACC=tu.triton_acc_dtype(x.dtype), BLOCK_N=tile.block_n, ROWS=tile.rows, num_warps=tile.num_warps,
         )
-    dw = dw_partial.sum(0).to(weight.dtype) if weight_grad else None
-    db = db_partial.sum(0).to(bias.dtype) if bias_grad else None
-    return dx, dw, db
+    grads = iter(tu.sum_partials(partial, tuple(sums)) if sums else ())
+    return dx, (next(grads) if weight_grad else None), (next(grads) if bias_grad else None)
 
 
 # ---------------------------------------------------------------------------------- native (non-Triton)

@@ -161,7 +161,7 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, 
     ``dh`` the gradient of ``h``, added into ``dx``; dweight is None without a weight or ``weight_grad``.
 
     Each of ``n_programs`` programs (default: sized from the SM count) takes a contiguous block of rows
-    and writes its partial dweight to an (n_programs, hidden) fp32 buffer, summed here.
+    and writes its partial dweight to an (n_programs, hidden) fp32 buffer, summed by ``tu.sum_partials``.
     """
     hidden = x.shape[-1]
     x2, dy2 = tu.as_rows(x), tu.as_rows(dy)
@@ -189,7 +189,7 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, 
             CAST_BEFORE_WEIGHT=cast_before_weight, ACC=tu.triton_acc_dtype(x.dtype),
             BLOCK_N=tile.block_n, ROWS=tile.rows, num_warps=tile.num_warps,
         )
-    return dx, (partial.sum(0).to(weight.dtype) if weight_grad else None)
+    return dx, (tu.sum_partials(partial[:, None], (weight.dtype,))[0] if weight_grad else None)
 
 
 # ---------------------------------------------------------------------------------- native (non-Triton)
