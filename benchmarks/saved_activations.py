@@ -166,7 +166,7 @@ def _loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def trace_llama_style(layers: int, batch: int, seq: int, dtype: torch.dtype, simulate_h100: bool) -> tuple:
     import kernel_pytorch
-    import kernel_pytorch.api as api
+    from kernel_pytorch import api
     from kernel_pytorch.capture import CompilerChoice
     from kernel_pytorch.testing import LlamaStyleLM
 
@@ -320,7 +320,7 @@ def _op_name(node: torch.fx.Node) -> str:
                 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
                 name = f"triton:{kernel_side_table.get_kernel(kernel).fn.__name__}"
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - a name for the table only: the HOP's name stays
                 pass
     elif name == "getitem" and isinstance(node.args[0], torch.fx.Node):
         return f"{_op_name(node.args[0])}[{node.args[1]}]"
@@ -385,7 +385,7 @@ def _layer_and_local(node: torch.fx.Node) -> tuple[str, str]:
 def _nbytes(value: torch.Tensor) -> int:
     try:
         return int(value.untyped_storage().nbytes())
-    except Exception:
+    except Exception:  # noqa: BLE001 - a tensor without storage (symbolic sizes): from its strides
         size = 1 + sum((int(s) - 1) * int(st) for s, st in zip(value.shape, value.stride())) if value.numel() else 0
         return size * value.element_size()
 
@@ -507,7 +507,7 @@ def transient_peak(record: Recorded, parameter_views: frozenset = frozenset()) -
     start ("transient"), where it happens, and the largest buffers made inside the graph alive then; a rough
     model of Inductor (which fuses more, reuses buffers, and may reorder)."""
     graph = record.gm.graph
-    outputs = set(a for a in _outputs(record.gm) if isinstance(a, torch.fx.Node))
+    outputs = {a for a in _outputs(record.gm) if isinstance(a, torch.fx.Node)}
     order = {n: i for i, n in enumerate(graph.nodes)}
     base_of = {n: storage_base(n)[0] for n in graph.nodes}
     last_use: dict[torch.fx.Node, int] = {}
@@ -538,8 +538,9 @@ def transient_peak(record: Recorded, parameter_views: frozenset = frozenset()) -
     for nbytes, n in peak_set[:10]:
         layer, local = _layer_and_local(n)
         kind = " (returned)" if n in output_bases else ""
-        rows.append((nbytes, f"{layer + ' ' if layer else ''}{local}: {_op_name(n)} "
-                             f"{_dtype_name(n.meta['val'].dtype)}{list(n.meta['val'].shape)}{kind}"))
+        value = n.meta["val"]
+        rows.append((nbytes, f"{layer + ' ' if layer else ''}{local}: {_op_name(n)} {_dtype_name(value.dtype)}"
+                             f"{list(value.shape)}{kind}"))
     where = ""
     if peak_at is not None:
         layer, local = _layer_and_local(peak_at)
