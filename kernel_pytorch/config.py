@@ -5,19 +5,21 @@ Unknown fields are errors (``extra="forbid"``), so a misspelt option never passe
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeInt,
     PositiveFloat,
+    PositiveInt,
     field_validator,
     model_validator,
 )
 
-__all__ = ["OptimizeConfig", "Tolerance", "DEFAULT_TOLERANCES", "Vendor", "DEVICE_ALIASES", "CompileMode"]
+__all__ = ["OptimizeConfig", "SparseAttentionConfig", "Tolerance", "DEFAULT_TOLERANCES", "Vendor", "DEVICE_ALIASES", "CompileMode"]
 
 Vendor = Literal["nvidia", "amd", "tpu", "intel", "cpu"]
 
@@ -52,6 +54,76 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "float16": Tolerance(outputs=5e-3, gradients=1e-2),
     "bfloat16": Tolerance(outputs=2e-2, gradients=4e-2),
 }
+
+
+class SparseAttentionConfig(BaseModel):
+    """Content-aware (top-k) block-sparse attention for long-context inference: an **approximation**
+    (:mod:`kernel_pytorch.attention.topk_sparse`). Per query block of ``block`` tokens, the key blocks with
+    the largest pooled q·k scores are attended, plus the first ``sink_blocks`` and the ``local_blocks``
+    blocks ending at the diagonal; from ``min_length`` query tokens on, dense below.
+
+    Example::
+
+        config = OptimizeConfig(sparse_attention=SparseAttentionConfig(keep_ratio=0.1, min_length=16384))
+        OptimizeConfig(sparse_attention="topk")   # the defaults below
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["topk"] = Field("topk", description="How key blocks are chosen; 'topk' by pooled q·k scores.")
+    # FlexAttention's tile (FLEX_BLOCK_SIZE): the unit at which its kernel skips work. Its GPU kernel needs
+    # sparse blocks that are multiples of its own tiles (128 at hd128), so only multiples of 128.
+    block: PositiveInt = Field(128, description="Tokens per block (a multiple of 128).")
+    # 16 blocks = 2048 keys per query block: query-aware top-k methods (Quest, 2024) report budgets of a
+    # few thousand keys as close to dense on long-context tasks (not measured here). A fixed budget keeps
+    # the work O(L) per query block; at L = 32k causal it is ~12% of the causal tiles.
+    topk: Optional[PositiveInt] = Field(
+        None, description="Key blocks attended per query block, sink and local included (None: 16 unless "
+        "keep_ratio is set).")
+    keep_ratio: Optional[float] = Field(
+        None, gt=0.0, le=1.0, description="Instead of topk: the fraction of the key blocks each query block may "
+        "see (with causal masking: of its causal blocks) that it attends, rounded up.")
+    # The first tokens draw much of the attention mass in trained LLMs (attention sinks, StreamingLLM 2023),
+    # and the nearest tokens carry local context: both are kept whatever their pooled score.
+    local_blocks: NonNegativeInt = Field(1, description="Blocks ending at the diagonal always kept (1: the "
+                                         "diagonal block).")
+    sink_blocks: NonNegativeInt = Field(1, description="First key blocks always kept.")
+    # Below this, sparse kernels lose: with topk=16 at L = 8192 causal, 43% of the causal tiles are kept and
+    # FlexAttention's dense rate is ~0.71 of cuDNN's (DESIGN.md: 382 vs 538 TFLOP/s causal), so 8192 is about
+    # where it breaks even; at 4096, 74% kept: slower. To be confirmed with benchmarks/sparse_attention.py.
+    min_length: PositiveInt = Field(8192, description="Query length from which the sparse path runs (a runtime "
+                                    "check per call: shorter calls run dense attention).")
+
+    @field_validator("block")
+    @classmethod
+    def _flex_tile(cls, value: int) -> int:
+        if value % 128:
+            raise ValueError(f"block must be a multiple of 128 (FlexAttention's tile), got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> SparseAttentionConfig:
+        if self.topk is not None and self.keep_ratio is not None:
+            raise ValueError("set topk or keep_ratio, not both")
+        return self
+
+    @property
+    def budget(self) -> tuple[Optional[int], Optional[float]]:
+        """(topk, keep_ratio) as the kernel takes them: exactly one is None."""
+        if self.keep_ratio is not None:
+            return None, float(self.keep_ratio)
+        return (16 if self.topk is None else self.topk), None
+
+    def pattern(self) -> tuple:
+        """The pattern ``attention(..., kernel="flex", pattern=...)`` takes (plain values, for graphs)."""
+        topk, keep_ratio = self.budget
+        return ("topk", topk, keep_ratio, self.local_blocks, self.sink_blocks, self.block)
+
+    def describe(self) -> str:
+        topk, keep_ratio = self.budget
+        budget = f"top {topk} blocks" if topk is not None else f"keep ratio {keep_ratio:g}"
+        return (f"{budget} of {self.block} tokens per query block, {self.sink_blocks} sink + {self.local_blocks} "
+                f"local, from {self.min_length} tokens")
 
 
 class OptimizeConfig(BaseModel):
@@ -138,6 +210,38 @@ class OptimizeConfig(BaseModel):
         "states that fit after the first step stay on the GPU) instead of torch.optim.AdamW. True needs a CUDA "
         "GPU (optimize raises HardwareUnavailableError without one); 'auto' falls back to AdamW with a report line."
     )
+
+    sparse_attention: Optional[SparseAttentionConfig] = Field(
+        None, description="Content-aware top-k block-sparse attention for long-context inference (an "
+        "approximation; off by default): None, 'topk' (SparseAttentionConfig's defaults), a SparseAttentionConfig "
+        "or a dict of its fields. Applied to eligible attention (causal or unmasked, no dropout, head dims "
+        "FlexAttention takes) in inference only; calls shorter than min_length stay dense. Turns verify='auto' off "
+        "(verification would roll the approximation back); the report gives its measured error instead."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sparse_attention_unverified(cls, data: Any) -> Any:
+        """Verification compares with the exact model and rolls back what differs beyond the tolerance: it
+        would undo the approximation of sparse_attention (and every other rewrite of the same graphs) at each
+        graph captured at or above min_length. So verify='auto' is off with sparse_attention, and verify=True
+        is refused; the attention pass reports the approximation's measured error instead."""
+        if not isinstance(data, dict) or data.get("sparse_attention") is None:
+            return data
+        if data.get("verify", "auto") is True:
+            raise ValueError("sparse_attention is an approximation, which verify=True would roll back (it compares "
+                             "with the exact model); use verify='auto' (off with sparse_attention) or False")
+        return {**data, "verify": False}
+
+    @field_validator("sparse_attention", mode="before")
+    @classmethod
+    def _sparse_attention_spelling(cls, value: object) -> object:
+        if value is None or isinstance(value, (SparseAttentionConfig, dict)):
+            return value
+        if value == "topk":
+            return SparseAttentionConfig()
+        raise ValueError(f"sparse_attention takes None, 'topk', a SparseAttentionConfig or a dict of its fields, "
+                         f"got {value!r}")
 
     @field_validator("device", mode="before")
     @classmethod

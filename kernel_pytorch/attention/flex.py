@@ -21,6 +21,9 @@ What it computes here is exactly SDPA's (the dispatcher keeps everything else aw
   ``BlockMask`` (which 128x128 tiles to visit) is built once per (pattern, lengths, device, tensor state)
   and cached, so every layer and every later call with the same lengths reuses it; under torch.compile the
   construction is traced into the graph instead (its tensors are fake there; the cache holds real ones).
+  ``("topk", topk, keep_ratio, local_blocks, sink_blocks, block)`` is content-aware (an approximation,
+  combinable with ``is_causal``): the key blocks are chosen per call from q and k
+  (:mod:`kernel_pytorch.attention.topk_sparse`), so nothing is cached.
 * No attention-mask tensor and no dropout: FlexAttention has no dropout, and a mask tensor read by a
   ``score_mod`` is slower than the fused SDPA kernels that take a bias (see ``dispatch``).
 
@@ -43,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
+
+from kernel_pytorch.attention.topk_sparse import TOPK_PATTERN_KIND, topk_attention, topk_options
 
 __all__ = ["flex_attention_forward", "causal_mask_mod", "pattern_mask_mod", "pattern_block_mask",
            "PATTERN_KINDS", "FLEX_MIN_HEAD_DIM", "FLEX_MAX_HEAD_DIM", "FLEX_BLOCK_SIZE"]
@@ -158,7 +163,10 @@ def _math_reference(q: Tensor, k: Tensor, v: Tensor, mask_mod: Callable[..., Ten
 def flex_attention_forward(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float],
                            pattern: Optional[tuple] = None, pattern_tensor: Optional[Tensor] = None) -> Tensor:
     """``flex_attention`` on 4-D (B, H, L, E) inputs; K/V may have fewer heads (Hq % Hk == 0); ``pattern``
-    (with ``pattern_tensor``) is a mask pattern (module docstring), exclusive with ``is_causal``."""
+    (with ``pattern_tensor``) is a mask pattern (module docstring), exclusive with ``is_causal`` except the
+    content-aware ``("topk", ...)``."""
+    if pattern is not None and pattern[0] == TOPK_PATTERN_KIND:  # content-aware: chosen from q and k per call
+        return topk_attention(q, k, v, is_causal=is_causal, scale=scale, **topk_options(pattern))
     if pattern is not None and is_causal:
         raise ValueError("a mask pattern and is_causal are exclusive (causal is the pattern ('band', 0, None))")
     block_mask = None

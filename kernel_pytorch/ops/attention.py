@@ -328,7 +328,9 @@ def attention(
     ``is_causal`` masks top-left aligned (query i sees keys 0..i); ``scale=None`` is 1/sqrt(E);
     ``enable_gqa`` lets Hq be a multiple of Hk. ``pattern`` (``kernel="flex"`` only, with no ``attn_mask``
     and no ``is_causal``) is a block-structured mask given by its rule instead of a tensor, and
-    ``pattern_tensor`` the document ids or allowed positions it reads (:mod:`kernel_pytorch.attention.flex`).
+    ``pattern_tensor`` the document ids or allowed positions it reads (:mod:`kernel_pytorch.attention.flex`);
+    ``("topk", ...)`` (:func:`kernel_pytorch.attention.topk_sparse.topk_pattern`, ``is_causal`` allowed) is
+    top-k block-sparse attention, an approximation (:mod:`kernel_pytorch.attention.topk_sparse`).
     ``kernel`` is one of :data:`ATTENTION_KERNELS`; a kernel
     that cannot compute the call as SDPA would (see the module docstring) raises ``ValueError``, and an
     ``attn_mask`` that requires grad is refused by every kernel but ``"efficient"`` and ``"sdpa"``.

@@ -56,6 +56,13 @@ What is matched, and how each part is decided:
   ``repeat_interleave(n, dim=heads)``) are used un-repeated with ``enable_gqa=True`` (same
   group-contiguous order); cross-attention with ``Lq != Lk`` is fine.
 * **Output layout**: the ·V product is replaced in place, so the ``transpose`` + ``reshape`` after it stay.
+* **Top-k sparse attention** (``OptimizeConfig(sparse_attention=...)``, off by default; an approximation,
+  :mod:`kernel_pytorch.attention.topk_sparse`): an eligible call (causal or no mask, no dropout, head dims
+  FlexAttention takes, fp16/bf16/fp32, not training) becomes ``sparse_or_dense_attention(q, k, v, ...,
+  kernel=<dense choice>, pattern=("topk", ...), min_length=n)``, which runs top-k FlexAttention for query
+  lengths >= n and the dense kernel below, decided per call. With concrete example inputs of at least n
+  tokens, the relative error against dense attention is measured on them (sampled query blocks) and
+  reported. Where the option is set but a call is not eligible, the report says why and it stays dense.
 
 Not attention, skipped with the reason: softmax over another axis, probabilities modified or used
 before or beside ·V (returned attention weights), scores used elsewhere, a non-constant scale.
@@ -78,9 +85,11 @@ import torch
 import torch.fx
 from torch.fx import Node
 
+from kernel_pytorch.attention.flex import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM
+from kernel_pytorch.attention.topk_sparse import TOPK_ERROR_QUERY_BLOCKS, sparse_or_dense_attention, topk_relative_error
 from kernel_pytorch.ops.attention import attention
 from kernel_pytorch.passes.attention_match import AttentionMatch, NotAttention, Operand, match_attention
-from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
+from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, Rewrite
 from kernel_pytorch.passes.causal_mask import CausalMaskGuard, decide_causal
 from kernel_pytorch.passes.graph_utils import erase_unused, is_view, module_path_of, set_example_value
 from kernel_pytorch.passes.mask_pattern import PatternDecision, decide_pattern
@@ -108,6 +117,27 @@ def _choose_kernel(q, k, v, mask, *, is_causal, dropout_p, enable_gqa, ctx: Pass
                              hardware=ctx.hardware, training=ctx.training, compiled=ctx.compiled, sparsity=sparsity)
     except Exception as error:  # the rewrite stands on its own; SDPA's dispatch is always correct
         return "sdpa", f"the kernel dispatcher failed ({type(error).__name__}: {error}); PyTorch's SDPA dispatch"
+
+
+_SPARSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # FlexAttention's fused kernels (CPU and GPU)
+
+
+def _topk_refusal(q, k, v, mask: Optional[Node], plan: "_MaskPlan", dropout_p: float, ctx: PassContext) -> str:
+    """Why top-k sparse attention cannot replace this call ("" when it can)."""
+    if ctx.training:
+        return "it is an inference option and the model trains (the dense kernel is kept)"
+    if mask is not None or plan.pattern is not None:
+        return f"the call has a mask other than causal ({plan.description})"
+    if dropout_p:
+        return "the call has dropout"
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "q, k, v have no example values"
+    if q.dtype not in _SPARSE_DTYPES:
+        return f"FlexAttention's kernels take fp16/bf16/fp32, not {q.dtype}"
+    dims = (q.shape[-1], v.shape[-1])
+    if not all(isinstance(d, int) and FLEX_MIN_HEAD_DIM <= d <= FLEX_MAX_HEAD_DIM for d in dims):
+        return f"FlexAttention needs head dims in [{FLEX_MIN_HEAD_DIM}, {FLEX_MAX_HEAD_DIM}] (got {dims[0]}, {dims[1]})"
+    return ""
 
 
 class _Builder:
@@ -154,16 +184,25 @@ def _compact_value(v: Node, builder: _Builder, training: bool) -> tuple[Node, in
     tensor until the backward: in DESIGN.md's Llama-style train step the fused q/k/v output is 50 MB per
     layer, V 8 MB. In training such a V is copied once (8 MB per layer, a few microseconds on an H100) into
     a tensor of its own. Walks back through view ops, whose example values may predate earlier rewrites,
-    to the first whose value is a view of a larger storage."""
-    node = v
+    to the first whose value is a view of a larger storage, and copies that one, so the views after it
+    give V its original stride order: the fused kernels' backwards lay dV out by V's layout, and a V
+    copied into another stride order than K's gave wrong gradients under Inductor (H100, cuDNN; the
+    rewrite was rolled back by the verification)."""
+    node, child = v, None
     while training:
         value = example_value(node)
         if isinstance(value, torch.Tensor) and _views_larger_storage(value):
-            copy = builder.function(torch.clone, v, memory_format=torch.contiguous_format)
-            return copy, int(value.untyped_storage().nbytes())
+            if child is None:
+                return builder.function(torch.clone, v), int(value.untyped_storage().nbytes())
+            with builder.graph.inserting_after(node):
+                copy = builder.graph.call_function(torch.clone, (node,), {"memory_format": torch.contiguous_format})
+            copy.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta})
+            set_example_value(builder.gm, copy)
+            child.replace_input_with(node, copy)
+            return v, int(value.untyped_storage().nbytes())
         if not (is_view(node) and node.args and isinstance(node.args[0], Node)):
             break
-        node = node.args[0]
+        node, child = node.args[0], node
     return v, 0
 
 
@@ -184,6 +223,7 @@ class _MaskPlan:
         self.dead_when_causal: list[Node] = []
         self.guard: Optional[CausalMaskGuard] = None  # set when is_causal holds only for checked values
         self.pattern: Optional[PatternDecision] = None  # a block structure of the (single, non-causal) mask
+        self.sparse_call: Optional[Node] = None  # the call, when it became top-k sparse attention
 
 
 def _negated(mask: Node, builder: _Builder, match: AttentionMatch) -> Node:
@@ -261,6 +301,7 @@ class AttentionPass(GraphPass):
         bindings = Bindings.from_graph(graph, ctx.example_inputs)
         mask_candidates: list[Node] = []
         erased: set[Node] = set()
+        sparse_calls: list[tuple[Node, int]] = []  # top-k calls and the index of their rewrite record
         for softmax in [n for n in graph.nodes if is_call(n, torch.softmax)]:
             if softmax in erased:
                 continue
@@ -271,6 +312,8 @@ class AttentionPass(GraphPass):
                 result.skip(location, str(reason))
                 continue
             description, plan, removed = self._rewrite(gm, match, constants, bindings, ctx)
+            if plan.sparse_call is not None:
+                sparse_calls.append((plan.sparse_call, len(result.rewrites)))
             erased |= removed
             mask_candidates += plan.dead_when_causal
             if plan.guard is not None:
@@ -280,6 +323,8 @@ class AttentionPass(GraphPass):
             result.rewrite(location, description)
             result.changed += len(removed)
         result.changed += erase_unused(graph, mask_candidates)
+        if sparse_calls:
+            _report_topk_errors(gm, ctx, sparse_calls, result)
         if ctx.config.context_parallel is not None:  # ring attention over the sequence shards, or a refusal
             from kernel_pytorch.distributed.context_parallel_graph import shard_attention_calls
 
@@ -311,8 +356,25 @@ class AttentionPass(GraphPass):
             plan.notes += [plan.pattern.note] if plan.pattern.note else []
         elif pattern is not None:
             plan.description += f" ({pattern.describe()}: recognized, run dense)"
+        target, sparse_text = _attention_op(), ""
+        sparse = ctx.config.sparse_attention
+        if sparse is not None:
+            refusal = _topk_refusal(example_value(q), example_value(k), example_value(v), mask, plan,
+                                    match.dropout_p, ctx)
+            if refusal:
+                plan.notes.append(f"top-k sparse attention not applied: {refusal}")
+            else:
+                target = sparse_or_dense_attention
+                kwargs.update(pattern=sparse.pattern(), min_length=sparse.min_length)
+                sparse_text = (f"top-k sparse attention (approximate): {sparse.describe()} (FlexAttention; "
+                               f"{kernel} below)")
+                if not ctx.compiled:
+                    sparse_text += ("; the graph is not compiled, so FlexAttention runs unfused (slower than dense: "
+                                    "for checking accuracy only)")
         with graph.inserting_before(match.pv):
-            call = graph.call_function(_attention_op(), (q, k, v, mask), kwargs)
+            call = graph.call_function(target, (q, k, v, mask), kwargs)
+        if target is sparse_or_dense_attention:
+            plan.sparse_call = call
         if match.out_dims is None:
             call.meta.update(match.pv.meta)
             out = call
@@ -334,4 +396,72 @@ class AttentionPass(GraphPass):
         parts.append(plan.description)
         if v_copied:
             parts.append(f"V copied out of a {v_copied / 2**20:.3g} MiB tensor (the backward keeps V alone)")
-        return f"attention[{kernel}]: {', '.join(parts)} ({why})", plan, removed
+        line = f"attention[{kernel}]: {', '.join(parts)} ({why})"
+        return line + (f"; {sparse_text}" if sparse_text else ""), plan, removed
+
+
+def _report_topk_errors(gm: torch.fx.GraphModule, ctx: PassContext, calls: list[tuple[Node, int]],
+                        result: PassResult) -> None:
+    """Each top-k call's relative error against dense attention on the example inputs, appended to its
+    rewrite line: the graph runs once (no grad) with the example inputs, each top-k call computing dense
+    attention for the next layers and comparing its sampled query blocks (``topk_relative_error``). Calls
+    shorter than min_length at the example run dense, which the line says instead. Any failure leaves a note
+    in the line: the error is information, the rewrite stands on its own."""
+    found: dict[Node, str] = {}
+    try:
+        _run_measuring(gm, ctx, {node for node, _ in calls}, found)
+    except Exception as error:  # noqa: BLE001 - the measurement is optional; its failure is reported
+        first_line = (str(error).strip().splitlines() or [""])[0][:160]
+        found = {node: f"error not measured ({type(error).__name__}: {first_line})" for node, _ in calls
+                 if node not in found}
+    for node, index in calls:
+        text = found.get(node, "error not measured (the example inputs are not concrete tensors)")
+        old = result.rewrites[index]
+        result.rewrites[index] = Rewrite(old.location, f"{old.replacement}; {text}")
+
+
+def _run_measuring(gm: torch.fx.GraphModule, ctx: PassContext, calls: set[Node], found: dict[Node, str]) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not ctx.example_inputs or any(n.name not in ctx.example_inputs for n in placeholders):
+        return
+    args = []
+    for node in placeholders:
+        value = ctx.example_inputs[node.name]
+        if isinstance(value, torch.SymInt):
+            value = value.node.hint
+        if isinstance(value, torch.Tensor):
+            if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.is_meta:
+                return
+            value = value if isinstance(value, torch.nn.Parameter) else value.detach().clone()
+        args.append(value)
+
+    class Measuring(torch.fx.Interpreter):
+        def run_node(self, node: Node) -> Any:
+            if node not in calls:
+                return super().run_node(node)
+            call_args, call_kwargs = self.fetch_args_kwargs_from_env(node)
+            q, k, v = call_args[:3]
+            dense = dict(call_kwargs)
+            pattern, min_length = dense.pop("pattern"), dense.pop("min_length")
+            out = attention(*call_args, **dense)
+            if q.shape[-2] < min_length:
+                found[node] = f"dense at the example length {q.shape[-2]} (< {min_length}): exact there"
+                return out
+            q4, k4, v4 = (_as_4d(t) for t in (q, k, v))
+            error = topk_relative_error(q4, k4, v4, is_causal=dense["is_causal"], scale=dense["scale"],
+                                        pattern=pattern, query_blocks=TOPK_ERROR_QUERY_BLOCKS)
+            blocks = -(-q.shape[-2] // pattern[-1])
+            sampled = min(TOPK_ERROR_QUERY_BLOCKS, blocks)
+            found[node] = (f"relative error against dense {error:.2e} on the example inputs "
+                           f"({sampled} of {blocks} query blocks compared)")
+            return out
+
+    with torch.no_grad():
+        Measuring(gm).run(*args)
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, E) as attention() takes it: leading size-1 dims added, extra batch dims flattened."""
+    if t.dim() < 4:
+        return t[(None,) * (4 - t.dim())]
+    return t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:])
