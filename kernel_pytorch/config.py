@@ -76,21 +76,22 @@ class SparseAttentionConfig(BaseModel):
     block: PositiveInt = Field(128, description="Tokens per block (a multiple of 128).")
     # 16 blocks = 2048 keys per query block: query-aware top-k methods (Quest, 2024) report budgets of a
     # few thousand keys as close to dense on long-context tasks (not measured here). A fixed budget keeps
-    # the work O(L) per query block; at L = 32k causal it is ~12% of the causal tiles.
+    # the work O(L) per query block; at L = 32k causal, 16 + sink + diagonal is ~14% of the causal tiles.
     topk: Optional[PositiveInt] = Field(
-        None, description="Key blocks attended per query block, sink and local included (None: 16 unless "
-        "keep_ratio is set).")
+        None, description="Key blocks chosen by score per query block, on top of the sink and local blocks "
+        "(None: 16 unless keep_ratio is set).")
     keep_ratio: Optional[float] = Field(
         None, gt=0.0, le=1.0, description="Instead of topk: the fraction of the key blocks each query block may "
-        "see (with causal masking: of its causal blocks) that it attends, rounded up.")
+        "see (with causal masking: of its causal blocks) chosen by score, rounded up, on top of sink and local.")
     # The first tokens draw much of the attention mass in trained LLMs (attention sinks, StreamingLLM 2023),
     # and the nearest tokens carry local context: both are kept whatever their pooled score.
     local_blocks: NonNegativeInt = Field(1, description="Blocks ending at the diagonal always kept (1: the "
                                          "diagonal block).")
     sink_blocks: NonNegativeInt = Field(1, description="First key blocks always kept.")
-    # Below this, sparse kernels lose: with topk=16 at L = 8192 causal, 43% of the causal tiles are kept and
+    # Below this, sparse kernels lose: with topk=16 at L = 8192 causal, 48% of the causal tiles are kept and
     # FlexAttention's dense rate is ~0.71 of cuDNN's (DESIGN.md: 382 vs 538 TFLOP/s causal), so 8192 is about
-    # where it breaks even; at 4096, 74% kept: slower. To be confirmed with benchmarks/sparse_attention.py.
+    # where it breaks even; at 4096, 80% kept: slower. To be confirmed with benchmarks/sparse_attention.py
+    # --parts topk (its rows run sparse from 4096 on).
     min_length: PositiveInt = Field(8192, description="Query length from which the sparse path runs (a runtime "
                                     "check per call: shorter calls run dense attention).")
 
@@ -121,8 +122,8 @@ class SparseAttentionConfig(BaseModel):
 
     def describe(self) -> str:
         topk, keep_ratio = self.budget
-        budget = f"top {topk} blocks" if topk is not None else f"keep ratio {keep_ratio:g}"
-        return (f"{budget} of {self.block} tokens per query block, {self.sink_blocks} sink + {self.local_blocks} "
+        budget = f"top {topk} blocks" if topk is not None else f"keep ratio {keep_ratio:g} of the blocks"
+        return (f"{budget} of {self.block} tokens per query block, + {self.sink_blocks} sink + {self.local_blocks} "
                 f"local, from {self.min_length} tokens")
 
 

@@ -14,10 +14,10 @@ How the blocks are chosen, per (batch, query head, query block of ``block`` toke
    not candidates (query i sees keys 0..i, top-left aligned as SDPA).
 3. The first ``sink_blocks`` key blocks (attention sinks: the first tokens take much of the probability
    mass in trained LLMs) and the ``local_blocks`` blocks ending at the diagonal (``|i - j| < local`` when
-   not causal) are always kept; the remaining budget goes to the best-scoring blocks (ties: the lower
-   block index). The budget per query block row is ``topk`` blocks, or ``ceil(keep_ratio x n)`` where n
-   is the number of key blocks the row may see (so with causal masking, ``keep_ratio`` is the fraction of
-   the causal work kept); sink and local blocks count towards it and are kept even beyond it.
+   not causal) are always kept; on top of them, the best-scoring other blocks (ties: the lower block
+   index): ``topk`` of them per query block row, or ``ceil(keep_ratio x n)`` where n is the number of key
+   blocks the row may see (with causal masking: the fraction of the row's causal blocks), as many as
+   there are.
 
 The selection is a dense (B, Hq, Lq/block, Lk/block) boolean (about 1M entries at 32k x 16 heads): from
 it the ``BlockMask`` is built directly (``BlockMask.from_kv_blocks``): a selected block that lies before
@@ -35,7 +35,7 @@ expanded to a dense (B, Hq, Lq, Lk) mask and SDPA's math runs with it (as ``flex
 Example::
 
     q = torch.randn(1, 8, 4096, 64); k = v = torch.randn(1, 2, 4096, 64)
-    out = topk_attention(q, k, v, is_causal=True, topk=8)   # each query block: 8 of its <= 32 key blocks
+    out = topk_attention(q, k, v, is_causal=True, topk=8)   # each query block: sink, diagonal and 8 more
     error = topk_relative_error(q, k, v, is_causal=True, topk=8)
 """
 
@@ -123,7 +123,8 @@ def select_blocks(q: Tensor, k: Tensor, *, is_causal: bool, scale: Optional[floa
     else:
         seen = valid.sum(-1, keepdim=True)
         budget = torch.ceil(seen.to(torch.float64) * keep_ratio).to(rows.dtype)
-    return ((rank < budget) & valid) | forced
+    # The forced blocks rank first (+inf): the scored ones after them, `budget` of them.
+    return ((rank < budget + forced.sum(-1, keepdim=True)) & valid) | forced
 
 
 def _select_blocks_op(q: Tensor, k: Tensor, is_causal: bool, scale: Optional[float], topk: Optional[int],
