@@ -164,10 +164,11 @@ MAX_HIDDEN = 65536
 _MIN_TILE_ELEMENTS = 2048
 
 # The backward kernels (which prefetch the next tile while reducing this one) at the sizes measured, as
-# (rows per tile, warps): the best of 4-32 warps x 1-4 rows for both RMSNorm and LayerNorm (H100, bf16,
-# 16384 rows, GPU time; LayerNorm / RMSNorm fraction of copy: 2048 0.70 / 0.80, 4096 0.82 / 0.89,
-# 8192 0.90 / 0.91; the elements-per-thread rule gave 0.67 / 0.79, 0.78 / 0.86, 0.79 / 0.84 there).
-_BACKWARD_TILES = {2048: (1, 8), 4096: (2, 16), 8192: (1, 32)}
+# (rows per tile, warps), with _WARPS_PER_SM: swept for RMSNorm, residual RMSNorm and LayerNorm once their
+# partial sums went to one sum_partials launch (H100, bf16, 16384 rows, GPU time, fraction of copy).
+# LayerNorm at 2048: (2, 8) 0.85 against (1, 8) 0.73 (RMSNorm 0.89 / 0.80); at 8192: (1, 16) 0.92
+# against (1, 32) 0.89; at 4096 (2, 16) stays (LayerNorm 0.90 with 16 warps per SM, 0.88 with 32).
+_BACKWARD_TILES = {2048: (2, 8), 4096: (2, 16), 8192: (1, 16)}
 # Elements of a row tile each thread holds. Forward: 16 (two 16-byte bf16 vector loads): 4 warps at
 # hidden 2048, 8 at 4096, 16 from 8192 (4 and 8 per thread were 1-6% slower; 53-61 registers, no spills
 # on sm_90). Backward: 8, twice the warps, because it keeps x, dy, the weight and the dweight
@@ -230,10 +231,11 @@ def triton_acc_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-# Persistent backward grids: warps per SM. The backward kernels take ~64 registers per thread (above),
-# so 32 warps are what an SM's 64K registers hold at once; the per-program partial dweight buffer is
-# then ~2% of the traffic at hidden 4096. Measured: 16, 64 and 128 were 0-10% slower at 2048-8192.
-_WARPS_PER_SM = 32
+# Persistent backward grids: warps per SM. The backward kernels take ~64 registers per thread (above);
+# with their partial sums reduced by one launch (sum_partials), 16 warps per SM (one or two programs) beat
+# 32 at hidden 2048-8192 in the sweep above (RMSNorm 4096: 0.92 against 0.92, LayerNorm 0.90 against 0.88)
+# and 64 lost everywhere (0.63-0.89).
+_WARPS_PER_SM = 16
 _PROGRAMS_OFF_GPU = 4  # under Triton's interpreter (CPU tensors): several programs, to test the reduction
 
 
