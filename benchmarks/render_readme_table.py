@@ -102,10 +102,12 @@ def columns_table(rows: list[dict], columns: list[tuple[str, str, int]]) -> str:
 def render_attention(data: dict) -> list[str]:
     rows = data.get("rows", [])
     providers = union(r.get("tflops", {}) for r in rows)
-    header = ["head dim", "L", "batch", "causal", "pass", *providers, "optimize / fastest SDPA"]
+    header = ["head dim", "L", "batch", "causal", "pass", *providers, "optimize / fastest SDPA",
+              "same, GPU time"]
     body = [[fmt(r.get("head_dim")), fmt(r.get("length")), fmt(r.get("batch")), fmt(r.get("causal")),
              "fwd+bwd" if r.get("backward") else "fwd", *[cell(r.get("tflops", {}), p) for p in providers],
-             fmt(r.get("fraction_of_fastest_kernel"), 2)] for r in rows]
+             fmt(r.get("fraction_of_fastest_kernel"), 2), fmt(r.get("gpu_fraction_of_fastest_kernel"), 2)]
+            for r in rows]
     out = ["TFLOP/s of a hand-written attention module and of the SDPA kernels, per shape.", table(header, body)]
     out += _remeasured(data, lambda key: f"hd {key[0]} L {key[1]}" + (" causal" if key[2] else "") +
                        (" fwd+bwd" if key[3] else " fwd"), "rows")

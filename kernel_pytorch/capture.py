@@ -219,9 +219,18 @@ class GraphOptimizer:
         if inputs.unusable_reason:
             self.report.notes.append(f"{ctx.graph_name}: not verified ({inputs.unusable_reason})")
             return candidate, results
-        reference = inputs.run(without_dropout(gm))
-        check = NoiseAwareCheck(reference, lambda: inputs.run_float32(float32_graph(without_dropout(gm))), self.config)
-        comparison = check(inputs.run(without_dropout(candidate)))
+        try:
+            reference = inputs.run(without_dropout(gm))
+            check = NoiseAwareCheck(reference, lambda: inputs.run_float32(float32_graph(without_dropout(gm))),
+                                    self.config)
+            comparison = check(inputs.run(without_dropout(candidate)))
+        except torch.cuda.OutOfMemoryError:
+            # The original graph (hand-written attention's fp32 scores: 17 GB each at hd64 L=8192 on the H100)
+            # may not fit next to the rewritten one; the rewrites stay, unverified, as with unusable inputs.
+            torch.cuda.empty_cache()
+            self.report.notes.append(f"{ctx.graph_name}: not verified (out of memory running the graphs on the "
+                                     "example inputs; smaller example inputs verify it, verify=False skips it)")
+            return candidate, results
         if comparison.ok:
             self._note_referee(comparison, check, ctx.graph_name, "the rewritten graph")
             return candidate, results
