@@ -114,6 +114,30 @@ def render_attention(data: dict) -> list[str]:
     return out
 
 
+def render_sparse(data: dict) -> list[str]:
+    rows = data.get("rows", [])
+    header = ["mask", "L", "pass", "attended", "optimize ms", "best dense causal ms", "speedup", "never slower",
+              "target"]
+    body = [[r.get("kind"), fmt(r.get("length")), "fwd+bwd" if r.get("backward") else "fwd",
+             fmt(r.get("attended_fraction"), 2), cell(r.get("ms", {}), "kernel_pytorch.optimize", 3),
+             fmt(r.get("best_dense_causal_ms"), 3), fmt(r.get("speedup_vs_dense_causal"), 2),
+             fmt(r.get("never_slower_than_dense")), fmt(r.get("target_speedup"))] for r in rows]
+    out = ["Masked attention after `optimize` against the fastest dense causal SDPA kernel.", table(header, body)]
+    return out + ([f"- {data['note']}"] if data.get("note") else [])
+
+
+def render_topk(data: dict) -> list[str]:
+    rows = data.get("rows", [])
+    header = ["budget", "L", "causal blocks kept", "optimize ms", "block choice ms", "best dense causal ms",
+              "speedup", "error: random", "error: clustered", "error: heavy blocks"]
+    body = [[r.get("budget"), fmt(r.get("length")), fmt(r.get("kept_fraction_of_causal_blocks"), 2),
+             cell(r.get("ms", {}), "kernel_pytorch.optimize (top-k)", 3), cell(r.get("ms", {}), "block choice only", 3),
+             fmt(r.get("best_dense_causal_ms"), 3), fmt(r.get("speedup_vs_dense_causal"), 2),
+             *[cell(r.get("relative_error_vs_dense", {}), k, 3) for k in ("random", "clustered", "heavy blocks")]]
+            for r in rows]
+    return ["Top-k sparse attention (approximate, inference), forward; errors relative to dense.", table(header, body)]
+
+
 def _remeasured(data: dict, name: Callable[[Any], str], key: str) -> list[str]:
     lines = []
     for entry in data.get("remeasured", []):
@@ -285,6 +309,8 @@ SUITES: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "block_fusion.json": ("Block fusion", render_block_fusion),
     "memory.json": ("Memory", render_memory),
     "memory_quick.json": ("Memory (--quick)", render_memory),
+    "sparse_attention.json": ("Sparse attention", render_sparse),
+    "sparse_attention_topk.json": ("Top-k sparse attention", render_topk),
     "e2e.json": ("End to end", render_e2e),
 }
 
