@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kernel_pytorch.api import optimize, report_of
 from kernel_pytorch.backends import Backend, get_backend
-from kernel_pytorch.config import OptimizeConfig, Tolerance
+from kernel_pytorch.config import OptimizeConfig, SparseAttentionConfig, Tolerance
 from kernel_pytorch.errors import HardwareUnavailableError, KernelPytorchError, PassError, UnknownPassError
 from kernel_pytorch.hardware import HardwareInfo, detect_hardware
 from kernel_pytorch.report import OptimizationReport
@@ -15,6 +15,7 @@ __all__ = [
     "optimize",
     "report_of",
     "OptimizeConfig",
+    "SparseAttentionConfig",
     "Tolerance",
     "detect_hardware",
     "HardwareInfo",
