@@ -458,3 +458,15 @@ def test_gpu_peak_memory_is_lower_with_offload(cuda):
     # Expected about 2.4 GiB against 0.8 GiB: with offloading only the activations being computed and
     # at most MAX_PENDING_COPIES + 1 whose copy is in flight stay on the GPU.
     assert offloaded < 0.6 * plain, (plain, offloaded)
+
+
+def test_a_tensor_needed_before_its_copy_finished_comes_back_resident_and_is_counted():
+    # On a GPU the backward can need a tensor whose copy to the host is not confirmed yet: the device
+    # tensor, still held, goes back (no transfer), counted as resident, not restored.
+    offloader = _Offloader(source="cpu", target="cpu", pin=False)
+    tensor = torch.randn(64, 32)
+    handle = _Offloaded(tensor.clone(), tensor.device, event=None, original=tensor)
+    assert offloader.unpack(handle) is tensor
+    stats = offloader.stats
+    assert (stats.resident_tensors, stats.restored_tensors) == (1, 0)
+    assert "1 still resident" in stats.describe()

@@ -371,7 +371,9 @@ def test_gpu_activation_offload_through_optimize_trains_the_same(cuda):
     assert rel_err(loss, expected) < 1e-5
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         assert rel_err(p.grad, q.grad) < 1e-4, name
-    assert stats.restored_tensors == stats.offloaded_tensors > 0
+    # Each offloaded tensor comes back: copied back, or still resident when the backward needed it (the
+    # H100 run: 201 restored, 89 resident, of 290).
+    assert stats.restored_tensors + stats.resident_tensors == stats.offloaded_tensors > 0
 
 
 @pytest.mark.gpu

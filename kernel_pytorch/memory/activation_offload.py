@@ -89,16 +89,20 @@ class OffloadStats:
     offloaded_bytes: int = 0
     restored_tensors: int = 0
     restored_bytes: int = 0
+    resident_tensors: int = 0
+    """Offloaded tensors the backward needed before their copy was confirmed finished: the device tensor,
+    still held, is handed back (no transfer). Every offloaded tensor comes back as restored or resident."""
     kept_tensors: int = 0
     """Saved tensors left in place: on another device, under ``min_bytes``, parameters, subclasses."""
 
     def reset(self) -> None:
         self.offloaded_tensors = self.offloaded_bytes = self.restored_tensors = self.restored_bytes = 0
-        self.kept_tensors = 0
+        self.resident_tensors = self.kept_tensors = 0
 
     def describe(self) -> str:
         return (f"activation offload: {self.offloaded_tensors} tensors / {self.offloaded_bytes / (1 << 20):.1f} MiB "
-                f"to CPU, {self.restored_tensors} restored, {self.kept_tensors} kept on device")
+                f"to CPU, {self.restored_tensors} restored, {self.resident_tensors} still resident when needed, "
+                f"{self.kept_tensors} kept on device")
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -227,6 +231,7 @@ class _Offloader:
         if packed.original is not None:
             # Its copy to CPU had not been confirmed finished, so the device tensor is still here:
             # hand it back, no transfer needed.
+            self.stats.resident_tensors += 1
             return packed.original
         if packed.device.type == "cuda":
             tensor = self._unpack_cuda(packed)
