@@ -87,7 +87,8 @@ def test_missing_and_malformed_files_do_not_stop_the_others(tmp_path):
     markdown = render.render_all(tmp_path)
     assert "`benchmarks/results/kernels.json` could not be rendered: JSONDecodeError" in markdown
     assert "GPU-X" in _section(markdown, "Block fusion")
-    assert "No results yet for: attention.json, fp8.json, e2e.json." in markdown
+    assert ("No results yet for: attention.json, fp8.json, sparse_attention.json, sparse_attention_topk.json, "
+            "e2e.json.") in markdown
 
 
 def test_write_replaces_only_the_marked_block(tmp_path, capsys):
