@@ -20,7 +20,9 @@ import argparse
 import gc
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -64,6 +66,16 @@ def _step(fn, q, k, v, backward):
     return run
 
 
+def timed_ms(run: Callable[[], Any], runs: int, gpu_time: bool = False) -> float | str:
+    """Median ms of ``run`` per call (``measure``), or GPU time only (``measure_gpu_time``), rounded; or
+    ``"error: ..."`` where a kernel does not take the shape or mask (or the calls cannot be captured)."""
+    try:
+        ms = measure_gpu_time(run, calls=5, replays=5) if gpu_time else measure(run, warmup=3, runs=runs).median_ms
+    except RuntimeError as error:
+        return f"error: {str(error).splitlines()[0][:100]}"
+    return round(ms, 4)
+
+
 def _providers(causal, training, q, k, v, compiled, compile_mode):
     hand = HandWrittenAttention(causal).train(training)
     # Verification runs the eager original (and, in bf16, a float32 copy of it as the referee): B·H·L² fp32
@@ -101,19 +113,12 @@ def run_case(head_dim, length, causal, backward, compiled, runs, compile_mode="a
     for name, fn in providers.items():
         if name.startswith("eager") and length > 8192:
             continue  # eager materializes B·H·L² fp32 scores: 16 GB at 16k, minutes of runs
-        try:
-            timing = measure(_step(fn, q, k, v, backward), warmup=3, runs=runs)
-        except RuntimeError as error:  # a kernel that does not take this shape
-            row["ms"][name] = f"error: {str(error).splitlines()[0][:100]}"
-            continue
-        row["ms"][name] = round(timing.median_ms, 4)
-        row["tflops"][name] = round(flops / timing.median_ms / 1e9, 1)
+        row["ms"][name] = timed_ms(_step(fn, q, k, v, backward), runs)
+        if isinstance(row["ms"][name], float):
+            row["tflops"][name] = round(flops / row["ms"][name] / 1e9, 1)
         if name == "kernel_pytorch.optimize" or name.startswith("sdpa-"):  # the ones the fraction compares:
             # the unfused providers materialize B·H·L² scores in each captured call (OOM at hd64 L=8192)
-            try:
-                row["gpu_ms"][name] = round(measure_gpu_time(_step(fn, q, k, v, backward), calls=5, replays=5), 4)
-            except RuntimeError as error:  # a provider that cannot be captured in a CUDA graph
-                row["gpu_ms"][name] = f"error: {str(error).splitlines()[0][:100]}"
+            row["gpu_ms"][name] = timed_ms(_step(fn, q, k, v, backward), runs, gpu_time=True)
     for key, times in (("fraction_of_fastest_kernel", row["ms"]), ("gpu_fraction_of_fastest_kernel", row["gpu_ms"])):
         fused = [t for n, t in times.items() if n.startswith("sdpa-") and isinstance(t, float)]
         ours = times.get("kernel_pytorch.optimize")

@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.attention import _step  # noqa: E402  (one forward (+ backward) step, as attention.py times it)
-from benchmarks.harness import RESULTS_DIR, measure, write_result  # noqa: E402
+from benchmarks.attention import _step, timed_ms  # noqa: E402  (one forward (+ backward) step, as attention.py times it)
+from benchmarks.harness import RESULTS_DIR, write_result  # noqa: E402
 from kernel_pytorch import optimize, report_of  # noqa: E402
 from kernel_pytorch.config import SparseAttentionConfig  # noqa: E402
 
@@ -154,13 +154,9 @@ def run_case(kind: str, length: int, backward: bool, runs: int) -> dict:
            "flex_block_sparsity_percent": round(flex_sparsity, 2), "rewrite": rewrite, "ms": {},
            "tflops_attended": {}}
     for name, fn in providers.items():
-        try:
-            timing = measure(_step(fn, q, k, v, backward), warmup=3, runs=runs)
-        except RuntimeError as error:  # a kernel that does not take this shape or mask
-            row["ms"][name] = f"error: {str(error).splitlines()[0][:100]}"
-            continue
-        row["ms"][name] = round(timing.median_ms, 4)
-        row["tflops_attended"][name] = round(flops / timing.median_ms / 1e9, 1)
+        row["ms"][name] = timed_ms(_step(fn, q, k, v, backward), runs)
+        if isinstance(row["ms"][name], float):
+            row["tflops_attended"][name] = round(flops / row["ms"][name] / 1e9, 1)
     return _summarize(row)
 
 
@@ -249,12 +245,7 @@ def run_topk_case(length: int, budget_name: str, budget: dict, runs: int) -> dic
     providers.update({f"sdpa-{name} causal (dense)": _dense_causal(b) for name, b in DENSE_CAUSAL.items()})
     with torch.no_grad():
         for name, fn in providers.items():
-            try:
-                timing = measure(_step(fn, q, k, v, False), warmup=3, runs=runs)
-            except RuntimeError as error:  # a kernel that does not take this shape
-                row["ms"][name] = f"error: {str(error).splitlines()[0][:100]}"
-                continue
-            row["ms"][name] = round(timing.median_ms, 4)
+            row["ms"][name] = timed_ms(_step(fn, q, k, v, False), runs)
         selected = providers["block choice only"](q, k, v)
         row["kept_fraction_of_causal_blocks"] = round(float(selected.sum() / (
             selected.shape[0] * selected.shape[1] * selected.shape[2] * (selected.shape[2] + 1) / 2)), 4)
