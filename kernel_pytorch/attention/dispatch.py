@@ -73,10 +73,13 @@ _FLEX_NOT_MEASURED = ("an SDPA fused kernel is eligible, and compiling FlexAtten
                       "for a dense or causal mask it does not win")
 
 # Key length below which a recognized sparse mask stays on the dense kernels without timing FlexAttention
-# (each timing compiles it: minutes inside optimize). A guess that must be measured on the H100
-# (benchmarks/sparse_attention.py): at L=2048 a 1024 window still covers ~3/4 of the causal tiles, and
-# FlexAttention's dense rate is ~0.66 of cuDNN's (407 vs 613 TFLOP/s), so it cannot win there.
-SPARSE_MIN_LENGTH = 4096
+# (each timing compiles it: seconds to minutes inside optimize). Measured on the H100 (bf16, hd128, 16 heads,
+# batch x L = 16384, benchmarks/sparse_attention.py): with a causal 1024 window at L=2048 FlexAttention took
+# 0.43 ms forward and 2.04 ms forward+backward against 0.82 and 3.51 for the dense kernels given the mask
+# tensor (the ones it competes with: a mask tensor costs them 2-3x their causal time), and 0.27 / 1.56
+# against 0.43 / 2.07 at L=1024. It was 4096 on a guess that FlexAttention cannot win below; shorter
+# masks than 1024 keys are not measured.
+SPARSE_MIN_LENGTH = 1024
 _FLEX_SHORT = (f"flex: not measured: a sparse mask with fewer than {SPARSE_MIN_LENGTH} keys, where block-sparse "
                "kernels lose to the dense fused kernels")
 
