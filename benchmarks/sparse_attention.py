@@ -114,10 +114,10 @@ def _flex_direct(allowed: torch.Tensor, length: int):
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask), block_mask.sparsity()
 
 
-def _dense_causal(backend):
+def _dense_causal(backend, causal: bool = True):
     def run(q, k, v):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return run
 
 
@@ -147,6 +147,8 @@ def run_case(kind: str, length: int, backward: bool, runs: int) -> dict:
     providers = {"kernel_pytorch.optimize": optimized, "flex_attention (direct)": flex_fn,
                  "sdpa masked (dense, mask tensor)": _dense_masked(allowed)}
     providers.update({f"sdpa-{name} causal (dense)": _dense_causal(b) for name, b in DENSE_CAUSAL.items()})
+    if kind != "window":  # a mask that is not causal restricts full attention: that is its dense baseline
+        providers.update({f"sdpa-{name} (dense)": _dense_causal(b, causal=False) for name, b in DENSE_CAUSAL.items()})
     attended = float(allowed.float().mean())
     flops = 4 * batch * HEADS * length * length * HEAD_DIM * attended * (3.5 if backward else 1.0)
     row = {"kind": kind, "length": length, "batch": batch, "heads": HEADS, "head_dim": HEAD_DIM,
@@ -161,17 +163,33 @@ def run_case(kind: str, length: int, backward: bool, runs: int) -> dict:
 
 
 def _summarize(row: dict) -> dict:
-    """Speedup of optimize over the best dense causal kernel, and whether it is never slower."""
-    dense = [t for n, t in row["ms"].items() if n.endswith("causal (dense)") and isinstance(t, float)]
+    """Speedups of optimize over dense attention and whether it is ever slower than dense.
+
+    The dense baseline is the attention the mask restricts: causal attention for the (causal) sliding
+    window, full attention for the block-sparse mask; ``speedup_vs_dense`` is against its fastest SDPA
+    kernel, ``speedup_vs_dense_flash`` against SDPA-flash (the kernel the issue's reference figure, 6.66x
+    for FlexAttention, was measured against). ``never_slower_than_dense`` compares with the same mask run
+    by the dense kernels (SDPA given the mask tensor) and with the dense baseline, 2% allowed for the
+    run-to-run noise of the medians; the speedup targets are checked against the fastest dense kernel."""
+    suffix = "causal (dense)" if row["kind"] == "window" else " (dense)"
+    dense = {n: t for n, t in row["ms"].items() if n.endswith(suffix) and isinstance(t, float)
+             and (row["kind"] == "window" or "causal" not in n)}
     mine = row["ms"].get("kernel_pytorch.optimize")
-    if dense and isinstance(mine, float):
-        row["best_dense_causal_ms"] = min(dense)
-        row["speedup_vs_dense_causal"] = round(min(dense) / mine, 3)
-        row["never_slower_than_dense"] = mine <= min(dense) * 1.02  # 2%: the run-to-run noise of the medians
-        target = TARGETS.get((row["kind"], row["length"]))
-        if target is not None:
-            row["target_speedup"] = target
-            row["target_met"] = row["speedup_vs_dense_causal"] >= target
+    same_mask = row["ms"].get("sdpa masked (dense, mask tensor)")
+    if not dense or not isinstance(mine, float):
+        return row
+    row["dense_baseline"] = "causal attention" if row["kind"] == "window" else "full attention"
+    row["best_dense_ms"] = min(dense.values())
+    row["speedup_vs_dense"] = round(min(dense.values()) / mine, 3)
+    flash = next((t for n, t in dense.items() if n.startswith("sdpa-flash")), None)
+    if flash is not None:
+        row["speedup_vs_dense_flash"] = round(flash / mine, 3)
+    slowest_allowed = min(min(dense.values()), same_mask if isinstance(same_mask, float) else math.inf)
+    row["never_slower_than_dense"] = mine <= slowest_allowed * 1.02
+    target = TARGETS.get((row["kind"], row["length"]))
+    if target is not None:
+        row["target_speedup"] = target
+        row["target_met"] = row["speedup_vs_dense"] >= target
     return row
 
 
@@ -324,20 +342,19 @@ def plot(rows, path, device: str):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, backward in zip(axes, (False, True)):
         for kind, marker in (("window", "o"), ("blocks90", "s")):
-            subset = [r for r in rows if r["kind"] == kind and r["backward"] == backward
-                      and "speedup_vs_dense_causal" in r]
+            subset = [r for r in rows if r["kind"] == kind and r["backward"] == backward and "speedup_vs_dense" in r]
             if subset:
-                ax.plot([r["length"] for r in subset], [r["speedup_vs_dense_causal"] for r in subset],
+                ax.plot([r["length"] for r in subset], [r["speedup_vs_dense"] for r in subset],
                         marker=marker, label=f"optimize, {kind}")
-            flex = [(r["length"], r["best_dense_causal_ms"] / r["ms"]["flex_attention (direct)"]) for r in subset
+            flex = [(r["length"], r["best_dense_ms"] / r["ms"]["flex_attention (direct)"]) for r in subset
                     if isinstance(r["ms"].get("flex_attention (direct)"), float)]
             if flex:
                 ax.plot(*zip(*flex), marker=marker, linestyle="--", label=f"flex direct, {kind}")
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{'fwd+bwd' if backward else 'fwd'}: speedup vs best dense causal SDPA")
+        ax.set_title(f"{'fwd+bwd' if backward else 'fwd'}: speedup vs the fastest dense SDPA kernel")
         ax.set_xlabel("sequence length")
-        ax.set_ylabel("x dense causal")
+        ax.set_ylabel("x dense (window: causal, blocks: full)")
         ax.legend(fontsize=7)
     fig.suptitle(f"sparse attention, bf16, hd{HEAD_DIM}, window {WINDOW}, {device}")
     fig.tight_layout()
