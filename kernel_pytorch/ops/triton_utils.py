@@ -232,9 +232,9 @@ def triton_acc_dtype(dtype: torch.dtype):
 
 
 # Persistent backward grids: warps per SM. The backward kernels take ~64 registers per thread (above);
-# with their partial sums reduced by one launch (sum_partials), 16 warps per SM (one or two programs) beat
-# 32 at hidden 2048-8192 in the sweep above (RMSNorm 4096: 0.92 against 0.92, LayerNorm 0.90 against 0.88)
-# and 64 lost everywhere (0.63-0.89).
+# with their partial sums reduced by one launch (sum_partials), 16 warps per SM (one or two programs) was as
+# fast as 32 or faster at hidden 2048-8192 in the sweep above, with the tiles there (LayerNorm 4096: 0.90
+# against 0.88; RMSNorm 4096: 0.92 both), and 64 lost everywhere (0.63-0.89).
 _WARPS_PER_SM = 16
 _PROGRAMS_OFF_GPU = 4  # under Triton's interpreter (CPU tensors): several programs, to test the reduction
 
@@ -285,9 +285,9 @@ def sum_partials(partial: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> list
     took four kernels for LayerNorm's dweight and dbias (a sum and a cast each); at hidden 2048 their
     fixed costs were a tenth of the backward's time."""
     n_programs, n_sums, n_cols = partial.shape
-    outs = [torch.empty(n_cols, dtype=dtype, device=partial.device) for dtype in dtypes]
     if n_sums != len(dtypes) or n_sums not in (1, 2):
         raise ValueError(f"sum_partials sums 1 or 2 partial buffers, one dtype each; got {n_sums} and {dtypes}")
+    outs = [torch.empty(n_cols, dtype=dtype, device=partial.device) for dtype in dtypes]
     with device_guard(partial):
         launch(_sum_partials_kernel)[(triton.cdiv(n_cols, _PARTIAL_SUM_COLUMNS),)](
             partial, outs[0], outs[1] if n_sums == 2 else unused_pointer(partial), n_programs, n_cols,

@@ -185,9 +185,10 @@ def _compact_value(v: Node, builder: _Builder, training: bool) -> tuple[Node, in
     layer, V 8 MB. In training such a V is copied once (8 MB per layer, a few microseconds on an H100) into
     a tensor of its own. Walks back through view ops, whose example values may predate earlier rewrites,
     to the first whose value is a view of a larger storage, and copies that one, so the views after it
-    give V its original stride order: the fused kernels' backwards lay dV out by V's layout, and a V
-    copied into another stride order than K's gave wrong gradients under Inductor (H100, cuDNN; the
-    rewrite was rolled back by the verification)."""
+    give V the stride order it had. A V copied instead into contiguous (B, H, L, D) order gave wrong
+    gradients in the H100 12-layer train step under Inductor (the verification rolled the attention
+    rewrite back; the mechanism was not isolated: the attention kernels alone passed with either
+    layout); this copy passes the GPU tests and the train step's verification."""
     node, child = v, None
     while training:
         value = example_value(node)
