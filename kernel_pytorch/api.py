@@ -72,6 +72,9 @@ def optimize(
     fp8 = float8_conversion.convert_for_config(model, config, example_inputs, training)
     model, report = backend.prepare_model(model, context_parallel.backend_config(config), example_inputs)
     float8_conversion.record_in_report(fp8, model, report)
+    if config.sparse_attention is not None and config.verify is False:
+        report.notes.append("not verified: sparse_attention is an approximation (verify='auto' is off with it); "
+                            "the attention rewrite lines give its error measured against dense attention")
     memory.install_memory_options(model, config, report, plan, training)
     context_parallel.install(model, config, report)  # around the compiled call: shard in, gather out
     if example_inputs is not None:

@@ -338,6 +338,8 @@ def test_optimize_with_the_option_end_to_end():
     model = optimize(module, example_inputs=_inputs(200), sparse_attention=SPARSE, compile=False)
     [line] = [r.replacement for r in report_of(model).rewrites if r.pass_name == "attention"]
     assert "top-k sparse attention (approximate)" in line and "not compiled" in line, line
+    assert report_of(model).verification is None
+    assert any("not verified: sparse_attention is an approximation" in n for n in report_of(model).notes)
     with torch.no_grad():
         long_inputs = _inputs(640, seed=2)
         assert rel_err(model(*long_inputs), topk_attention(*long_inputs, is_causal=True, topk=1)) < 1e-6
