@@ -114,7 +114,7 @@ def _flex_direct(allowed: torch.Tensor, length: int):
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask), block_mask.sparsity()
 
 
-def _dense_causal(backend, causal: bool = True):
+def _dense(backend, causal: bool = True):
     def run(q, k, v):
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -146,9 +146,9 @@ def run_case(kind: str, length: int, backward: bool, runs: int) -> dict:
     flex_fn, flex_sparsity = _flex_direct(flex_mask, length)
     providers = {"kernel_pytorch.optimize": optimized, "flex_attention (direct)": flex_fn,
                  "sdpa masked (dense, mask tensor)": _dense_masked(allowed)}
-    providers.update({f"sdpa-{name} causal (dense)": _dense_causal(b) for name, b in DENSE_CAUSAL.items()})
+    providers.update({f"sdpa-{name} causal (dense)": _dense(b, causal=True) for name, b in DENSE_CAUSAL.items()})
     if kind != "window":  # a mask that is not causal restricts full attention: that is its dense baseline
-        providers.update({f"sdpa-{name} (dense)": _dense_causal(b, causal=False) for name, b in DENSE_CAUSAL.items()})
+        providers.update({f"sdpa-{name} (dense)": _dense(b, causal=False) for name, b in DENSE_CAUSAL.items()})
     attended = float(allowed.float().mean())
     flops = 4 * batch * HEADS * length * length * HEAD_DIM * attended * (3.5 if backward else 1.0)
     row = {"kind": kind, "length": length, "batch": batch, "heads": HEADS, "head_dim": HEAD_DIM,
@@ -260,7 +260,7 @@ def run_topk_case(length: int, budget_name: str, budget: dict, runs: int) -> dic
                  "block choice only": lambda q, k, v: select_blocks(
                      q, k, is_causal=True, scale=None, topk=topk, keep_ratio=keep_ratio,
                      local_blocks=config.local_blocks, sink_blocks=config.sink_blocks, block=config.block)}
-    providers.update({f"sdpa-{name} causal (dense)": _dense_causal(b) for name, b in DENSE_CAUSAL.items()})
+    providers.update({f"sdpa-{name} causal (dense)": _dense(b, causal=True) for name, b in DENSE_CAUSAL.items()})
     with torch.no_grad():
         for name, fn in providers.items():
             row["ms"][name] = timed_ms(_step(fn, q, k, v, False), runs)

@@ -164,6 +164,29 @@ def test_verification_out_of_memory_keeps_the_rewrites_with_a_note(tiny_lm, monk
     assert rel_err(tiny_lm(t), reference(t)) < 1e-5
 
 
+def test_end_to_end_reference_out_of_memory_goes_on_unverified_with_a_note(tiny_lm, monkeypatch):
+    # The whole original model on the example inputs can run out of GPU memory before any graph is
+    # captured: optimize goes on, the end-to-end check skipped, and the report says so.
+    from kernel_pytorch import api
+
+    real, calls = api.run_reference, []
+
+    def first_call_out_of_memory(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "run_reference", first_call_out_of_memory)
+    reference = twin(tiny_lm)
+    optimize(tiny_lm, example_inputs=(tokens(),))
+    report = report_of(tiny_lm)
+    assert any("not verified end to end (out of memory" in note for note in report.notes), report.notes
+    assert report.rewrites and not report.rollbacks
+    t = tokens()
+    assert rel_err(tiny_lm(t), reference(t)) < 1e-5
+
+
 def test_optimizing_twice_is_harmless(tiny_lm):
     optimize(tiny_lm, example_inputs=(tokens(),))
     graphs = report_of(tiny_lm).graphs

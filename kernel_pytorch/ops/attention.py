@@ -62,7 +62,7 @@ from torch import Tensor
 from kernel_pytorch.attention.flash_attn import flash_attn_forward
 from kernel_pytorch.attention.flex import flex_attention_forward
 
-__all__ = ["attention", "ATTENTION_KERNELS", "kernel_device"]
+__all__ = ["attention", "ATTENTION_KERNELS", "kernel_device", "to_4d"]
 
 ATTENTION_KERNELS = ("sdpa", "cudnn", "flash", "efficient", "cpu_flash", "flex", "flash_attn")
 
@@ -356,7 +356,7 @@ def attention(
                          f"grad; use one of {', '.join(sorted(_MASK_GRAD))} or 'sdpa', or detach the mask")
     out_shape = (*q.shape[:-1], v.shape[-1])
     mask = _prepare_mask(attn_mask, q, k)
-    q, k, v = _to_4d(q), _to_4d(k), _to_4d(v)
+    q, k, v = to_4d(q), to_4d(k), to_4d(v)
     head_dim, value_dim = q.shape[-1], v.shape[-1]
     if kernel == "flash" and head_dim % 8:
         # As SDPA does: FlashAttention-2 needs E % 8 == 0, zero columns change no score; the scale stays
@@ -392,7 +392,7 @@ def _direct_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
         # The device is flash-attn's own check ("Input tensor must be on CUDA device"), which also keeps
         # the adapter testable on the CPU with a stand-in flash_attn module.
     out_shape = (*q.shape[:-1], v.shape[-1])
-    q, k, v = _to_4d(q), _to_4d(k), _to_4d(v)
+    q, k, v = to_4d(q), to_4d(k), to_4d(v)
     if kernel == "flex":
         out = flex_attention_forward(q, k, v, is_causal=is_causal, scale=scale, pattern=pattern,
                                      pattern_tensor=pattern_tensor)
@@ -417,7 +417,7 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None:
             raise ValueError(f"Hq={heads_q} and Hk={heads_k} differ; that needs enable_gqa=True and Hq % Hk == 0")
 
 
-def _to_4d(t: Tensor) -> Tensor:
+def to_4d(t: Tensor) -> Tensor:
     """(B, H, L, E): 2-D/3-D get leading size-1 dims (dim -3 stays the head dim, as SDPA's GQA has it);
     more than 4 dims are flattened into the batch."""
     if t.dim() < 4:
@@ -428,7 +428,7 @@ def _to_4d(t: Tensor) -> Tensor:
 
 
 def _prepare_mask(attn_mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
-    """SDPA's mask, as the custom op takes it: additive, 4-D like ``_to_4d(q)``, broadcast dims kept at 1."""
+    """SDPA's mask, as the custom op takes it: additive, 4-D like ``to_4d(q)``, broadcast dims kept at 1."""
     if attn_mask is None:
         return None
     full = (*q.shape[:-1], k.shape[-2])  # (..., Hq, Lq, Lk)
@@ -441,6 +441,6 @@ def _prepare_mask(attn_mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional
         attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(q.dtype)
     if attn_mask.dim() < len(full):  # as many dims as q
         attn_mask = attn_mask[(None,) * (len(full) - attn_mask.dim())]
-    if len(full) > 4:  # flatten the batch dims as _to_4d(q) does; only those get materialized
+    if len(full) > 4:  # flatten the batch dims as to_4d(q) does; only those get materialized
         attn_mask = attn_mask.expand(*full[:-3], *attn_mask.shape[-3:]).flatten(0, len(full) - 4)
-    return _to_4d(attn_mask)
+    return to_4d(attn_mask)

@@ -87,7 +87,7 @@ from torch.fx import Node
 
 from kernel_pytorch.attention.flex import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM
 from kernel_pytorch.attention.topk_sparse import TOPK_ERROR_QUERY_BLOCKS, sparse_or_dense_attention, topk_relative_error
-from kernel_pytorch.ops.attention import attention
+from kernel_pytorch.ops.attention import attention, to_4d
 from kernel_pytorch.passes.attention_match import AttentionMatch, NotAttention, Operand, match_attention
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, Rewrite
 from kernel_pytorch.passes.causal_mask import CausalMaskGuard, decide_causal
@@ -448,7 +448,7 @@ def _run_measuring(gm: torch.fx.GraphModule, ctx: PassContext, calls: set[Node],
             if q.shape[-2] < min_length:
                 found[node] = f"dense at the example length {q.shape[-2]} (< {min_length}): exact there"
                 return out
-            q4, k4, v4 = (_as_4d(t) for t in (q, k, v))
+            q4, k4, v4 = (to_4d(t) for t in (q, k, v))
             error = topk_relative_error(q4, k4, v4, is_causal=dense["is_causal"], scale=dense["scale"],
                                         pattern=pattern, query_blocks=TOPK_ERROR_QUERY_BLOCKS)
             blocks = -(-q.shape[-2] // pattern[-1])
@@ -460,9 +460,3 @@ def _run_measuring(gm: torch.fx.GraphModule, ctx: PassContext, calls: set[Node],
     with torch.no_grad():
         Measuring(gm).run(*args)
 
-
-def _as_4d(t: torch.Tensor) -> torch.Tensor:
-    """(B, H, L, E) as attention() takes it: leading size-1 dims added, extra batch dims flattened."""
-    if t.dim() < 4:
-        return t[(None,) * (4 - t.dim())]
-    return t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:])
