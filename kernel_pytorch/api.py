@@ -75,7 +75,11 @@ def optimize(
         if reference is not None and is_low_precision(reference):
             original = _structure_copy(model)  # for a float32 referee, should the end-to-end check fail
     fp8 = float8_conversion.convert_for_config(model, config, example_inputs, training)
-    model, report = backend.prepare_model(model, context_parallel.backend_config(config), example_inputs)
+    # The captured graphs hold the FP8 layers, so their checks take fp8_tolerance too (tolerances serve only
+    # verification): with the bf16 ones every kernel pass of an FP8 model was rolled back (H100 e2e benchmark,
+    # "gradient ... relative error 1.12e-01 exceeds tolerance 4e-02").
+    checked = float8_conversion.verification_config(fp8, config)
+    model, report = backend.prepare_model(model, context_parallel.backend_config(checked), example_inputs)
     float8_conversion.record_in_report(fp8, model, report)
     if unverified:
         report.notes.append(unverified)
@@ -90,8 +94,7 @@ def optimize(
             optimized = run_reference(model, args, kwargs, wrt)
         report.add_time("first call (capture, passes, compile)", time.perf_counter() - started)
         if reference is not None:
-            check = NoiseAwareCheck(reference, lambda: _float32_run(original, args, kwargs, training),
-                                    float8_conversion.verification_config(fp8, config))
+            check = NoiseAwareCheck(reference, lambda: _float32_run(original, args, kwargs, training), checked)
             _check_end_to_end(model, optimized, check)
             memory.sync_memory_report(model, report)
     return model

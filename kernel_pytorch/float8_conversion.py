@@ -255,8 +255,10 @@ def record_in_report(plan: Float8Plan | None, model: nn.Module, report) -> None:
 
 
 def verification_config(plan: Float8Plan | None, config):
-    """``config`` with ``fp8_tolerance`` for every dtype when some layer runs in FP8: the end-to-end check
-    then catches a wrong conversion without failing on FP8's expected rounding."""
+    """``config`` with ``fp8_tolerance`` for every dtype when some layer runs in FP8: what ``optimize`` gives
+    the per-graph checks (each captured graph holds the FP8 layers, which amplify a kernel pass's rounding
+    into FP8-sized differences) and the end-to-end check, which then catches a wrong conversion without
+    failing on FP8's expected rounding."""
     if plan is None or not plan.converted:
         return config
     return config.model_copy(update={"tolerances": {name: config.fp8_tolerance for name in config.tolerances}})
