@@ -15,7 +15,7 @@ import importlib
 import pytest
 import torch
 
-from .triton_interpreter import INTERPRETED, cuda_device, interp, run_interpreted_tests
+from .triton_interpreter import EAGER_OPCHECKS, INTERPRETED, cuda_device, interp, run_interpreted_tests
 
 FC = importlib.import_module("kernel_pytorch.ops.float8_cast")
 tu = importlib.import_module("kernel_pytorch.ops.triton_utils")
@@ -102,6 +102,52 @@ def test_interp_strided_input_and_one_layout(monkeypatch):
     assert torch.equal(out.cols_inv, reference.cols_inv)
     _assert_fp8_equal(out.cols, reference.cols, _prequantized(t.t(), amax.cols[:, None], torch.float8_e4m3fn),
                       exact=False)
+
+
+def _exactly_quantized(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Integers in [-7, 7] with a 7 or -7 in every row and column: every maximum (tensor, row, column) is 7,
+    so each scale is exact (448 / 7 = 64 for e4m3, 57344 / 7 = 8192 for e5m2), every scaled value is
+    representable, and no rounding happens, in the kernels (interpreted or not) or in the PyTorch path."""
+    t = torch.randint(-7, 8, (rows, cols), generator=gen).float()
+    t[torch.arange(rows), torch.arange(rows) % cols] = 7.0
+    t[torch.arange(cols) % rows, torch.arange(cols)] = -7.0
+    return t
+
+
+@interp
+@pytest.mark.parametrize("recipe", ("tensorwise", "rowwise"))
+def test_interp_float8_linear_through_the_kernels(recipe, monkeypatch):
+    """The float8_linear ops' bodies launching the interpreted kernels (through triton_utils.launch): on
+    values FP8 holds exactly (the interpreter's own float8 rounding differs from the GPU's, see the module
+    docstring), forward and both gradients equal the exact products, as the PyTorch path does; the eager op
+    checks pass. M = 40 is padded to 48 for the weight gradient's reduction."""
+    f8 = importlib.import_module("kernel_pytorch.ops.float8_linear")
+    launches = {"n": 0}
+    real_launch = FC.launch
+
+    def counted(kernel):
+        launches["n"] += 1
+        return real_launch(kernel)
+
+    monkeypatch.setattr(FC, "launch", counted)
+    gen = torch.Generator().manual_seed(0)
+    x, w, dy = _exactly_quantized(40, 64, gen), _exactly_quantized(32, 64, gen), _exactly_quantized(40, 32, gen)
+    b = torch.randint(-5, 6, (32,), generator=gen).float()
+    exact = (x @ w.t() + b, dy @ w, dy.t() @ x, dy.sum(0))
+    for devices in (frozenset({"cpu"}), frozenset()):
+        monkeypatch.setattr(tu, "TRITON_DEVICE_TYPES", devices)
+        xi, wi, bi = (t.clone().requires_grad_() for t in (x, w, b))
+        y = f8.float8_linear(xi, wi, bi, recipe, emulate=True)
+        y.backward(dy)
+        for name, value, expected in zip(("y", "dx", "dw", "db"), (y.detach(), xi.grad, wi.grad, bi.grad), exact):
+            assert torch.equal(value, expected), (sorted(devices), name, float((value - expected).abs().max()))
+        # forward: maxima and cast of x and of W; backward: of dy, and W transposed; none off the kernels
+        assert launches["n"] == (7 if devices else 0)
+        launches["n"] = 0
+    monkeypatch.setattr(tu, "TRITON_DEVICE_TYPES", frozenset({"cpu"}))
+    torch.library.opcheck(torch.ops.kernel_pytorch.float8_linear.default,
+                          (x, w.requires_grad_(), b, recipe, True, torch.float8_e4m3fn, torch.float8_e5m2, True),
+                          test_utils=EAGER_OPCHECKS)
 
 
 def test_reference_formulas():

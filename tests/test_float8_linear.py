@@ -16,9 +16,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from .triton_interpreter import cuda_device
+from .triton_interpreter import INTERPRETED, cuda_device
 
 F8 = importlib.import_module("kernel_pytorch.ops.float8_linear")
+tu = importlib.import_module("kernel_pytorch.ops.triton_utils")
 Float8Linear = F8.Float8Linear
 
 RECIPES = ("tensorwise", "rowwise")
@@ -283,6 +284,59 @@ def test_compile_fullgraph_forward_backward(recipe):
     torch.testing.assert_close(y, y_eager)
     for g, ge in zip([p.grad for p in model.parameters()] + [x.grad], grads_eager):
         torch.testing.assert_close(g, ge)
+
+
+def _aot_graphs(model: nn.Module, x: torch.Tensor) -> list[torch.fx.GraphModule]:
+    """The forward and backward graphs AOTAutograd hands the compiler for ``model(x)`` and its backward."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    graphs = []
+
+    def record(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    compiled = torch.compile(model, fullgraph=True, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+    compiled(x).square().mean().backward()
+    return graphs
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_compile_traces_the_op_bodies(recipe):
+    """triton_op: the compiler gets the bodies' ATen calls (here the emulated matmuls; the Triton kernels and
+    _scaled_mm on a GPU), not a call back into Python per layer. As custom_ops the two ops stayed opaque
+    nodes, each costing a Python call per step under torch.compile."""
+    torch._dynamo.reset()
+    _, fp8 = make(torch.float32, recipe, in_f=64, out_f=32)
+    graphs = _aot_graphs(fp8, torch.randn(24, 64, requires_grad=True))
+    assert len(graphs) == 2  # forward, backward
+    for graph in graphs:
+        targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+        assert not [t for t in targets if "kernel_pytorch" in t], targets
+        assert "aten.mm.default" in targets, targets
+    assert sum(str(n.target) == "aten.mm.default" for n in graphs[1].graph.nodes) == 2  # grad_input, grad_weight
+
+
+@pytest.mark.skipif(not tu.HAS_TRITON or INTERPRETED,
+                    reason="needs Triton, and kernels Inductor can analyze (the interpreter's cannot be wrapped)")
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_triton_path_traces_into_kernels_that_write_only_their_outputs(recipe):
+    """The ops' Triton path as Inductor traces it on a GPU (tests/test_cudagraph_safety.py's harness): one
+    wrapped call per cast kernel, each writing only its own outputs (an aliased written argument would be
+    copied, triton_utils.unused_pointer), and no graph input mutated (CUDA graphs stay possible)."""
+    from .test_cudagraph_safety import _Call, functionalized, triton_path_as_on_a_gpu
+
+    x, w, b = (torch.randn(*shape, requires_grad=True) for shape in ((40, 64), (32, 64), (32,)))
+    with triton_path_as_on_a_gpu():
+        found = functionalized(_Call(lambda x, w, b: F8.float8_linear(x, w, b, recipe, emulate=True)), (x, w, b),
+                               grad=True)
+    both = ["OUT", "OUT_T", "ROW_INV", "COL_INV"]
+    assert found["clones"] == [
+        ["AMAX"], both, ["AMAX"], ["OUT", "ROW_INV"],  # forward: x's maxima and both layouts; W's, its own layout
+        ["AMAX"], both, ["OUT_T", "COL_INV"],  # backward: dy's maxima and both layouts; W transposed
+    ], found["clones"]
+    assert found["mutated"] == [] and found["backward_mutated"] == []
 
 
 # ----------------------------------------------------------------------------------------------- GPU

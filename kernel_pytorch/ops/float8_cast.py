@@ -16,9 +16,13 @@ Tensorwise uses the one scalar for both.
 Why two kernels and not one: a scale depends on a maximum over the whole row/column/tensor, which a
 tiled kernel only knows after every tile has been read. Both kernels are tiled (64 x 128 elements per
 program, grid over both dimensions) so that any (R, C) fills the GPU; the maxima meet through fp32
-``atomic_max`` on buffers the caller zeroes (|t| >= 0, so 0 is the identity). Bytes moved for a bf16
+``atomic_max`` on a buffer the caller zeroes (|t| >= 0, so 0 is the identity). Bytes moved for a bf16
 (R, C) operand cast to both layouts: 2 reads + 2 one-byte writes = 6 bytes per element; the eager
 chain it replaces (abs, amax, float, mul, clamp, to, transpose, contiguous) moved ~30.
+
+Both launch through :func:`~kernel_pytorch.ops.triton_utils.launch` (``wrap_triton``): they run inside the
+``triton_op`` bodies of :mod:`kernel_pytorch.ops.float8_linear`, which Inductor traces into direct calls of
+the kernels from its generated code.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernel_pytorch.ops.triton_utils import device_guard, jit, tl, triton, use_triton
+from kernel_pytorch.ops.triton_utils import device_guard, jit, launch, tl, triton, unused_pointer, use_triton
 
 __all__ = ["Float8Cast", "Amax", "abs_max", "cast", "EPS", "FLOAT8_DTYPES", "padded"]
 
@@ -44,6 +48,9 @@ _BLOCK_R, _BLOCK_C = 64, 128  # cast: 8192 elements (16 KB of bf16) per program,
 # alone: the 1.5M atomics were the difference. Wider tiles halve the row atomics, the steps cut the rest.
 _AMAX_BLOCK_R, _AMAX_BLOCK_C = 32, 256
 _AMAX_MIN_PROGRAMS = 512  # ~4 per SM on an H100 / H200
+# Each float8 dtype's largest finite value, looked up once: torch.finfo ran in every cast, 4-6 per layer
+# step, on the per-call host path FP8 loses on (see abs_max).
+_FP8_MAX = {dtype: torch.finfo(dtype).max for dtype in FLOAT8_DTYPES}
 
 
 def padded(n: int, multiple: int) -> int:
@@ -87,21 +94,22 @@ def abs_max(t: Tensor, tensorwise: bool, rows: bool = False, cols: bool = False)
         a = t.detach().abs().float()
         return Amax(tensor=a.amax().reshape(1) if tensorwise else None, rows=a.amax(1) if rows else None,
                     cols=a.amax(0) if cols else None)
-    # One zero-filled buffer for all the maxima asked for: one memset launch, not one per kind (rowwise
-    # asks for rows and columns: a layer's forward + backward made 6 fills, now 3). The host cost per FP8
-    # layer step, ~1 ms on an H100 (benchmarks/results/fp8.json, small shapes), is what FP8 loses on.
-    sizes = {"tensor": 1 if tensorwise else 0, "rows": t.shape[0] if rows else 0, "cols": t.shape[1] if cols else 0}
-    parts = torch.zeros(sum(sizes.values()), device=t.device, dtype=torch.float32).split(list(sizes.values()))
-    out = Amax(**{kind: part for (kind, n), part in zip(sizes.items(), parts) if n})
-    any_out = _or(out.tensor, out.rows, out.cols)
+    # One zero-filled buffer, [tensor | rows | columns], for the maxima asked for: one memset launch, not one
+    # per kind (rowwise asks for rows and columns: a layer's forward + backward made 6 fills, now 3). The host
+    # cost per FP8 layer step, ~1 ms on an H100 (benchmarks/results/fp8.json, small shapes), is what FP8
+    # loses on. The kernel gets it as one pointer and offsets, not as views: no two written kernel
+    # arguments may alias (triton_utils.unused_pointer says what Inductor does with aliased ones).
+    sizes = [1 if tensorwise else 0, t.shape[0] if rows else 0, t.shape[1] if cols else 0]
+    maxima = torch.zeros(sum(sizes), device=t.device, dtype=torch.float32)
     row_tiles, col_tiles = triton.cdiv(t.shape[0], _AMAX_BLOCK_R), triton.cdiv(t.shape[1], _AMAX_BLOCK_C)
     steps = _amax_steps(row_tiles * col_tiles)
     with device_guard(t):
-        _abs_max_kernel[(triton.cdiv(row_tiles, steps), col_tiles)](
-            t, _or(out.tensor, any_out), _or(out.rows, any_out), _or(out.cols, any_out),
-            t.shape[0], t.shape[1], t.stride(0), t.stride(1), TENSOR=tensorwise, ROWS=rows, COLS=cols,
-            STEPS=steps, BLOCK_R=_AMAX_BLOCK_R, BLOCK_C=_AMAX_BLOCK_C, num_warps=8)
-    return out
+        launch(_abs_max_kernel)[(triton.cdiv(row_tiles, steps), col_tiles)](
+            t, maxima, t.shape[0], t.shape[1], t.stride(0), t.stride(1), sizes[0], sizes[0] + sizes[1],
+            TENSOR=tensorwise, ROWS=rows, COLS=cols, STEPS=steps, BLOCK_R=_AMAX_BLOCK_R, BLOCK_C=_AMAX_BLOCK_C,
+            num_warps=8)
+    tensor, row_max, col_max = maxima.split(sizes)
+    return Amax(tensor=tensor if tensorwise else None, rows=row_max if rows else None, cols=col_max if cols else None)
 
 
 def _amax_steps(tiles: int) -> int:
@@ -116,40 +124,47 @@ def cast(t: Tensor, amax: Amax, fp8_dtype: torch.dtype, rows: bool = True, cols:
          cols_multiple: int = 1) -> Float8Cast:
     """``t`` (R, C) scaled and cast to ``fp8_dtype``: ``rows`` in its own layout, ``cols`` transposed to
     (C, R) with R zero-padded to a multiple of ``cols_multiple`` (zeros add nothing to a reduction over R)."""
-    if fp8_dtype not in FLOAT8_DTYPES:
+    fp8_max = _FP8_MAX.get(fp8_dtype)
+    if fp8_max is None:
         raise ValueError(f"not a float8 dtype: {fp8_dtype}")
-    r, c = t.shape
-    fp8_max = torch.finfo(fp8_dtype).max
     if not use_triton(t):
         return _cast_reference(t, amax, fp8_dtype, fp8_max, rows, cols, cols_multiple)
     tensorwise = amax.tensorwise
     if not tensorwise and ((rows and amax.rows is None) or (cols and amax.cols is None)):
         raise ValueError("rowwise cast needs the row maxima for `rows` and the column maxima for `cols`")
+    r, c = t.shape
     r_pad = padded(r, cols_multiple)
-    new = lambda *shape, zero=False: (torch.zeros if zero else torch.empty)(  # noqa: E731
-        *shape, device=t.device, dtype=fp8_dtype)
-    scale_shape = lambda n: () if tensorwise else (n, 1)  # noqa: E731
-    out = Float8Cast(
-        rows=new(r, c) if rows else None,
-        rows_inv=torch.empty(scale_shape(r), device=t.device, dtype=torch.float32) if rows else None,
-        cols=new(c, r_pad, zero=r_pad != r) if cols else None,
-        cols_inv=torch.empty(scale_shape(c), device=t.device, dtype=torch.float32) if cols else None)
+    out = _cast_outputs(t, fp8_dtype, tensorwise, rows, cols, r_pad)
     row_amax = amax.tensor if tensorwise else amax.rows
     col_amax = amax.tensor if tensorwise else amax.cols
-    some = _or(out.rows, out.cols)
     with device_guard(t):
-        _cast_kernel[_grid(t)](
-            t, _or(out.rows, some), _or(out.cols, some), _or(row_amax, col_amax), _or(col_amax, row_amax),
-            _or(out.rows_inv, out.cols_inv), _or(out.cols_inv, out.rows_inv),
+        launch(_cast_kernel)[_grid(t)](
+            t, _pointer(out.rows, t), _pointer(out.cols, t), _pointer(row_amax, t), _pointer(col_amax, t),
+            _pointer(out.rows_inv, t), _pointer(out.cols_inv, t),
             r, c, t.stride(0), t.stride(1), c, r_pad,
             FP8_MAX=fp8_max, EPS=EPS, TENSORWISE=tensorwise, ROWS=rows, COLS=cols,
             BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=8)
     return out
 
 
-def _or(*candidates: Optional[Tensor]) -> Tensor:
-    """The first tensor given: a pointer for a kernel argument the constexpr flags say is never touched."""
-    return next(c for c in candidates if c is not None)
+def _cast_outputs(t: Tensor, fp8_dtype: torch.dtype, tensorwise: bool, rows: bool, cols: bool,
+                  r_pad: int) -> Float8Cast:
+    """The kernel's outputs, allocated: the transposed layout zero-filled only where it has padding rows."""
+    r, c = t.shape
+    scale_shape = (lambda n: ()) if tensorwise else (lambda n: (n, 1))
+    fp32 = {"device": t.device, "dtype": torch.float32}
+    transposed = torch.zeros if r_pad != r else torch.empty
+    return Float8Cast(
+        rows=torch.empty(r, c, device=t.device, dtype=fp8_dtype) if rows else None,
+        rows_inv=torch.empty(scale_shape(r), **fp32) if rows else None,
+        cols=transposed(c, r_pad, device=t.device, dtype=fp8_dtype) if cols else None,
+        cols_inv=torch.empty(scale_shape(c), **fp32) if cols else None)
+
+
+def _pointer(tensor: Optional[Tensor], like: Tensor) -> Tensor:
+    """``tensor``, or a fresh empty one for a kernel argument the constexpr flags say is never touched: an
+    alias of another argument would count as written (triton_utils.unused_pointer)."""
+    return tensor if tensor is not None else unused_pointer(like)
 
 
 def _grid(t: Tensor) -> tuple[int, int]:
@@ -191,10 +206,9 @@ def _cast_reference(t: Tensor, amax: Amax, fp8_dtype: torch.dtype, fp8_max: floa
 @jit
 def _abs_max_kernel(
     X,  # (n_rows, n_cols) input
-    TENSOR_AMAX,  # (1,) fp32, zeroed: max |x| over the tensor (if TENSOR)
-    ROW_AMAX,  # (n_rows,) fp32, zeroed: max |x| of each row (if ROWS)
-    COL_AMAX,  # (n_cols,) fp32, zeroed: max |x| of each column (if COLS)
-    n_rows, n_cols, stride_r, stride_c,
+    AMAX,  # fp32, zeroed: at 0 max |x| over the tensor (if TENSOR), from rows_at the max |x| of each of the
+           # n_rows rows (if ROWS), from cols_at that of each of the n_cols columns (if COLS)
+    n_rows, n_cols, stride_r, stride_c, rows_at, cols_at,
     TENSOR: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, STEPS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -211,12 +225,12 @@ def _abs_max_kernel(
         a = tl.abs(tl.load(X + rows.to(tl.int64)[:, None] * stride_r + col_offsets, mask=mask, other=0.0)
                    .to(tl.float32))
         if ROWS:
-            tl.atomic_max(ROW_AMAX + rows, tl.max(a, axis=1), mask=row_mask)
+            tl.atomic_max(AMAX + rows_at + rows, tl.max(a, axis=1), mask=row_mask)
         col_max = tl.maximum(col_max, tl.max(a, axis=0))
     if TENSOR:
-        tl.atomic_max(TENSOR_AMAX, tl.max(col_max, axis=0))
+        tl.atomic_max(AMAX, tl.max(col_max, axis=0))
     if COLS:
-        tl.atomic_max(COL_AMAX + cols, col_max, mask=col_mask)
+        tl.atomic_max(AMAX + cols_at + cols, col_max, mask=col_mask)
 
 
 @jit
