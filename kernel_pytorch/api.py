@@ -74,7 +74,9 @@ def optimize(
                           "inputs; smaller example inputs verify it, verify=False skips it)")
         if reference is not None and is_low_precision(reference):
             original = _structure_copy(model)  # for a float32 referee, should the end-to-end check fail
-    fp8 = float8_conversion.convert_for_config(model, config, example_inputs, training)
+    # Compiled, the FP8 ops' Python no longer runs per call: fp8="auto" then compares the layers' GPU times.
+    compiled = backend.compiler_choice(config)[0].name != "eager"
+    fp8 = float8_conversion.convert_for_config(model, config, example_inputs, training, compiled)
     # The captured graphs hold the FP8 layers, so their checks take fp8_tolerance too (tolerances serve only
     # verification): with the bf16 ones every kernel pass of an FP8 model was rolled back (H100 e2e benchmark,
     # "gradient ... relative error 1.12e-01 exceeds tolerance 4e-02").

@@ -18,6 +18,13 @@ training) in its dtype and in FP8 on this GPU, and converts it only where FP8 is
 loses below ~4096 x 4096 x 4096, where the quantization passes and launch costs outweigh the matmul
 saving; at 8192^3 it wins 1.6x (tensorwise). Identical shapes are measured once per process.
 
+How it times. A model that will run compiled (``compiled=True``; ``optimize`` passes whether its compiler
+is one) is compared by GPU time, the steps replayed from a CUDA graph
+(:func:`~kernel_pytorch.timing.fastest_cuda_graph_ms`): compiled code calls the FP8 kernels without the ops'
+Python, ~1 ms of host time per layer step on an H100 that, timed per call, decided against FP8 for every
+layer (0 of 85 in the end-to-end benchmark). An eager model pays that Python, so it is timed per call.
+Each decision's reason says which timing it used.
+
 Where FP8 cannot run (no GPU, NVIDIA below compute capability 8.9, AMD before MI300) nothing changes
 and :attr:`Float8Plan.skipped_reason` says why; ``optimize`` writes it to the report.
 
@@ -42,7 +49,7 @@ from kernel_pytorch.ops.float8_linear import (
     float8_eligible,
     float8_hardware_reason,
 )
-from kernel_pytorch.timing import fastest_cuda_ms
+from kernel_pytorch.timing import PER_CALL, Timings, fastest_cuda_graph_ms, fastest_cuda_ms
 from kernel_pytorch.verify import call_arguments
 
 __all__ = ["Float8Plan", "LayerDecision", "convert_to_float8", "MIN_SPEEDUP", "FilterFn"]
@@ -104,11 +111,13 @@ def convert_to_float8(
     include_output_head: bool = False,
     training: bool | None = None,
     emulate: bool = False,
+    compiled: bool = False,
 ) -> Float8Plan:
     """Swap ``model``'s eligible linear layers for :class:`Float8Linear` in place (see the module docstring).
 
     ``decide="auto"`` needs ``example_inputs`` (the shapes to measure) and a GPU; ``training`` (default:
-    ``model.training``) says whether the backward is part of what is measured. ``emulate=True`` makes
+    ``model.training``) says whether the backward is part of what is measured, ``compiled`` whether the
+    model will run under torch.compile (GPU time compared, not time per call). ``emulate=True`` makes
     layers that run FP8's numerics in fp32 on any device (``decide=True`` only: there is nothing to time).
     """
     if recipe not in RECIPES:
@@ -129,7 +138,7 @@ def convert_to_float8(
     shapes, call_order = _record_shapes(model, linears, example_inputs) if example_inputs is not None else ({}, [])
     head = (call_order or list(linears))[-1:] if not include_output_head else []
     for fqn, linear in linears.items():
-        decision = _decide(fqn, linear, shapes.get(fqn), head, filter_fn, decide, recipe, training)
+        decision = _decide(fqn, linear, shapes.get(fqn), head, filter_fn, decide, recipe, training, compiled)
         plan.decisions.append(decision)
         if decision.converted:
             plan._originals[fqn] = linear
@@ -141,7 +150,7 @@ def convert_to_float8(
 
 
 def _decide(fqn: str, linear: nn.Linear, shape, head: list[str], filter_fn, decide, recipe: str,
-            training: bool) -> LayerDecision:
+            training: bool, compiled: bool) -> LayerDecision:
     def skip(reason: str, **times) -> LayerDecision:
         return LayerDecision(fqn, shape, False, reason, **times)
 
@@ -156,12 +165,13 @@ def _decide(fqn: str, linear: nn.Linear, shape, head: list[str], filter_fn, deci
         return LayerDecision(fqn, shape, True, "fp8=True")
     if shape is None:
         return skip("not called on the example inputs: no shape to measure")
-    base_ms, fp8_ms = _measure(shape, linear.weight.dtype, recipe, training, linear.weight.device)
+    base_ms, fp8_ms, timing = _measure(shape, linear.weight.dtype, recipe, training, linear.weight.device, compiled)
     times = {"base_ms": base_ms, "fp8_ms": fp8_ms}
     speedup = base_ms / fp8_ms
+    measured = f"fp8 measured {speedup:.2f}x ({timing}) at (M, K, N) = {shape}"
     if speedup < MIN_SPEEDUP:
-        return skip(f"fp8 measured {speedup:.2f}x at (M, K, N) = {shape}, below {MIN_SPEEDUP}x", **times)
-    return LayerDecision(fqn, shape, True, f"fp8 measured {speedup:.2f}x at (M, K, N) = {shape}", **times)
+        return skip(f"{measured}, below {MIN_SPEEDUP}x", **times)
+    return LayerDecision(fqn, shape, True, measured, **times)
 
 
 def _record_shapes(model: nn.Module, linears: dict[str, nn.Linear], example_inputs: Any):
@@ -187,9 +197,11 @@ def _record_shapes(model: nn.Module, linears: dict[str, nn.Linear], example_inpu
     return shapes, list(dict.fromkeys(reversed(order)))[::-1]
 
 
-def _measure(shape, dtype: torch.dtype, recipe: str, training: bool, device: torch.device) -> tuple[float, float]:
-    """Median ms of one call, forward (+ backward when training), in ``dtype`` and in FP8."""
-    key = (*shape, dtype, recipe, training, str(device))
+def _measure(shape, dtype: torch.dtype, recipe: str, training: bool, device: torch.device,
+             compiled: bool) -> tuple[float, float, str]:
+    """Median ms of one call, forward (+ backward when training), in ``dtype`` and in FP8, and how they were
+    timed (:meth:`Timings.describe`)."""
+    key = (*shape, dtype, recipe, training, str(device), compiled)
     if key not in _measured:
         m, k, n = shape
         base = nn.Linear(k, n, bias=False, device=device, dtype=dtype)
@@ -197,10 +209,17 @@ def _measure(shape, dtype: torch.dtype, recipe: str, training: bool, device: tor
         fp8 = Float8Linear.from_linear(base, recipe=recipe, forward_dtype=forward_dtype, backward_dtype=backward_dtype)
         x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=training)
         dy = torch.randn(m, n, device=device, dtype=dtype)
-        timings = fastest_cuda_ms({"base": _step(base, x, dy, training), "fp8": _step(fp8, x, dy, training)},
-                                  warmup=_MEASURE_WARMUP, runs=_MEASURE_RUNS)
-        _measured[key] = (timings["base"], timings["fp8"])
+        timed = _timed({"base": _step(base, x, dy, training), "fp8": _step(fp8, x, dy, training)}, compiled)
+        _measured[key] = (timed.ms["base"], timed.ms["fp8"], timed.describe())
     return _measured[key]
+
+
+def _timed(steps: dict[str, Callable[[], None]], compiled: bool) -> Timings:
+    """GPU time (CUDA-graph replay) for a model that will run compiled, time per call for an eager one
+    (module docstring, "How it times")."""
+    if compiled:
+        return fastest_cuda_graph_ms(steps, warmup=_MEASURE_WARMUP, runs=_MEASURE_RUNS)
+    return Timings(fastest_cuda_ms(steps, warmup=_MEASURE_WARMUP, runs=_MEASURE_RUNS), PER_CALL)
 
 
 def _step(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, training: bool) -> Callable[[], None]:
@@ -227,13 +246,15 @@ def _set_submodule(model: nn.Module, fqn: str, module: nn.Module) -> None:
 
 # ------------------------------------------------------------------------------------ optimize() glue
 
-def convert_for_config(model: nn.Module, config, example_inputs: Any, training: bool) -> Float8Plan | None:
-    """What ``optimize`` runs before capture: :func:`convert_to_float8` per ``config.fp8*`` (None when off)."""
+def convert_for_config(model: nn.Module, config, example_inputs: Any, training: bool,
+                       compiled: bool = False) -> Float8Plan | None:
+    """What ``optimize`` runs before capture: :func:`convert_to_float8` per ``config.fp8*`` (None when off);
+    ``compiled``: whether the backend hands the graphs to a compiler (then "auto" compares GPU times)."""
     if config.fp8 is False:
         return None
     return convert_to_float8(model, recipe=config.fp8_recipe, decide=config.fp8, example_inputs=example_inputs,
                              filter_fn=config.fp8_filter, include_output_head=config.fp8_include_output_head,
-                             training=training)
+                             training=training, compiled=compiled)
 
 
 def record_in_report(plan: Float8Plan | None, model: nn.Module, report) -> None:

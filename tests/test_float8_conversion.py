@@ -171,6 +171,56 @@ def test_per_graph_checks_keep_the_dtype_tolerances_without_fp8_layers():
     assert per_graph.tolerance_for(torch.float32) == kernel_pytorch.config.DEFAULT_TOLERANCES["float32"]
 
 
+def _scripted_timers(monkeypatch) -> list[str]:
+    """FP8 twice as fast as GPU time, twice as slow per call (its Python, as measured on the H100), on any
+    device: convert_to_float8(decide="auto") then runs on the CPU. Returns which timer each measure used."""
+    used: list[str] = []
+    timing = importlib.import_module("kernel_pytorch.timing")
+
+    def graph_timer(steps, **_counts):
+        used.append("graph")
+        return timing.Timings({"base": 2.0, "fp8": 1.0}, timing.GRAPH_TIME)
+
+    def per_call_timer(steps, **_counts):
+        used.append("per call")
+        return {"base": 1.0, "fp8": 2.0}
+
+    monkeypatch.setattr(FC, "float8_hardware_reason", lambda device: None)
+    monkeypatch.setattr(FC, "_measured", {})
+    monkeypatch.setattr(FC, "fastest_cuda_graph_ms", graph_timer)
+    monkeypatch.setattr(FC, "fastest_cuda_ms", per_call_timer)
+    return used
+
+
+def test_auto_compares_gpu_time_for_compiled_models_and_time_per_call_for_eager_ones(monkeypatch):
+    used = _scripted_timers(monkeypatch)
+    decisions = {}
+    for compiled in (True, False):
+        model = Odd()
+        plan = FC.convert_to_float8(model, decide="auto", example_inputs=(torch.randn(64, 32),), compiled=compiled)
+        decisions[compiled] = {d.fqn: d for d in plan.decisions}["up"]
+    assert used == ["graph", "per call"]
+    assert decisions[True].converted and decisions[True].reason == (
+        "fp8 measured 2.00x (GPU time (CUDA graph)) at (M, K, N) = (64, 32, 64)")
+    assert not decisions[False].converted and decisions[False].reason == (
+        "fp8 measured 0.50x (per call) at (M, K, N) = (64, 32, 64), below 1.05x")
+    assert (decisions[False].base_ms, decisions[False].fp8_ms) == (1.0, 2.0)
+
+
+def test_optimize_tells_the_fp8_pass_whether_the_model_is_compiled(monkeypatch):
+    """compile=False runs the graphs eagerly: per-call timing; compile=True (Inductor on the CPU where a
+    C++ compiler is found) compiles them: GPU time. No example inputs: nothing is captured or compiled."""
+    seen = []
+    monkeypatch.setattr(FC, "convert_for_config",
+                        lambda model, config, example_inputs, training, compiled=False: seen.append(compiled))
+    compilers = []
+    for compile_ in (False, True):
+        optimized = kernel_pytorch.optimize(Odd(), fp8=True, compile=compile_)
+        compilers.append(kernel_pytorch.report_of(optimized).compiler)
+    assert compilers[0].startswith("eager")
+    assert seen == [False, not compilers[1].startswith("eager")], compilers
+
+
 def test_roll_back_restores_the_linear_layers(monkeypatch):
     real = FC.convert_to_float8
     monkeypatch.setattr(FC, "convert_to_float8", lambda *a, **k: real(*a, **{**k, "decide": True, "emulate": True}))
@@ -237,3 +287,16 @@ def test_gpu_convergence_within_two_percent_of_bf16():
     assert torch.isfinite(fp8).all()
     assert bf16[-10:].mean() < 0.5 * bf16[:10].mean()  # it learned
     assert abs(fp8[-10:].mean() - bf16[-10:].mean()) <= 0.02 * bf16[-10:].mean(), (fp8[-10:], bf16[-10:])
+
+
+@pytest.mark.gpu
+def test_gpu_auto_for_a_compiled_model_times_cuda_graphs():
+    """The FP8 and bf16 training steps (Triton casts, _scaled_mm, autograd) capture into CUDA graphs: no
+    decision fell back to time per call."""
+    device = cuda_device()
+    model = _llama(dim=256, ffn=512, vocab=512, device=device, dtype=torch.bfloat16).train()
+    tokens = _tokens(model, batch=4, seq=64, device=device)
+    plan = FC.convert_to_float8(model, decide="auto", example_inputs=(tokens,), compiled=True)
+    measured = [d for d in plan.decisions if d.base_ms is not None]
+    assert len(measured) == 14 and all(d.fp8_ms > 0 and d.base_ms > 0 for d in measured)
+    assert all("(GPU time (CUDA graph))" in d.reason for d in measured), [d.reason for d in measured]
