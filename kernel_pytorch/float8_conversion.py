@@ -59,7 +59,7 @@ FilterFn = Callable[[nn.Module, str], bool]
 # these ms-scale steps is ~1-2%, so a smaller margin could pick a layer that is really a tie or a loss.
 MIN_SPEEDUP = 1.05
 _MEASURE_WARMUP, _MEASURE_RUNS = 3, 5  # runs per round: kernel_pytorch.timing times 3 interleaved rounds
-_measured: dict[tuple, tuple[float, float]] = {}  # (m, k, n, dtype, recipe, training, device) -> (base, fp8) ms
+_measured: dict[tuple, _Measurement] = {}  # (m, k, n, dtype, recipe, training, device, compiled) -> times
 
 
 @dataclass
@@ -165,10 +165,10 @@ def _decide(fqn: str, linear: nn.Linear, shape, head: list[str], filter_fn, deci
         return LayerDecision(fqn, shape, True, "fp8=True")
     if shape is None:
         return skip("not called on the example inputs: no shape to measure")
-    base_ms, fp8_ms, timing = _measure(shape, linear.weight.dtype, recipe, training, linear.weight.device, compiled)
-    times = {"base_ms": base_ms, "fp8_ms": fp8_ms}
-    speedup = base_ms / fp8_ms
-    measured = f"fp8 measured {speedup:.2f}x ({timing}) at (M, K, N) = {shape}"
+    timed = _measurement(shape, linear.weight.dtype, recipe, training, linear.weight.device, compiled)
+    times = {"base_ms": timed.base_ms, "fp8_ms": timed.fp8_ms}
+    speedup = timed.base_ms / timed.fp8_ms
+    measured = f"fp8 measured {speedup:.2f}x ({timed.timing}) at (M, K, N) = {shape}"
     if speedup < MIN_SPEEDUP:
         return skip(f"{measured}, below {MIN_SPEEDUP}x", **times)
     return LayerDecision(fqn, shape, True, measured, **times)
@@ -197,10 +197,24 @@ def _record_shapes(model: nn.Module, linears: dict[str, nn.Linear], example_inpu
     return shapes, list(dict.fromkeys(reversed(order)))[::-1]
 
 
+@dataclass(frozen=True)
+class _Measurement:
+    base_ms: float
+    fp8_ms: float
+    timing: str  # how: Timings.describe()
+
+
 def _measure(shape, dtype: torch.dtype, recipe: str, training: bool, device: torch.device,
-             compiled: bool) -> tuple[float, float, str]:
-    """Median ms of one call, forward (+ backward when training), in ``dtype`` and in FP8, and how they were
-    timed (:meth:`Timings.describe`)."""
+             compiled: bool = False) -> tuple[float, float]:
+    """(ms in ``dtype``, ms in FP8) of one call, forward (+ backward when training): what the decision
+    compares (benchmarks/fp8.py reports it)."""
+    timed = _measurement(shape, dtype, recipe, training, device, compiled)
+    return timed.base_ms, timed.fp8_ms
+
+
+def _measurement(shape, dtype: torch.dtype, recipe: str, training: bool, device: torch.device,
+                 compiled: bool) -> _Measurement:
+    """:func:`_measure`'s times and how they were taken, measured once per process and arguments."""
     key = (*shape, dtype, recipe, training, str(device), compiled)
     if key not in _measured:
         m, k, n = shape
@@ -210,7 +224,7 @@ def _measure(shape, dtype: torch.dtype, recipe: str, training: bool, device: tor
         x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=training)
         dy = torch.randn(m, n, device=device, dtype=dtype)
         timed = _timed({"base": _step(base, x, dy, training), "fp8": _step(fp8, x, dy, training)}, compiled)
-        _measured[key] = (timed.ms["base"], timed.ms["fp8"], timed.describe())
+        _measured[key] = _Measurement(timed.ms["base"], timed.ms["fp8"], timed.describe())
     return _measured[key]
 
 
