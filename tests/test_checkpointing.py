@@ -478,3 +478,20 @@ def test_optimize_config_applies_checkpointing_and_reports_it():
         optimize(LlamaStyleLM(config), checkpointing="selective", memory_budget_gb=1.0)
     with pytest.raises(ValueError, match="set checkpointing"):
         optimize(LlamaStyleLM(config), memory_budget_gb=1.0)
+
+
+def test_selective_policy_keeps_the_library_attention_and_fp8_outputs():
+    # After optimize a block's attention and FP8 matmuls are kernel_pytorch ops, not the aten ones:
+    # recomputing them would redo the block's FLOPs; the fused pointwise ops are cheap to redo.
+    import kernel_pytorch.ops.attention  # noqa: F401  (registers the ops)
+    import kernel_pytorch.ops.float8_linear  # noqa: F401
+    import kernel_pytorch.ops.rms_norm  # noqa: F401
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from kernel_pytorch.memory.checkpointing import selective_checkpoint_policy
+
+    ops = torch.ops.kernel_pytorch
+    for op in (ops.attention_fwd.default, ops.float8_linear.default, torch.ops.aten.mm.default):
+        assert selective_checkpoint_policy(None, op) == CheckpointPolicy.MUST_SAVE, op
+    for op in (ops.rms_norm.default, ops.attention_bwd.default, torch.ops.aten.mul.Tensor):
+        assert selective_checkpoint_policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE, op
