@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from kernel_pytorch.timing import captured_calls
+
 __all__ = ["Timing", "measure", "measure_gpu_time", "environment", "write_result", "timing_dict", "RESULTS_DIR"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -48,17 +50,7 @@ def measure_gpu_time(fn: Callable[[], Any], *, calls: int = 20, replays: int = 7
     """Median GPU time of one ``fn()`` in ms, host overhead excluded: ``calls`` calls captured in one
     CUDA graph, replayed ``replays`` times. For kernel tuning and kernel-vs-kernel choices; the
     per-call :func:`measure` is what a model's step sees."""
-    fn()  # compile, allocate
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    graph = captured_calls({"fn": fn}, warmup=2, calls=calls)["fn"]  # warm-up compiles and allocates
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

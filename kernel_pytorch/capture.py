@@ -29,7 +29,8 @@ from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.errors import PassError
 from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
-from kernel_pytorch.passes.graph_utils import block_of, calls_per_block, checkpointed_subgraphs, clone_graph_module
+from kernel_pytorch.passes.graph_utils import (block_of, calls_per_block, checkpointed_subgraphs, clone_graph_module,
+                                                is_checkpointed_region)
 from kernel_pytorch.passes.manager import PassManager
 from kernel_pytorch.report import BlockRecord, OptimizationReport, RewriteRecord, RollbackRecord, SkipRecord
 from kernel_pytorch.verify import LOW_PRECISION, NoiseAwareCheck, Run, float32_fits, run_reference, to_float32
@@ -107,7 +108,7 @@ def _with_eager_checkpointing(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return gm
     gm = clone_graph_module(gm)
     for node in gm.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "__name__", "") == "tag_activation_checkpoint":
+        if is_checkpointed_region(node):
             node.target = run_checkpointed_region
     gm.recompile()
     return gm

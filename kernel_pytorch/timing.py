@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["fastest_cuda_ms", "fastest_cuda_graph_ms", "median_cuda_ms", "Timings", "GRAPH_TIME", "PER_CALL"]
+__all__ = ["fastest_cuda_ms", "fastest_cuda_graph_ms", "captured_calls", "median_cuda_ms", "Timings", "GRAPH_TIME", "PER_CALL"]
 
 GRAPH_TIME = "GPU time (CUDA graph)"
 PER_CALL = "per call"
@@ -86,7 +86,7 @@ def fastest_cuda_graph_ms(candidates: Mapping[str, Callable[[], object]], rounds
     if not torch.cuda.is_available():
         raise RuntimeError("fastest_cuda_graph_ms times CUDA graphs: it needs a CUDA GPU, and none is available")
     try:
-        graphs = _captured(candidates, warmup, calls_per_graph)
+        graphs = captured_calls(candidates, warmup, calls_per_graph)
     except Exception as error:  # capture is how it times, not what: the per-call timer still answers
         reason = f"CUDA-graph capture failed ({type(error).__name__}: {_first_line(error)})"
         return Timings(fastest_cuda_ms(candidates, rounds, warmup=0, runs=runs), PER_CALL, reason)
@@ -105,8 +105,9 @@ def _best_round(time_round: Mapping[str, Callable[[], float]], rounds: int) -> d
     return best
 
 
-def _captured(candidates: Mapping[str, Callable[[], object]], warmup: int, calls: int) -> dict[str, torch.cuda.CUDAGraph]:
-    """One CUDA graph of ``calls`` calls per candidate. The warm-up runs on a side stream first, as capture
+def captured_calls(candidates: Mapping[str, Callable[[], object]], warmup: int,
+                   calls: int) -> dict[str, torch.cuda.CUDAGraph]:
+    """One CUDA graph of ``calls`` calls per candidate (benchmarks/harness.py times its replays too). The warm-up runs on a side stream first, as capture
     requires: lazy initialization (cuBLAS workspaces, Triton compilation, the allocator's first blocks) must
     not happen while the stream is captured."""
     side = torch.cuda.Stream()

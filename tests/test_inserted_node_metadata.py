@@ -21,7 +21,7 @@ from kernel_pytorch import optimize, report_of
 from kernel_pytorch.attention import dispatch
 from kernel_pytorch.capture import CompilerChoice
 from kernel_pytorch.memory import apply_checkpointing
-from kernel_pytorch.passes.graph_utils import checkpointed_subgraphs
+from kernel_pytorch.passes.graph_utils import checkpointed_subgraphs, is_checkpointed_region
 from kernel_pytorch.passes.manager import PassManager
 from kernel_pytorch.passes.shape_constants import example_value
 from kernel_pytorch.testing import LlamaStyleConfig, LlamaStyleLM
@@ -88,7 +88,7 @@ def real_values(gm: torch.fx.GraphModule, inputs: list[Any]) -> dict[str, Any]:
     with torch.no_grad():
         Recording(gm).run(*inputs)
     for node in gm.graph.nodes:
-        if getattr(node.target, "__name__", "") == "tag_activation_checkpoint":
+        if is_checkpointed_region(node):
             name = str(node.args[0].target)
             operands = [values[arg.name] if isinstance(arg, torch.fx.Node) else arg for arg in node.args[1:]]
             body_values = real_values(getattr(gm, name), operands)

@@ -346,13 +346,17 @@ class RopeLike(nn.Module):
 _TINY_BF16 = {"bfloat16": {"outputs": 1e-6, "gradients": 1e-6}}
 
 
+def _bf16_rope_like():
+    """A bf16 ``RopeLike``, an untouched twin of it, and an input."""
+    torch.manual_seed(0)
+    model = RopeLike().to(torch.bfloat16).eval()
+    return model, twin(model), torch.randn(32, 64, dtype=torch.bfloat16)
+
+
 def test_a_bf16_rewrite_more_accurate_than_the_original_passes_against_a_float32_referee():
     from kernel_pytorch.verify import NOISE_FACTOR
 
-    torch.manual_seed(0)
-    model = RopeLike().to(torch.bfloat16).eval()
-    reference = twin(model)
-    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    model, reference, x = _bf16_rope_like()
     optimize(model, example_inputs=(x,), extra_passes=("test_fma_float32",), tolerances=_TINY_BF16)
     report = report_of(model)
     assert report.rollbacks == []
@@ -371,10 +375,7 @@ def test_a_bf16_rewrite_more_accurate_than_the_original_passes_against_a_float32
 
 
 def test_a_wrong_bf16_rewrite_is_still_rolled_back_against_the_float32_referee():
-    torch.manual_seed(0)
-    model = RopeLike().to(torch.bfloat16).eval()
-    reference = twin(model)
-    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    model, reference, x = _bf16_rope_like()
     optimize(model, example_inputs=(x,), extra_passes=("test_fma_wrong",), tolerances=_TINY_BF16)
     rolled = report_of(model).rollbacks
     assert [r.pass_name for r in rolled] == ["test_fma_wrong"]

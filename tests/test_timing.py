@@ -74,7 +74,7 @@ def test_graph_timer_divides_replays_by_the_calls_captured_and_keeps_the_best_ro
         return {name: _Replayed(name) for name in candidates}
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(timing, "_captured", fake_capture)
+    monkeypatch.setattr(timing, "captured_calls", fake_capture)
     monkeypatch.setattr(timing, "median_cuda_ms", fake_median)
     timed = timing.fastest_cuda_graph_ms({"bf16": lambda: None, "fp8": lambda: None}, warmup=3, calls_per_graph=8)
     assert timed.ms == {"bf16": 0.8, "fp8": 0.4}
@@ -90,7 +90,7 @@ def test_graph_timer_falls_back_to_per_call_timing_when_capture_fails(monkeypatc
 
     per_call = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(timing, "_captured", failing_capture)
+    monkeypatch.setattr(timing, "captured_calls", failing_capture)
     monkeypatch.setattr(timing, "median_cuda_ms", lambda fn, warmup, runs: (per_call.append(fn()), 1.5)[1])
     timed = timing.fastest_cuda_graph_ms({"a": lambda: "a", "b": lambda: "b"}, rounds=2)
     assert timed.ms == {"a": 1.5, "b": 1.5} and per_call == ["a", "b", "a", "b"]  # every candidate per call

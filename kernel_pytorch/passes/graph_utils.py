@@ -22,6 +22,7 @@ __all__ = [
     "blocks_reordering",
     "calls_per_block",
     "checkpointed_subgraphs",
+    "is_checkpointed_region",
     "clone_graph_module",
     "count_calls",
     "erase_unused",
@@ -74,14 +75,19 @@ def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return copy
 
 
+def is_checkpointed_region(node: torch.fx.Node) -> bool:
+    """Whether ``node`` runs an activation-checkpointed region: Dynamo's ``tag_activation_checkpoint``
+    higher-order op, whose first argument is the region's body module."""
+    return node.op == "call_function" and getattr(node.target, "__name__", "") == "tag_activation_checkpoint"
+
+
 def checkpointed_subgraphs(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphModule]]:
     """The bodies of activation-checkpointed regions in ``gm``: Dynamo captures a non-reentrant
     ``torch.utils.checkpoint`` (``kernel_pytorch.memory.apply_checkpointing``) as a
     ``tag_activation_checkpoint`` call on a subgraph module, which the graph passes rewrite too."""
     bodies = []
     for node in gm.graph.nodes:
-        target = node.target
-        if node.op == "call_function" and getattr(target, "__name__", "") == "tag_activation_checkpoint":
+        if is_checkpointed_region(node):
             body = node.args[0] if node.args else None
             if isinstance(body, torch.fx.Node) and body.op == "get_attr":
                 module = getattr(gm, str(body.target), None)

@@ -9,7 +9,7 @@ import torch.fx
 
 from kernel_pytorch.errors import PassError
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
-from kernel_pytorch.passes.graph_utils import checkpointed_subgraphs
+from kernel_pytorch.passes.graph_utils import checkpointed_subgraphs, is_checkpointed_region
 from kernel_pytorch.passes.shape_constants import ConstantEvaluator
 
 __all__ = ["PassManager", "constant_operands"]
@@ -88,9 +88,8 @@ def constant_operands(gm: torch.fx.GraphModule, name: str, body: torch.fx.GraphM
                       evaluator: ConstantEvaluator) -> dict:
     """The body placeholders of checkpointed region ``name`` whose operands ``gm`` computes from
     shape-only ops with static sizes (a causal mask built before the blocks), with their values."""
-    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.args and
-             getattr(n.args[0], "target", None) == name and
-             getattr(n.target, "__name__", "") == "tag_activation_checkpoint"]
+    calls = [n for n in gm.graph.nodes if is_checkpointed_region(n) and n.args and
+             getattr(n.args[0], "target", None) == name]
     if len(calls) != 1:  # a body used twice could get different operands
         return {}
     placeholders = [n.name for n in body.graph.nodes if n.op == "placeholder"]
