@@ -239,18 +239,19 @@ def sweep_points(quick: bool) -> list[tuple[int, int, int]]:
 
 
 def add_auto_decision(row: dict, recipe: str = "tensorwise") -> None:
-    """What ``optimize(fp8="auto")`` decides at this point (its own timing, kernel_pytorch.float8_conversion)
-    and the speedup over bf16 that decision gets on this row's measurements: never below 1 when right."""
+    """What ``optimize(fp8="auto")`` decides at this point for a compiled model (its own GPU-time measurement,
+    kernel_pytorch.float8_conversion.measured_decision) and the speedup over bf16 that decision gets on this
+    row's GPU times: never below 1 when right."""
     shape = (row["m"], row["k"], row["n"])
     try:
-        base_ms, fp8_ms = float8_conversion._measure(shape, DTYPE, recipe, True, torch.device("cuda"))
+        use_fp8, _, base_ms, fp8_ms = float8_conversion.measured_decision(shape, DTYPE, recipe, True,
+                                                                          torch.device("cuda"), compiled=True)
     except Exception as error:  # an OOM at the largest points: no decision recorded
         row["auto"] = {"error": _error(error)}
         return
-    use_fp8 = base_ms / fp8_ms >= float8_conversion.MIN_SPEEDUP
     results = row["results"]
-    chosen = results.get(f"fp8 {recipe}" if use_fp8 else BF16, {}).get("ms")
-    bf16 = results.get(BF16, {}).get("ms")
+    chosen = results.get(f"fp8 {recipe}" if use_fp8 else BF16, {}).get("gpu_ms")
+    bf16 = results.get(BF16, {}).get("gpu_ms")
     row["auto"] = {"recipe": recipe, "choice": "fp8" if use_fp8 else "bf16",
                    "measured_speedup": round(base_ms / fp8_ms, 3),
                    "speedup": round(bf16 / chosen, 3) if bf16 and chosen else None}

@@ -17,7 +17,7 @@ import itertools
 import sys
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ import torch.utils.checkpoint
 
 from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.errors import PassError
+from kernel_pytorch.float8_conversion import with_fp8_tolerance
 from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
 from kernel_pytorch.passes.graph_utils import (block_of, calls_per_block, checkpointed_subgraphs, clone_graph_module,
@@ -183,8 +184,10 @@ class GraphOptimizer:
         compiler: CompilerChoice,
         verify: bool,
         report: OptimizationReport,
+        fp8_targets: Mapping[str, str | None] | None = None,
     ):
         self.passes = tuple(passes)
+        self.fp8_targets = dict(fp8_targets or {})
         self.hardware = hardware
         self.config = config
         self.training = training
@@ -203,7 +206,7 @@ class GraphOptimizer:
         placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         ctx = PassContext(hardware=self.hardware, config=self.config, training=self.training, graph_name=name,
                           example_inputs=dict(zip(placeholders, example_inputs)),
-                          compiled=self.compiler.name != "eager")
+                          compiled=self.compiler.name != "eager", fp8_targets=self.fp8_targets)
         started = time.perf_counter()
         candidate, results = self._apply(gm, self.passes, ctx)
         self.report.add_time("passes", time.perf_counter() - started)
@@ -254,7 +257,7 @@ class GraphOptimizer:
             reference = inputs.run(without_dropout(gm))
             check = NoiseAwareCheck(reference, lambda: inputs.run_float32(float32_graph(without_dropout(gm))),
                                     self.config)
-            comparison = check(inputs.run(without_dropout(candidate)))
+            comparison = check(inputs.run(without_dropout(candidate)), self._judged_by(results))
         except torch.cuda.OutOfMemoryError:
             # The original graph (hand-written attention's fp32 scores: 17 GB each at hd64 L=8192 on the H100)
             # may not fit next to the rewritten one; the rewrites stay, unverified, as with unusable inputs.
@@ -271,7 +274,8 @@ class GraphOptimizer:
             if not trial_results:
                 continue
             result = trial_results[0][1]
-            comparison = check(inputs.run(without_dropout(trial))) if result.changed else None
+            judged_by = self._judged_by([*kept, (graph_pass, result)])
+            comparison = check(inputs.run(without_dropout(trial)), judged_by) if result.changed else None
             if comparison is None or comparison.ok:
                 if comparison is not None:
                     self._note_referee(comparison, check, ctx.graph_name, f"pass {graph_pass.name}")
@@ -285,6 +289,13 @@ class GraphOptimizer:
             self.report.notes.append(f"{ctx.graph_name}: judged by tolerance only, no float32 referee "
                                      f"({check.unavailable})")
         return current, kept
+
+    def _judged_by(self, results: list[tuple[GraphPass, PassResult]]) -> OptimizeConfig:
+        """The config whose tolerances judge a graph with these passes' rewrites: ``fp8_tolerance`` once the
+        FP8 pass converted a linear in it (float8_conversion.with_fp8_tolerance: why), else the dtypes' own."""
+        if any(graph_pass.name == "fp8" and result.changed for graph_pass, result in results):
+            return with_fp8_tolerance(self.config)
+        return self.config
 
     def _note_referee(self, comparison: Any, check: NoiseAwareCheck, graph: str, what: str) -> None:
         if comparison.rule != "tolerance":

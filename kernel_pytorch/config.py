@@ -163,10 +163,14 @@ class OptimizeConfig(BaseModel):
         False, description="Raise when a pass fails instead of skipping it with a report line (for development)."
     )
     fp8: Union[bool, Literal["auto"]] = Field(
-        False, description="Swap eligible nn.Linear layers for FP8 matmuls (kernel_pytorch.float8_conversion): "
-        "True converts every eligible layer; 'auto' times each layer's real (M, K, N) from example_inputs on this "
-        "GPU and converts only where FP8 is faster. Off by default: FP8 changes results (~28 dB SQNR) beyond "
-        "the bf16 tolerances, so the end-to-end check uses fp8_tolerance instead."
+        False, description="Run eligible linear layers as FP8 matmuls (the 'fp8' graph pass, after the q/k/v and "
+        "gate/up fusion: kernel_pytorch.passes.fp8_linear): True converts every candidate; 'auto' times each "
+        "linear's real (M, K, N) on this GPU and converts only where FP8 is faster. Off by default: FP8 changes "
+        "results (~28 dB SQNR) beyond the bf16 tolerances, so the checks then use fp8_tolerance instead."
+    )
+    fp8_emulate: bool = Field(
+        False, description="With fp8=True: run FP8's quantization numerics in fp32 on any device (CPU included), "
+        "for testing a model's FP8 accuracy; no speedup."
     )
     fp8_recipe: Literal["tensorwise", "rowwise"] = Field(
         "tensorwise", description="Dynamic scaling: one scale per tensor, or one per row along each matmul's "
@@ -283,6 +287,13 @@ class OptimizeConfig(BaseModel):
         if unknown:
             raise ValueError(f"unknown pass name(s) {unknown}; registered passes: {sorted(known)}")
         return names
+
+    @model_validator(mode="after")
+    def _emulation_converts_everything(self) -> OptimizeConfig:
+        if self.fp8_emulate and self.fp8 is not True:
+            raise ValueError(f"fp8_emulate=True runs FP8 numerics without FP8 speed, so there is nothing for "
+                             f"fp8={self.fp8!r} to measure or decide: use fp8=True with it")
+        return self
 
     @model_validator(mode="after")
     def _memory_budget_has_a_user(self) -> OptimizeConfig:

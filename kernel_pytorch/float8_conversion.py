@@ -1,8 +1,15 @@
-"""The FP8 pass: swap a model's eligible ``nn.Linear`` layers for :class:`~kernel_pytorch.ops.Float8Linear`,
-each only where FP8 is measured faster for that layer's real shape.
+"""FP8 conversion of a model's linear layers: which are candidates, and the measured decision.
+
+Two users share these rules. :func:`convert_to_float8` swaps a model's eligible ``nn.Linear`` modules for
+:class:`~kernel_pytorch.ops.Float8Linear` in place, each only where FP8 is measured faster for that
+layer's real shape::
 
     plan = convert_to_float8(model, recipe="tensorwise", decide="auto", example_inputs=(tokens,))
     print(plan.describe())
+
+``optimize(model, fp8=...)`` instead converts in the captured graph (:mod:`kernel_pytorch.passes.fp8_linear`),
+after the horizontal GEMM fusion, so that it decides on the fused q/k/v and gate/up shapes and keeps that
+fusion; it takes the candidates from :func:`linear_targets` and each decision from :func:`measured_decision`.
 
 Which layers. An ``nn.Linear`` is a candidate when :func:`~kernel_pytorch.ops.float8_linear.float8_eligible`
 accepts it (16-bit or fp32 weights, both dimensions multiples of 16), ``filter_fn(module, fqn)`` (if
@@ -35,6 +42,7 @@ and the optimizer's view of the parameters are unchanged.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
@@ -52,7 +60,8 @@ from kernel_pytorch.ops.float8_linear import (
 from kernel_pytorch.timing import PER_CALL, Timings, fastest_cuda_graph_ms, fastest_cuda_ms
 from kernel_pytorch.verify import call_arguments
 
-__all__ = ["Float8Plan", "LayerDecision", "convert_to_float8", "MIN_SPEEDUP", "FilterFn"]
+__all__ = ["Float8Plan", "LayerDecision", "convert_to_float8", "linear_targets", "measured_decision",
+           "with_fp8_tolerance", "MIN_SPEEDUP", "FilterFn"]
 
 FilterFn = Callable[[nn.Module, str], bool]
 # FP8 must beat the layer's own dtype by this factor to be chosen: the timing noise of a warm GPU on
@@ -134,11 +143,9 @@ def convert_to_float8(
     if plan.skipped_reason is not None:
         return plan
     training = model.training if training is None else training
-    linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
-    shapes, call_order = _record_shapes(model, linears, example_inputs) if example_inputs is not None else ({}, [])
-    head = (call_order or list(linears))[-1:] if not include_output_head else []
+    linears, reasons, shapes = _survey(model, example_inputs, filter_fn, include_output_head)
     for fqn, linear in linears.items():
-        decision = _decide(fqn, linear, shapes.get(fqn), head, filter_fn, decide, recipe, training, compiled)
+        decision = _decide(fqn, linear, shapes.get(fqn), reasons[fqn], decide, recipe, training, compiled)
         plan.decisions.append(decision)
         if decision.converted:
             plan._originals[fqn] = linear
@@ -149,29 +156,61 @@ def convert_to_float8(
     return plan
 
 
-def _decide(fqn: str, linear: nn.Linear, shape, head: list[str], filter_fn, decide, recipe: str,
-            training: bool, compiled: bool) -> LayerDecision:
-    def skip(reason: str, **times) -> LayerDecision:
-        return LayerDecision(fqn, shape, False, reason, **times)
+def linear_targets(model: nn.Module, config, example_inputs: Any = None) -> dict[str, str | None]:
+    """What the graph pass (:mod:`kernel_pytorch.passes.fp8_linear`) may convert, per ``config.fp8*``:
+    every ``nn.Linear``'s path, with None for a candidate or the reason it is not one (not eligible, the
+    output head, ``fp8_filter``)."""
+    _, reasons, _ = _survey(model, example_inputs, config.fp8_filter, config.fp8_include_output_head)
+    return reasons
 
+
+def _survey(model: nn.Module, example_inputs: Any, filter_fn: FilterFn | None, include_output_head: bool):
+    """The model's linears by path; for each, None (a candidate) or why not; their (M, K, N) on the
+    example inputs (empty without them)."""
+    linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    shapes, call_order = _record_shapes(model, linears, example_inputs) if example_inputs is not None else ({}, [])
+    head = (call_order or list(linears))[-1:] if not include_output_head else []
+    reasons = {fqn: _candidate_reason(fqn, linear, head, filter_fn) for fqn, linear in linears.items()}
+    return linears, reasons, shapes
+
+
+def _candidate_reason(fqn: str, linear: nn.Linear, head: list[str], filter_fn: FilterFn | None) -> str | None:
     reason = float8_eligible(linear)
     if reason is not None:
-        return skip(reason)
+        return reason
     if fqn in head:
-        return skip("the output head (include_output_head=True to convert it)")
+        return "the output head (include_output_head=True to convert it)"
     if filter_fn is not None and not filter_fn(linear, fqn):
-        return skip("excluded by filter_fn")
+        return "excluded by filter_fn"
+    return None
+
+
+def _decide(fqn: str, linear: nn.Linear, shape, reason: str | None, decide, recipe: str, training: bool,
+            compiled: bool) -> LayerDecision:
+    if reason is not None:
+        return LayerDecision(fqn, shape, False, reason)
     if decide is True:
         return LayerDecision(fqn, shape, True, "fp8=True")
     if shape is None:
-        return skip("not called on the example inputs: no shape to measure")
-    timed = _measurement(shape, linear.weight.dtype, recipe, training, linear.weight.device, compiled)
-    times = {"base_ms": timed.base_ms, "fp8_ms": timed.fp8_ms}
+        return LayerDecision(fqn, shape, False, "not called on the example inputs: no shape to measure")
+    converted, reason, base_ms, fp8_ms = measured_decision(shape, linear.weight.dtype, recipe, training,
+                                                           linear.weight.device, compiled)
+    return LayerDecision(fqn, shape, converted, reason, base_ms, fp8_ms)
+
+
+def measured_decision(shape: tuple[int, int, int], dtype: torch.dtype, recipe: str, training: bool,
+                      device: torch.device, compiled: bool) -> tuple[bool, str, float, float]:
+    """``(convert, reason, base_ms, fp8_ms)`` for a linear of this (M, K, N): FP8 only where it measured at
+    least :data:`MIN_SPEEDUP` faster on ``device`` (module docstring, "The decision")."""
+    unable = float8_hardware_reason(device)
+    if unable is not None:
+        return False, f"fp8='auto' could not measure: {unable}", math.nan, math.nan
+    timed = _measurement(shape, dtype, recipe, training, device, compiled)
     speedup = timed.base_ms / timed.fp8_ms
-    measured = f"fp8 measured {speedup:.2f}x ({timed.timing}) at (M, K, N) = {shape}"
+    measured = f"fp8 measured {speedup:.2f}x ({timed.timing}) at (M, K, N) = {tuple(shape)}"
     if speedup < MIN_SPEEDUP:
-        return skip(f"{measured}, below {MIN_SPEEDUP}x", **times)
-    return LayerDecision(fqn, shape, True, measured, **times)
+        return False, f"{measured}, below {MIN_SPEEDUP}x", timed.base_ms, timed.fp8_ms
+    return True, measured, timed.base_ms, timed.fp8_ms
 
 
 def _record_shapes(model: nn.Module, linears: dict[str, nn.Linear], example_inputs: Any):
@@ -204,17 +243,10 @@ class _Measurement:
     timing: str  # how: Timings.describe()
 
 
-def _measure(shape, dtype: torch.dtype, recipe: str, training: bool, device: torch.device,
-             compiled: bool = False) -> tuple[float, float]:
-    """(ms in ``dtype``, ms in FP8) of one call, forward (+ backward when training): what the decision
-    compares (benchmarks/fp8.py reports it)."""
-    timed = _measurement(shape, dtype, recipe, training, device, compiled)
-    return timed.base_ms, timed.fp8_ms
-
-
 def _measurement(shape, dtype: torch.dtype, recipe: str, training: bool, device: torch.device,
                  compiled: bool) -> _Measurement:
-    """:func:`_measure`'s times and how they were taken, measured once per process and arguments."""
+    """(ms in ``dtype``, ms in FP8) of one call, forward (+ backward when training), and how they were timed;
+    measured once per process and arguments."""
     key = (*shape, dtype, recipe, training, str(device), compiled)
     if key not in _measured:
         m, k, n = shape
@@ -260,40 +292,9 @@ def _set_submodule(model: nn.Module, fqn: str, module: nn.Module) -> None:
 
 # ------------------------------------------------------------------------------------ optimize() glue
 
-def convert_for_config(model: nn.Module, config, example_inputs: Any, training: bool,
-                       compiled: bool = False) -> Float8Plan | None:
-    """What ``optimize`` runs before capture: :func:`convert_to_float8` per ``config.fp8*`` (None when off);
-    ``compiled``: whether the backend hands the graphs to a compiler (then "auto" compares GPU times)."""
-    if config.fp8 is False:
-        return None
-    return convert_to_float8(model, recipe=config.fp8_recipe, decide=config.fp8, example_inputs=example_inputs,
-                             filter_fn=config.fp8_filter, include_output_head=config.fp8_include_output_head,
-                             training=training, compiled=compiled)
-
-
-def record_in_report(plan: Float8Plan | None, model: nn.Module, report) -> None:
-    """One report line per candidate layer, the summary note, and the undo hooked into the roll-back."""
-    if plan is None:
-        return
-    from kernel_pytorch.report import RewriteRecord, SkipRecord
-
-    report.notes.append(plan.describe())
-    for d in plan.decisions:
-        if d.converted:
-            report.rewrites.append(RewriteRecord(pass_name="fp8", location=d.fqn,
-                                                 replacement=f"Float8Linear({plan.recipe}): {d.reason}"))
-        else:
-            report.skipped.append(SkipRecord(pass_name="fp8", location=d.fqn, reason=d.reason))
-    state = getattr(model, "_kernel_pytorch", None)
-    if state is not None and plan.converted:
-        state.module_undo.insert(0, plan.undo)  # undone last, after the graph-level roll-backs
-
-
-def verification_config(plan: Float8Plan | None, config):
-    """``config`` with ``fp8_tolerance`` for every dtype when some layer runs in FP8: what ``optimize`` gives
-    the per-graph checks (each captured graph holds the FP8 layers, which amplify a kernel pass's rounding
-    into FP8-sized differences) and the end-to-end check, which then catches a wrong conversion without
-    failing on FP8's expected rounding."""
-    if plan is None or not plan.converted:
-        return config
+def with_fp8_tolerance(config):
+    """``config`` with ``fp8_tolerance`` for every dtype: what a check uses once the graph it judges holds
+    FP8 matmuls, whose rounding (~28 dB) the kernel passes' own small differences are amplified into
+    (with the bf16 tolerances every kernel pass of an FP8 model was rolled back: H100 e2e benchmark,
+    "gradient ... relative error 1.12e-01 exceeds tolerance 4e-02")."""
     return config.model_copy(update={"tolerances": {name: config.fp8_tolerance for name in config.tolerances}})

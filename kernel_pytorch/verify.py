@@ -219,15 +219,17 @@ class NoiseAwareCheck:
         """Why no float32 referee could be had, once one was asked for."""
         return self._float32 if isinstance(self._float32, str) else None
 
-    def __call__(self, actual: Run) -> Comparison:
-        plain = compare(actual, self.reference, self.config)
+    def __call__(self, actual: Run, config: OptimizeConfig | None = None) -> Comparison:
+        """``config``: whose tolerances judge this run (default: the check's own)."""
+        config = config or self.config
+        plain = compare(actual, self.reference, config)
         if plain.ok or not is_low_precision(self.reference):
             return plain
         if self._float32 is None:
             self._float32 = self._float32_run()
         if isinstance(self._float32, str):
             return plain
-        return dataclasses.replace(compare_against_float32(actual, self.reference, self._float32, self.config),
+        return dataclasses.replace(compare_against_float32(actual, self.reference, self._float32, config),
                                    plain=plain)
 
 

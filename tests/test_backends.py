@@ -48,7 +48,10 @@ def test_simulated_vendor_gets_its_backend_and_pass_list(monkeypatch, vendor):
     assert hardware.vendor == vendor and type(backend) is backend_type
     assert backend.compiler == compiler and backend.compile_by_default
     passes = [item.name for item in backend.plan() if item.kind == "pass" and item.applies]
-    assert passes == list(backend_type.graph_passes) and passes[0] == "normalize"
+    by_default = [name for name in backend_type.graph_passes if name != "fp8"]  # fp8=False by default
+    assert passes == by_default and passes[0] == "normalize"
+    with_fp8 = [item.name for item in backend.plan(OptimizeConfig(fp8=True)) if item.kind == "pass" and item.applies]
+    assert with_fp8 == (list(backend_type.graph_passes) if hardware.fp8 else by_default)
 
 
 @pytest.mark.parametrize("vendor", SIMULATIONS)

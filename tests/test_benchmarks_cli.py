@@ -1,6 +1,7 @@
 """benchmarks/render_readme_table.py on the committed results (each table names its device and carries the
-numbers of its JSON file; the README block between the markers is replaced and nothing else), and
-benchmarks/e2e.py: arguments, the case list, FLOPs, targets, and one CPU case merged, plotted and rendered."""
+numbers of its JSON file; the README block between the markers is replaced and nothing else),
+benchmarks/e2e.py: arguments, the case list, FLOPs, targets, and one CPU case merged, plotted and rendered,
+and benchmarks/ring_attention.py's model part: its fit, growth and merge, and its per-rank flow on 2 gloo ranks."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import torch
 
 from benchmarks import e2e
 from benchmarks import render_readme_table as render
+from benchmarks import ring_attention as ring_bench
+from kernel_pytorch.testing import LlamaStyleConfig
+
+from .spawned_ranks import run_in_spawned_ranks
 
 RESULTS = render.RESULTS_DIR
 
@@ -175,3 +180,70 @@ def test_e2e_cpu_cases_merge_plot_and_render(tmp_path):
     (tmp_path / "e2e.json").write_text((tmp_path / "e2e_cpu.json").read_text())  # the name the README reads
     section = _section(render.render_all(tmp_path), "End to end")
     assert f"| inference | optimize | {ours['ms']:.2f} |" in section
+
+
+# -------------------------------------------------------------------------------------- ring attention
+
+def _model_fit(world_size: int, bytes_per_token: int, fixed: int) -> dict:
+    points = [{"tokens_per_gpu": t, "peak_memory_bytes": bytes_per_token * t + fixed} for t in (8192, 16384, 32768)]
+    return {"points": points, **ring_bench._fit_prediction(points, 100 * 10**9, world_size)}
+
+
+def test_ring_attention_model_growth_against_n_fold():
+    """1 MB per token on one GPU; 2% more on two (meets 0.9 x N), 20% more on four (misses it)."""
+    worlds = [{"world_size": n, "model_fit": _model_fit(n, per_token, 5 * 10**9)}
+              for n, per_token in ((1, 10**6), (2, 1_020_000), (4, 1_200_000))]
+    ring_bench.model_growth(worlds)
+    fits = [w["model_fit"] for w in worlds]
+    assert [f["bytes_per_token_per_gpu"] for f in fits] == [10**6, 1_020_000, 1_200_000]
+    assert fits[0]["fixed_bytes"] == 5 * 10**9
+    # (100 GB x 0.95 - 5 GB) / bytes per token, rounded down to 1024 tokens, x N
+    assert [f["predicted_total_tokens"] for f in fits] == [89088, 2 * 88064, 4 * 74752]
+    assert [f["growth_vs_1_gpu"] for f in fits] == [1.0, round(2 * 88064 / 89088, 3), round(4 * 74752 / 89088, 3)]
+    assert [f["meets_target"] for f in fits] == [True, True, False]
+
+
+def test_ring_attention_model_run_keeps_the_attention_rows():
+    previous = [{"world_size": 1, "device": "GPU-Z", "ring": [{"ms": 1.0}], "fit": {"x": 1}, "model_fit": {"old": 1}},
+                {"world_size": 8, "device": "GPU-Z", "ring": [{"ms": 2.0}]}]
+    new = [{"world_size": 1, "device": "GPU-Z", "model_fit": {"new": 1}},
+           {"world_size": 2, "device": "GPU-Z", "model_fit": {"new": 2}}]
+    merged = ring_bench.merge_worlds(previous, new, ("model",))
+    assert [w["world_size"] for w in merged] == [1, 2, 8]
+    assert merged[0] == {"world_size": 1, "device": "GPU-Z", "ring": [{"ms": 1.0}], "fit": {"x": 1},
+                         "model_fit": {"new": 1}}
+    assert merged[2] == previous[1]
+    rerun = ring_bench.merge_worlds(merged, [{"world_size": 1, "device": "GPU-Z", "ring": []}], ("attention",))
+    assert "fit" not in rerun[0] and rerun[0]["ring"] == [] and rerun[0]["model_fit"] == {"new": 1}
+
+
+def test_ring_attention_arguments():
+    args = ring_bench.parse_args(["--quick", "--parts", "model"])
+    options = ring_bench.run_options(args, [1, 2])
+    assert options["parts"] == ("model",)
+    model = options["model"]
+    assert (model["config"].n_layers, model["config"].dim, model["tokens"]) == (2, 2048, (4096, 8192))
+    assert model["config"].max_seq_len == 2 * 8192  # RoPE rows for the longest sequence of any world
+    full = ring_bench.run_options(ring_bench.parse_args([]), [1, 2, 4])["model"]
+    assert full["config"] == LlamaStyleConfig(max_seq_len=4 * 32768) and full["tokens"] == (8192, 16384, 32768)
+
+
+def _ring_model_cases(world_size: int) -> dict:
+    options = {"config": LlamaStyleConfig.tiny(max_seq_len=64), "tokens": (8, 16), "runs": 1,
+               "example_tokens_per_gpu": 4}
+    return ring_bench.model_part(world_size, options, device="cpu")
+
+
+@pytest.mark.distributed
+def test_ring_attention_model_part_runs_context_parallel_on_cpu(tmp_path):
+    """The model part's per-rank flow on 2 gloo ranks (tiny fp32 model; no memory statistics on the CPU, so
+    no fit): optimize verified the context-parallel model and rewrote its attention and RoPE."""
+    ranks = run_in_spawned_ranks(_ring_model_cases, (2,), tmp_path, join_timeout_s=90)[2]
+    for result in ranks:
+        assert result["verified"] is True
+        assert result["rewrites"] == ["context parallel: 2 RoPE table(s) indexed at the global positions",
+                                      "context parallel: 2 attention call(s) -> ring_attention over the group"]
+        assert result["graphs"] == 3  # the example inputs' length, then one capture per length (static shapes)
+        assert [(p["tokens_per_gpu"], p["total_tokens"]) for p in result["points"]] == [(8, 16), (16, 32)]
+        assert all(p["ms"] > 0 and "peak_memory_bytes" not in p for p in result["points"])
+        assert "predicted_total_tokens" not in result

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch.nn as nn
 
+from kernel_pytorch import float8_conversion
 from kernel_pytorch.capture import CompilerChoice, GraphOptimizer, install
 from kernel_pytorch.config import OptimizeConfig, Vendor
 from kernel_pytorch.errors import PassError
@@ -80,8 +81,9 @@ class Backend:
     # does from any other node (either order matches; this one keeps attention's Q, K operands final).
     # "horizontal_gemm" before "activations": a gate/up pair it fuses is split with chunk(gate_up, 2, -1),
     # which the activations pass then turns into one packed gated activation.
+    # "fp8" last: it converts the linears as the horizontal fusion left them (passes/fp8_linear.py: why).
     graph_passes: ClassVar[tuple[str, ...]] = ("normalize", "norms", "horizontal_gemm", "activations", "rope",
-                                               "attention")
+                                               "attention", "fp8")
     module_passes: ClassVar[tuple[str, ...]] = ()
     kernels: ClassVar[tuple[Kernel, ...]] = ()
 
@@ -125,7 +127,7 @@ class Backend:
         chosen, plan = [], []
         for name in names:
             graph_pass = get_pass(name)
-            unavailable = graph_pass.unavailable_reason(self.hardware)
+            unavailable = graph_pass.reason_not_to_run(self.hardware, config)
             if name in config.disable_passes:
                 plan.append(PlanItem("pass", name, False, "disabled by config.disable_passes"))
             elif unavailable:
@@ -167,8 +169,11 @@ class Backend:
         ctx = PassContext(hardware=self.hardware, config=config, training=training, graph_name="modules")
         undo = self._run_module_passes([p for p in passes if isinstance(p, ModulePass)], model, ctx, report)
         verify = config.verify is True or (config.verify == "auto" and example_inputs is not None)
+        fp8_targets = (float8_conversion.linear_targets(model, config, example_inputs)
+                       if any(p.name == "fp8" for p in passes) else {})
         optimizer = GraphOptimizer(passes=[p for p in passes if isinstance(p, GraphPass)], hardware=self.hardware,
-                                   config=config, training=training, compiler=compiler, verify=verify, report=report)
+                                   config=config, training=training, compiler=compiler, verify=verify, report=report,
+                                   fp8_targets=fp8_targets)
         install(model, optimizer, config.dynamic)
         model._kernel_pytorch = OptimizationState(report=report, graph_optimizer=optimizer, module_undo=undo)
         return model, report

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kernel_pytorch.passes import activations, attention, horizontal_gemm, normalize, norms, rope  # noqa: F401  (register them)
+from kernel_pytorch.passes import activations, attention, fp8_linear, horizontal_gemm, normalize, norms, rope  # noqa: F401  (register them)
 from kernel_pytorch.passes.base import GraphPass, ModulePass, PassContext, PassResult, Rewrite, Skip, replace_module
 from kernel_pytorch.passes.manager import PassManager
 from kernel_pytorch.passes.registry import get_pass, register_pass, registered_pass_names

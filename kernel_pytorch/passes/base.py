@@ -92,6 +92,9 @@ class PassContext:
     # Whether the rewritten graph goes to a compiler (Inductor, XLA) or runs eagerly: some kernels
     # (FlexAttention) are fast only compiled.
     compiled: bool = True
+    # The model's nn.Linear paths, each with None (an FP8 candidate) or why not (float8_conversion.linear_targets);
+    # empty unless fp8 is on.
+    fp8_targets: Mapping[str, str | None] = field(default_factory=dict)
 
 
 class _Pass(abc.ABC):
@@ -101,6 +104,11 @@ class _Pass(abc.ABC):
     def unavailable_reason(self, hardware: HardwareInfo) -> str | None:
         """Why this pass cannot run on ``hardware`` (``None``: it can). Shown by ``kernel-pytorch info``."""
         return None
+
+    def reason_not_to_run(self, hardware: HardwareInfo, config: OptimizeConfig) -> str | None:
+        """Why this pass does not run on ``hardware`` with ``config`` (``None``: it runs); by default the
+        hardware's reason. A pass a config option turns on or off overrides it."""
+        return self.unavailable_reason(hardware)
 
 
 class GraphPass(_Pass):

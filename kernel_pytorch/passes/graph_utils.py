@@ -12,7 +12,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx import Node
 
-from kernel_pytorch.passes.shape_constants import example_value
+from kernel_pytorch.passes.shape_constants import example_value, static_int
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -28,12 +28,18 @@ __all__ = [
     "erase_unused",
     "evaluate_fake",
     "fake_mode_of",
+    "FUSED_LINEARS",
+    "gemm_rows",
     "is_view",
     "module_path_of",
     "operand_value",
     "set_example_value",
     "writes_in_place",
 ]
+
+# node.meta key of a linear that computes several modules' linears at once (the horizontal GEMM fusion):
+# their module paths, which later passes (FP8) judge the fused linear by.
+FUSED_LINEARS = "fused_linears"
 
 # Dynamo records module paths as "L['self'].layers.0.attn" (the root is the forward's first argument).
 _ROOT_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
@@ -150,6 +156,23 @@ def erase_unused(graph: torch.fx.Graph, candidates) -> int:
             graph.erase_node(node)
             erased += 1
     return erased
+
+
+def gemm_rows(x: Node) -> int | None:
+    """Rows of a linear's GEMM on input ``x`` (the product of its leading sizes) at the capture's sizes; a
+    symbolic size counts at this call's value. None when unknown."""
+    value = example_value(x)
+    if not isinstance(value, torch.Tensor) or value.dim() < 1:
+        return None
+    rows = 1
+    for size in value.shape[:-1]:
+        concrete = static_int(size)
+        if concrete is None and isinstance(size, torch.SymInt):
+            concrete = size.node.hint
+        if concrete is None:
+            return None
+        rows *= int(concrete)
+    return rows
 
 
 # ------------------------------------------------------------------------ example values of new nodes

@@ -77,9 +77,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
 from kernel_pytorch.passes.graph_utils import (
+    FUSED_LINEARS,
     blocks_reordering,
     erase_unused,
     evaluate_fake,
+    gemm_rows,
     is_view,
     module_path_of,
     operand_value,
@@ -88,11 +90,7 @@ from kernel_pytorch.passes.graph_utils import (
 )
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
-from kernel_pytorch.passes.shape_constants import (
-    describe_node,
-    example_value,
-    static_int,
-)
+from kernel_pytorch.passes.shape_constants import describe_node
 
 __all__ = ["MACHINE_BALANCE", "MAX_COPY_SHARE", "HorizontalGemmPass", "weight_copy_share"]
 
@@ -226,22 +224,6 @@ def _short(path: str) -> str:
     return path.rpartition(".")[2] or path
 
 
-def _tokens(x: Node) -> int | None:
-    """Rows of the GEMM (the product of ``x``'s leading sizes) at the capture's sizes."""
-    value = example_value(x)
-    if not isinstance(value, torch.Tensor) or value.dim() < 1:
-        return None
-    tokens = 1
-    for size in value.shape[:-1]:
-        concrete = static_int(size)
-        if concrete is None and isinstance(size, torch.SymInt):
-            concrete = size.node.hint  # a symbolic size: judged at this call's value
-        if concrete is None:
-            return None
-        tokens *= int(concrete)
-    return tokens
-
-
 # ------------------------------------------------------------------------------------ rewriting helpers
 
 def _common_prefix(paths: list[str]) -> str:
@@ -333,7 +315,7 @@ class HorizontalGemmPass(GraphPass):
 
     @staticmethod
     def _unprofitable(ctx: PassContext, x: Node, group: list[_Linear]) -> str | None:
-        tokens = _tokens(x)
+        tokens = gemm_rows(x)
         if tokens is None:
             return "no shape metadata for the input (token count unknown)"
         size = group[0].element_size
@@ -372,6 +354,7 @@ class HorizontalGemmPass(GraphPass):
         if group[0].bias is not None:
             bias = _recomputed(build.call(torch.cat, ([m.bias for m in group], 0)))
         fused = build.call(F.linear, (x, weight, bias))
+        fused.meta[FUSED_LINEARS] = [m.path for m in group]
         sizes = [m.out_features for m in group]
         if len(set(sizes)) == 1:  # the activations pass reads chunk(gate_up, 2, -1) as a packed projection
             parts = build.call(torch.chunk, (fused, len(sizes), -1))
