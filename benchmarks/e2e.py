@@ -330,6 +330,11 @@ def summarize_report(report) -> dict:
             "skipped_per_pass": dict(collections.Counter(r.pass_name for r in report.skipped)),
             "rollbacks": [f"{r.pass_name} ({r.graph}): {r.reason}" for r in report.rollbacks],
             "fp8_layers": sum(r.pass_name == "fp8" for r in report.rewrites),
+            # each FP8 decision once per distinct reason (the repeated blocks share their shapes)
+            "fp8_decisions": sorted({f"{r.location.split('.')[-1]}: {r.replacement}" for r in report.rewrites
+                                     if r.pass_name == "fp8"} |
+                                    {f"{r.location.split('.')[-1]}: kept: {r.reason}" for r in report.skipped
+                                     if r.pass_name == "fp8"}),
             "verified": None if v is None else v.passed,
             "verification": None if v is None else f"worst {v.worst}: {v.error:.2e} (tolerance {v.tolerance:.0e})",
             "notes": report.notes, "timings_s": report.timings_s}
