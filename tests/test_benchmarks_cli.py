@@ -217,6 +217,24 @@ def test_ring_attention_model_run_keeps_the_attention_rows():
     assert "fit" not in rerun[0] and rerun[0]["ring"] == [] and rerun[0]["model_fit"] == {"new": 1}
 
 
+def test_ring_attention_model_run_merges_over_an_attention_file_of_another_kernel():
+    """A model-only run (default --kernel flash) over attention rows measured with cudnn: their efficiency
+    and the file's config stay cudnn's; each part keeps its environment."""
+    previous = {"environment": {"command": "attention run"}, "config": {"kernel": "cudnn"},
+                "worlds": [{"world_size": 1, "device": "GPU-Z", "single_gpu": [{"tokens": 8192, "cudnn": {"tflops": 500}}],
+                            "ring": [{"tokens_per_gpu": 8192, "tflops": 450}]}]}
+    options = ring_bench.run_options(ring_bench.parse_args(["--parts", "model"]), [1])
+    worlds = [{"world_size": 1, "device": "GPU-Z", "model_fit": _model_fit(1, 10**6, 0)}]
+    payload = ring_bench._payload(previous, worlds, options, "flash")
+    assert payload["config"]["kernel"] == "cudnn"
+    assert payload["worlds"][0]["ring"][0]["efficiency"] == 0.9
+    assert payload["worlds"][0]["model_fit"]["growth_vs_1_gpu"] == 1.0
+    assert payload["environments"]["attention"] == {"command": "attention run"}
+    assert set(payload["environments"]) == {"attention", "model"} and payload["model_config"]["checkpointing"] == "off"
+    other_device = ring_bench._payload(previous, [{**worlds[0], "device": "GPU-Y"}], options, "flash")
+    assert [set(w) for w in other_device["worlds"]] == [{"world_size", "device", "model_fit"}]  # nothing merged
+
+
 def test_ring_attention_arguments():
     args = ring_bench.parse_args(["--quick", "--parts", "model"])
     options = ring_bench.run_options(args, [1, 2])
@@ -225,7 +243,9 @@ def test_ring_attention_arguments():
     assert (model["config"].n_layers, model["config"].dim, model["tokens"]) == (2, 2048, (4096, 8192))
     assert model["config"].max_seq_len == 2 * 8192  # RoPE rows for the longest sequence of any world
     full = ring_bench.run_options(ring_bench.parse_args([]), [1, 2, 4])["model"]
-    assert full["config"] == LlamaStyleConfig(max_seq_len=4 * 32768) and full["tokens"] == (8192, 16384, 32768)
+    assert full["config"] == LlamaStyleConfig(max_seq_len=4 * 16384) and full["tokens"] == (4096, 8192, 16384)
+    with pytest.raises(SystemExit):  # the model's causal mask is proven up to 16384 tokens per GPU
+        ring_bench.parse_args(["--model-tokens-per-gpu", "8192", "32768"])
 
 
 def _ring_model_cases(world_size: int) -> dict:
