@@ -213,11 +213,17 @@ def _abs_max_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Each program walks STEPS tiles down one column strip, so the column (and tensor) maxima cost one
-    atomic per STEPS tiles; each row's maximum costs one atomic per strip."""
+    atomic per STEPS tiles; each row's maximum costs one atomic per strip.
+
+    The strip's maxima are kept elementwise (a (BLOCK_R, BLOCK_C) register tile) and reduced across rows
+    once, after the walk: reducing each step's tile over its rows (a cross-warp reduction through shared
+    memory per step) made this kernel 3x slower than reading the tensor (H100 profile, forward + backward
+    of a tensorwise FP8 linear at (M, K, N) = (8192, 2048, 11264): 114 us per call against ~40 us of memory
+    traffic, a quarter of the layer's time)."""
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < n_cols
     col_offsets = cols.to(tl.int64)[None, :] * stride_c
-    col_max = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    strip_max = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
     for step in range(STEPS):
         rows = (tl.program_id(0) * STEPS + step) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_mask = rows < n_rows
@@ -226,7 +232,8 @@ def _abs_max_kernel(
                    .to(tl.float32))
         if ROWS:
             tl.atomic_max(AMAX + rows_at + rows, tl.max(a, axis=1), mask=row_mask)
-        col_max = tl.maximum(col_max, tl.max(a, axis=0))
+        strip_max = tl.maximum(strip_max, a)
+    col_max = tl.max(strip_max, axis=0)
     if TENSOR:
         tl.atomic_max(AMAX, tl.max(col_max, axis=0))
     if COLS:
