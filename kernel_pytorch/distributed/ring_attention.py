@@ -20,6 +20,31 @@ Both rings are ``torch.library`` custom ops, ``kernel_pytorch::ring_attention_fw
 and ``kernel_pytorch::ring_attention_bwd`` (dq and the packed dK/dV), with fake implementations and a
 registered autograd formula, taking the group by name: Dynamo, AOTAutograd and Inductor cannot trace the
 point-to-point exchanges, so a graph holds the op as one opaque call and compiles with ``fullgraph=True``.
+
+Memory per token per GPU (32 query heads, 8 K/V heads, head dim 128, bf16; KiB per local token). The op's
+inputs and what autograd keeps: q 8, k 2, v 2, out 8, LSE 0.125 (fp32); grad_out 8 in the backward, and
+its results dq 8, dk 2, dv 2. Transient, alive at the peaks:
+
+* forward, during the block kernel of a step s >= 1: the packed K/V held (and being sent) 4, the receive
+  buffer for the next 4 (not at the last step), the fp32 output accumulator 16 and LSE 0.125, the
+  block's output <= 8 (half the rows, or all rows against half the keys): 32. At the end, the fp32 output
+  16 and its bf16 copy 8 are alive together (the conversion cannot be done in place), with K/V 4: 28.
+* backward, during the block kernel of a step s >= 1: packed K/V 4 + its receive buffer 4, the fp32 dq
+  accumulator 16, the fp32 dK/dV of the previous step still being sent 8 + the receive buffer for this
+  step's 8, the block's dq/dk/dv <= 12 (bf16): 52, plus the kernel's own workspace (flash: an fp32 dq
+  accumulator, 16 per query row it processes, and dK/dV at the 32 query heads before the GQA sum, 16),
+  plus 8 for grad_out when it comes in another layout than out (``_with_layout_of``). With one rank
+  there is no receive buffer and no dK/dV in flight (32 + workspace), which is the N = 1 vs N > 1
+  difference measured by benchmarks/ring_attention.py (H200, cuDNN blocks: 94.6 KB per token on one GPU,
+  113 on two, 117 on four, before the change below).
+
+What can go without changing any number: each block's results (its output and LSE in the forward; dq, dk,
+dv in the backward) were kept alive until the next step's call replaced them, that is through the next
+block's kernel; they are now freed once merged or added: up to 8 KiB per token off the forward's step
+peak and up to 12 off the backward's (expected N > 1: ~113 -> ~101 KB per token; not measured yet). What
+stays, and why: the dK/dV in flight and its receive buffer (the transfer overlaps the next block's compute;
+waiting first would serialize it), the K/V receive buffer (same), the fp32 accumulators (precision), the
+packed K/V copy (one message per step instead of two).
 """
 
 from __future__ import annotations
@@ -215,6 +240,9 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, options: _RingOptions) -> tup
             out, lse = block_out.to(dtype, copy=True), block_lse.to(dtype, copy=True)
         else:
             _merge_block(out, lse, block_out, block_lse, block.q_rows)
+        # Merged: free the block's output now, not when the next block's replaces it (it would be alive
+        # through that block's kernel: up to 8 KB per token, module docstring).
+        del block_out, block_lse
         if incoming is not None:
             kv = incoming.wait()
     return out.to(q.dtype), lse
@@ -244,6 +272,9 @@ def _ring_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         grad_k, grad_v = _unpack(kv_grad, k.shape, v.shape)
         _rows(grad_k, block.kv_rows).add_(dk)
         _rows(grad_v, block.kv_rows).add_(dv)
+        # Added: free the block's gradients now, not when the next block's replace them (they would be alive
+        # through that block's backward kernel: up to 12 KB per token, module docstring).
+        del dq, dk, dv
         if ranks.size > 1:  # after the last step this pass brings each block's finished dK/dV home
             pending_kv_grad = ranks.pass_to_next(kv_grad, _KV_GRAD_TAG)
         if incoming is not None:
