@@ -54,6 +54,16 @@ def test_emulated_fp8_converts_the_fused_linears_and_keeps_the_head():
     assert type(optimized.layers[0].attn.q_proj) is nn.Linear  # converted in the graph, modules untouched
 
 
+def test_linears_inside_checkpointed_blocks_convert():
+    """Full checkpointing puts each block in a checkpointed region: the pass runs in the regions' bodies too."""
+    model = _llama().train()
+    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, checkpointing="full",
+                                        example_inputs=(_tokens(model, batch=FUSED_BATCH, seq=64),))
+    report = kernel_pytorch.report_of(optimized)
+    assert len(_fp8_rewrites(report)) == 8 and not report.rollbacks, report.rollbacks
+    assert report.verification is not None and report.verification.passed, report.verification
+
+
 def test_per_graph_checks_judge_the_kernel_passes_with_the_fp8_tolerance(monkeypatch):
     """In bf16 with FP8 layers, the kernel passes' rounding is amplified to FP8-sized differences: judged with
     bfloat16's tolerance (gradients 4e-2) the norm/rope/attention/activation rewrites were all rolled back
