@@ -200,6 +200,14 @@ class GraphOptimizer:
         return f"kernel_pytorch.GraphOptimizer({self.hardware.vendor}, compiler={self.compiler.name})"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        # The checks and kernel measurements below run forwards and backwards of their own, inside the model's
+        # call that triggered the capture: saved-tensor hooks around that call are not theirs. Identity hooks
+        # (the innermost pair is the one autograd uses) keep, e.g., saved_activation_bytes' meter from dropping
+        # the tensors a check's backward needs (H100: memory_wrappers demo, a recapture inside the meter).
+        with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+            return self._optimized(gm, example_inputs)
+
+    def _optimized(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         name = f"graph {self.report.graphs}"
         self.report.graphs += 1
         self.draws_random_numbers |= draws_random_numbers(gm)
@@ -331,6 +339,10 @@ class GraphOptimizer:
             self.report.notes.append(
                 f"{name}: compiler {self.compiler.name} failed ({type(error).__name__}: {error}); running it eagerly")
             return gm.forward
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _natural_order(block: str) -> tuple:
