@@ -52,6 +52,9 @@ def _rank_main(rank: int, world_size: int, directory: str, run_cases: Callable[[
                             world_size=world_size, timeout=GROUP_TIMEOUT)
     try:
         results = run_cases(world_size)
+        # No rank tears the group down while another still talks to it: a rank whose peer had destroyed the
+        # group first aborted once in CI ("terminate called without an active exception", exit code -6).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     Path(directory, f"world{world_size}_rank{rank}.json").write_text(json.dumps(results))
