@@ -88,9 +88,8 @@ def optimize(
             optimized = run_reference(model, args, kwargs, wrt)
         report.add_time("first call (capture, passes, compile)", time.perf_counter() - started)
         if reference is not None:
-            # With linears in FP8 the end-to-end check takes fp8_tolerance (with_fp8_tolerance: why).
-            fp8 = any(r.pass_name == "fp8" for r in report.rewrites)
-            checked = float8_conversion.with_fp8_tolerance(config) if fp8 else config
+            # With linears in FP8 the end-to-end check takes fp8_tolerance (judging_config: why).
+            checked = float8_conversion.judging_config(config, (r.pass_name for r in report.rewrites))
             check = NoiseAwareCheck(reference, lambda: _float32_run(original, args, kwargs, training), checked)
             _check_end_to_end(model, optimized, check)
             memory.sync_memory_report(model, report)

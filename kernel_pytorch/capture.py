@@ -27,7 +27,7 @@ import torch.utils.checkpoint
 
 from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.errors import PassError
-from kernel_pytorch.float8_conversion import with_fp8_tolerance
+from kernel_pytorch.float8_conversion import judging_config
 from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
 from kernel_pytorch.passes.graph_utils import (block_of, calls_per_block, checkpointed_subgraphs, clone_graph_module,
@@ -299,11 +299,8 @@ class GraphOptimizer:
         return current, kept
 
     def _judged_by(self, results: list[tuple[GraphPass, PassResult]]) -> OptimizeConfig:
-        """The config whose tolerances judge a graph with these passes' rewrites: ``fp8_tolerance`` once the
-        FP8 pass converted a linear in it (float8_conversion.with_fp8_tolerance: why), else the dtypes' own."""
-        if any(graph_pass.name == "fp8" and result.changed for graph_pass, result in results):
-            return with_fp8_tolerance(self.config)
-        return self.config
+        """The config whose tolerances judge a graph with these passes' rewrites (float8_conversion.judging_config)."""
+        return judging_config(self.config, (graph_pass.name for graph_pass, result in results if result.changed))
 
     def _note_referee(self, comparison: Any, check: NoiseAwareCheck, graph: str, what: str) -> None:
         if comparison.rule != "tolerance":

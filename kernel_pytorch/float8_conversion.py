@@ -43,7 +43,7 @@ and the optimizer's view of the parameters are unchanged.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
@@ -61,7 +61,7 @@ from kernel_pytorch.timing import PER_CALL, Timings, fastest_cuda_graph_ms, fast
 from kernel_pytorch.verify import call_arguments
 
 __all__ = ["Float8Plan", "LayerDecision", "convert_to_float8", "linear_targets", "measured_decision",
-           "with_fp8_tolerance", "MIN_SPEEDUP", "FilterFn"]
+           "judging_config", "PASS_NAME", "MIN_SPEEDUP", "FilterFn"]
 
 FilterFn = Callable[[nn.Module, str], bool]
 # FP8 must beat the layer's own dtype by this factor to be chosen: the timing noise of a warm GPU on
@@ -292,9 +292,16 @@ def _set_submodule(model: nn.Module, fqn: str, module: nn.Module) -> None:
 
 # ------------------------------------------------------------------------------------ optimize() glue
 
-def with_fp8_tolerance(config):
-    """``config`` with ``fp8_tolerance`` for every dtype: what a check uses once the graph it judges holds
-    FP8 matmuls, whose rounding (~28 dB) the kernel passes' own small differences are amplified into
-    (with the bf16 tolerances every kernel pass of an FP8 model was rolled back: H100 e2e benchmark,
-    "gradient ... relative error 1.12e-01 exceeds tolerance 4e-02")."""
+# The graph pass (passes/fp8_linear.py) whose rewrites put FP8 matmuls in a graph.
+PASS_NAME = "fp8"
+
+
+def judging_config(config, rewriting_passes: Iterable[str]):
+    """The config whose tolerances judge a graph (or model) rewritten by ``rewriting_passes`` (the names of
+    the passes that changed it): ``config`` with ``fp8_tolerance`` for every dtype once the FP8 pass is
+    among them, else ``config``. FP8's rounding (~28 dB) amplifies the kernel passes' own small differences
+    too: judged with the bf16 tolerances every kernel pass of an FP8 model was rolled back (H100 e2e
+    benchmark, "gradient ... relative error 1.12e-01 exceeds tolerance 4e-02")."""
+    if PASS_NAME not in set(rewriting_passes):
+        return config
     return config.model_copy(update={"tolerances": {name: config.fp8_tolerance for name in config.tolerances}})

@@ -170,7 +170,7 @@ class Backend:
         undo = self._run_module_passes([p for p in passes if isinstance(p, ModulePass)], model, ctx, report)
         verify = config.verify is True or (config.verify == "auto" and example_inputs is not None)
         fp8_targets = (float8_conversion.linear_targets(model, config, example_inputs)
-                       if any(p.name == "fp8" for p in passes) else {})
+                       if any(p.name == float8_conversion.PASS_NAME for p in passes) else {})
         optimizer = GraphOptimizer(passes=[p for p in passes if isinstance(p, GraphPass)], hardware=self.hardware,
                                    config=config, training=training, compiler=compiler, verify=verify, report=report,
                                    fp8_targets=fp8_targets)

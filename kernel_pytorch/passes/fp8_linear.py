@@ -36,7 +36,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx import Node
 
-from kernel_pytorch.float8_conversion import measured_decision
+from kernel_pytorch.float8_conversion import PASS_NAME, measured_decision
 from kernel_pytorch.ops.float8_linear import FP8_ALIGNMENT, float8_dtypes_for, float8_linear
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
 from kernel_pytorch.passes.graph_utils import FUSED_LINEARS, erase_unused, gemm_rows, module_path_of, set_example_value
@@ -54,7 +54,7 @@ _AUTOCAST_ENTER, _AUTOCAST_EXIT = "_enter_autocast", "_exit_autocast"
 class Float8LinearPass(GraphPass):
     """Each candidate linear -> ``float8_linear`` where FP8 is chosen (module docstring)."""
 
-    name = "fp8"
+    name = PASS_NAME
     description = "linear layers (after q/k/v and gate/up fusion) -> FP8 matmuls where measured faster"
 
     def reason_not_to_run(self, hardware, config) -> str | None:
