@@ -36,7 +36,7 @@ def _case(op: str, backward: bool, hidden: int, rows: int):
     w, b = torch.randn(hidden, device="cuda", dtype=DTYPE), torch.randn(hidden, device="cuda", dtype=DTYPE)
     dy = torch.randn_like(x)
     if op == "rms_norm":
-        _, _, rstd = R.rms_norm_fwd(x, w)
+        _, _, rstd, _ = R.rms_norm_fwd(x, w)
         return (lambda: R.rms_norm_bwd(dy, x, w, rstd)) if backward else (lambda: R.rms_norm_fwd(x, w, None, EPS))
     _, _, mean, rstd = L.layer_norm_fwd(x, w, b)
     return (lambda: L.layer_norm_bwd(dy, x, w, b, mean, rstd)) if backward else \

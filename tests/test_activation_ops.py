@@ -290,13 +290,13 @@ def _opcheck_all(device="cpu", test_utils=None):
     kwargs = {} if test_utils is None else {"test_utils": test_utils}
     for kind in KINDS:
         torch.library.opcheck(ops.activation.default, (x, kind), **kwargs)
-        torch.library.opcheck(ops.gated_activation.default, (g, u, kind), **kwargs)
-        torch.library.opcheck(ops.gated_activation_packed.default, (gu, kind, kind != "gelu"), **kwargs)
+        torch.library.opcheck(ops.gated_activation.default, (g, u, kind, kind == "silu"), **kwargs)
+        torch.library.opcheck(ops.gated_activation_packed.default, (gu, kind, kind != "gelu", kind == "gelu"), **kwargs)
     # Strided inputs, and the backward ops called directly, for one kind (the layout code is shared).
     cases = [
         (ops.activation.default, (x.t(), "silu")),
-        (ops.gated_activation.default, (gu[:, :33], gu[:, 33:], "silu")),
-        (ops.gated_activation_packed.default, (gu[::2], "silu", False)),
+        (ops.gated_activation.default, (gu[:, :33], gu[:, 33:], "silu", True)),
+        (ops.gated_activation_packed.default, (gu[::2], "silu", False, True)),
         (ops.activation_backward.default, (dy, x.detach(), "silu")),
         (ops.gated_activation_backward.default, (dy.t(), g.detach().t(), u.detach().t(), "silu")),
         (ops.gated_activation_packed_backward.default, (dy, gu.detach()[::2], "silu", False)),

@@ -179,15 +179,19 @@ def test_opcheck():
     x = torch.randn(20, 64, requires_grad=True)
     w = torch.randn(32, 64, requires_grad=True)
     b = torch.randn(32, requires_grad=True)
+    x_amax = x.detach().abs().amax().reshape(1)
     for recipe in RECIPES:
         torch.library.opcheck(torch.ops.kernel_pytorch.float8_linear.default,
-                              (x, w, b, recipe, True, torch.float8_e4m3fn, torch.float8_e5m2, True))
-        _, x_t, x_t_inv, w_amax = torch.ops.kernel_pytorch.float8_linear(x.detach(), w.detach(), None, recipe, True,
-                                                                         torch.float8_e4m3fn, torch.float8_e5m2, True)
+                              (x, w, b, None, recipe, True, torch.float8_e4m3fn, torch.float8_e5m2, True))
+        _, x_t, x_t_inv, w_amax = torch.ops.kernel_pytorch.float8_linear(x.detach(), w.detach(), None, None, recipe,
+                                                                         True, torch.float8_e4m3fn, torch.float8_e5m2,
+                                                                         True)
         for need_x, need_w in ((True, False), (False, True), (True, True)):
             torch.library.opcheck(torch.ops.kernel_pytorch.float8_linear_backward.default,
                                   (torch.randn(20, 32), x_t, x_t_inv, w.detach(), w_amax, recipe, True,
                                    torch.float8_e4m3fn, torch.float8_e5m2, need_x, need_w))
+    torch.library.opcheck(torch.ops.kernel_pytorch.float8_linear.default,
+                          (x, w, b, x_amax, "tensorwise", True, torch.float8_e4m3fn, torch.float8_e5m2, True))
 
 
 # --------------------------------------------------------------------------------------- module, state

@@ -74,7 +74,7 @@ def _grads(outputs, cotangents, leaves):
 def check_rms_kernels(x, weight=None, residual=None, cast_before_weight=False, n_programs=None, dy=None):
     dtype, eps = x.dtype, 1e-6
     tol = TOL[dtype]
-    y, h, rstd = R.rms_norm_fwd(x, weight, residual, eps, cast_before_weight)
+    y, h, rstd, _ = R.rms_norm_fwd(x, weight, residual, eps, cast_before_weight)
     leaves = [_leaf(t) for t in (x, weight, residual)]
     y_ref, h_ref, rstd_ref = rms_reference(*leaves, eps, cast_before_weight, dtype)
     assert y.dtype == dtype and y.shape == x.shape and y.is_contiguous()
@@ -217,7 +217,7 @@ def test_interp_cast_before_weight_rounds_like_the_model():
     # The weight gradient takes the rounded value too (fp32 weight, so dw is not rounded away):
     # 8e-8 from the native formula with rounding, 2e-4 without.
     w32, dy = torch.randn(1000), torch.randn_like(x)
-    _, _, rstd = R.rms_norm_fwd(x, w32, None, 1e-6, True)
+    _, _, rstd, _ = R.rms_norm_fwd(x, w32, None, 1e-6, True)
     _, dw_model = R._rms_norm_bwd_native(dy, x, w32, rstd, None, True, True)
     assert rel(R.rms_norm_bwd(dy, x, w32, rstd, None, True)[1], dw_model) < 1e-6
     assert rel(R.rms_norm_bwd(dy, x, w32, rstd, None, False)[1], dw_model) > 1e-5
@@ -256,7 +256,7 @@ def test_interp_sum_partials_over_many_programs_and_odd_columns(sums, dtypes):
 @interp
 def test_interp_zero_rows():
     x, w = torch.randn(0, 7), torch.randn(7)
-    y, _, rstd = R.rms_norm_fwd(x, w)
+    y, _, rstd, _ = R.rms_norm_fwd(x, w)
     dx, dw = R.rms_norm_bwd(torch.randn(0, 7), x, w, rstd)
     assert y.shape == dx.shape == (0, 7) and torch.equal(dw, torch.zeros(7))
     y, _, mean, rstd = L.layer_norm_fwd(x, w, w)
@@ -328,7 +328,7 @@ def test_interp_opcheck_triton_path(triton_on_cpu):
     torch.manual_seed(0)
     x = torch.randn(6, 33, requires_grad=True)
     r, w, b = torch.randn(6, 33), torch.randn(33, requires_grad=True), torch.randn(33, requires_grad=True)
-    torch.library.opcheck(torch.ops.kernel_pytorch.rms_norm.default, (x, w, r, 1e-6, True), test_utils=EAGER_OPCHECKS)
+    torch.library.opcheck(torch.ops.kernel_pytorch.rms_norm.default, (x, w, r, 1e-6, True, True), test_utils=EAGER_OPCHECKS)
     torch.library.opcheck(torch.ops.kernel_pytorch.layer_norm.default, (x, w, b, r, 1e-5), test_utils=EAGER_OPCHECKS)
     assert triton_on_cpu.get("rms_norm_fwd") and triton_on_cpu.get("layer_norm_fwd")
 
@@ -426,7 +426,7 @@ def test_opcheck_native_path():
     r, w, b = torch.randn(6, 33), torch.randn(33, requires_grad=True), torch.randn(33, requires_grad=True)
     rstd, mean = torch.rand(6) + 0.5, torch.randn(6)
     ops = torch.ops.kernel_pytorch
-    for args in [(x, w, r, 1e-6, False), (x, None, None, 1e-6, False), (x.t(), None, None, 1e-6, True)]:
+    for args in [(x, w, r, 1e-6, False, False), (x, None, None, 1e-6, False, True), (x.t(), None, None, 1e-6, True, True)]:
         torch.library.opcheck(ops.rms_norm.default, args)
     for args in [(x, w, b, r, 1e-5), (x, None, None, None, 1e-5), (x, None, b, None, 1e-5)]:
         torch.library.opcheck(ops.layer_norm.default, args)
@@ -550,7 +550,7 @@ def test_gpu_kernels_match_float64(cuda, dtype, hidden):
     check_ln_kernels(x, w, b, r)
     check_ln_kernels(x)
     # On the GPU, fp32 -> bf16 rounds to nearest even: the residual sum is eager's, bit for bit.
-    _, h, _ = R.rms_norm_fwd(x, w, r)
+    _, h, _, _ = R.rms_norm_fwd(x, w, r)
     assert torch.equal(h, x + r)
 
 
@@ -567,7 +567,7 @@ def test_gpu_non_contiguous_inputs(cuda, dtype, layout):
 def test_gpu_forward_close_to_aten(cuda, dtype):
     torch.manual_seed(0)
     x, w = torch.randn(4096, 4096, dtype=dtype, device=cuda), torch.randn(4096, dtype=dtype, device=cuda)
-    y, _, _ = R.rms_norm_fwd(x, w)
+    y, _, _, _ = R.rms_norm_fwd(x, w)
     assert rel(y, F.rms_norm(x, (4096,), w, 1e-6)) < TOL[dtype]
     y, _, _, _ = L.layer_norm_fwd(x, w, w)
     assert rel(y, F.layer_norm(x, (4096,), w, w, 1e-5)) < TOL[dtype]
@@ -598,7 +598,7 @@ def test_gpu_opcheck_triton_path(cuda):
     x = torch.randn(64, 1000, device=cuda, requires_grad=True)
     r = torch.randn(64, 1000, device=cuda)
     w, b = (torch.randn(1000, device=cuda, requires_grad=True) for _ in range(2))
-    torch.library.opcheck(torch.ops.kernel_pytorch.rms_norm.default, (x, w, r, 1e-6, True))
+    torch.library.opcheck(torch.ops.kernel_pytorch.rms_norm.default, (x, w, r, 1e-6, True, False))
     torch.library.opcheck(torch.ops.kernel_pytorch.layer_norm.default, (x, w, b, r, 1e-5))
 
 

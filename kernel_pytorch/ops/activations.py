@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernel_pytorch.ops import triton_utils as tu
+from kernel_pytorch.ops.float8_cast import tensor_abs_max
 from kernel_pytorch.ops.triton_utils import jit, tl
 
 __all__ = [
@@ -178,14 +179,18 @@ def _gated_fwd_kernel(
     Y,  # (n_rows, n_cols) output act(G) * U in G's dtype, rounded once, row stride stride_y
     stride_g, stride_u, stride_y,
     n_rows, n_cols, n_col_blocks,
-    KIND: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    AMAX,  # (n_programs,) fp32 output: each program's max |y| (as rounded to Y's dtype); only if FP8_AMAX
+    KIND: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, FP8_AMAX: tl.constexpr,
 ):
     rows, cols, mask = _tile(n_rows, n_cols, n_col_blocks, ROWS, BLOCK_N)
     rows = rows[:, None]
     cols = cols[None, :]
     g = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(ACC)
     u = tl.load(U + rows * stride_u + cols, mask=mask, other=0.0).to(ACC)
-    tl.store(Y + rows * stride_y + cols, (_act(g, KIND) * u).to(Y.dtype.element_ty), mask=mask)
+    y = (_act(g, KIND) * u).to(Y.dtype.element_ty)
+    tl.store(Y + rows * stride_y + cols, y, mask=mask)
+    if FP8_AMAX:  # masked elements are act(0) * 0 = 0, and |y| >= 0
+        tl.store(AMAX + tl.program_id(0), tl.max(tl.max(tl.abs(y.to(tl.float32)), axis=1), axis=0))
 
 
 @jit
@@ -220,26 +225,44 @@ def _gated_bwd_kernel(
 
 # -------------------------------------------------------------------------------------------- launches
 
-def _launch(kernel, views: list, kind: str, dtype: torch.dtype, *extra, **constexprs) -> None:
-    """Launch ``kernel`` over (rows, cols) views with unit column stride, shaped like the first (inputs
-    first, then outputs, in the kernel's pointer order), passing each view's row stride after them, then
-    the sizes, then ``extra`` scalars and ``constexprs``."""
-    n_rows, n_cols = views[0].shape
+def _tiling(n_rows, n_cols) -> tuple[int, int, int]:
+    """``(rows, block_n, n_col_blocks)`` of the (rows x block_n) tiles over an (n_rows, n_cols) view."""
     if isinstance(n_rows, int) and isinstance(n_cols, int) and n_rows > 1:
         block_n = min(tu.next_power_of_2(max(n_cols, 1)), _BLOCK)
     else:
         # One row (the flat view of contiguous inputs: one compiled tile for every size), or sizes that are
         # symbolic under torch.compile(dynamic=True): full-width tiles, no specialization on the size.
         block_n = _BLOCK
-    rows = _BLOCK // block_n
-    n_col_blocks = tu.triton.cdiv(n_cols, block_n)
-    grid = (tu.triton.cdiv(n_rows, rows) * n_col_blocks,)
+    return _BLOCK // block_n, block_n, tu.triton.cdiv(n_cols, block_n)
+
+
+def _programs(view: Tensor) -> int:
+    """Programs (tiles) of a launch over ``view``."""
+    rows, _, n_col_blocks = _tiling(*view.shape)
+    return tu.triton.cdiv(view.shape[0], rows) * n_col_blocks
+
+
+def _launch(kernel, views: list, kind: str, dtype: torch.dtype, *extra, **constexprs) -> None:
+    """Launch ``kernel`` over (rows, cols) views with unit column stride, shaped like the first (inputs
+    first, then outputs, in the kernel's pointer order), passing each view's row stride after them, then
+    the sizes, then ``extra`` scalars and ``constexprs``."""
+    n_rows, n_cols = views[0].shape
+    rows, block_n, n_col_blocks = _tiling(n_rows, n_cols)
     with tu.device_guard(views[0]):
-        tu.launch(kernel)[grid](
+        tu.launch(kernel)[(_programs(views[0]),)](
             *views, *[v.stride(0) for v in views], n_rows, n_cols, n_col_blocks, *extra,
             KIND=_kind_index(kind), ACC=tu.triton_acc_dtype(dtype), ROWS=rows, BLOCK_N=block_n,
             num_warps=_NUM_WARPS, **constexprs,
         )
+
+
+def _launch_gated_fwd(gate: Tensor, up: Tensor, y: Tensor, kind: str, fp8_amax: bool) -> Tensor | None:
+    """The gated forward over (rows, cols) views ``gate``, ``up`` -> ``y``; with ``fp8_amax``, max |y| as a
+    (1,) fp32 tensor (each program writes its tile's maximum, one small reduction takes theirs)."""
+    partial = torch.empty(_programs(gate), dtype=torch.float32, device=gate.device) if fp8_amax else None
+    _launch(_gated_fwd_kernel, [gate, up, y], kind, gate.dtype, partial if fp8_amax else tu.unused_pointer(gate),
+            FP8_AMAX=fp8_amax)
+    return partial.amax().reshape(1) if fp8_amax else None
 
 
 def _views(*tensors: Tensor) -> list:
@@ -272,14 +295,15 @@ def activation_bwd(dy: Tensor, x: Tensor, kind: str) -> Tensor:
     return dx
 
 
-def gated_activation_fwd(gate: Tensor, up: Tensor, kind: str) -> Tensor:
-    """Triton forward: ``act(gate) * up`` in fp32, rounded once to gate's dtype; contiguous."""
+def gated_activation_fwd(gate: Tensor, up: Tensor, kind: str, fp8_amax: bool = False):
+    """Triton forward: ``act(gate) * up`` in fp32, rounded once to gate's dtype; contiguous. With
+    ``fp8_amax``, ``(y, max |y|)``: the (1,) fp32 maximum an FP8 linear fed by y would otherwise read y for."""
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if gate.numel() == 0:
-        return y
+        return (y, torch.zeros(1, dtype=torch.float32, device=y.device)) if fp8_amax else y
     g2, u2 = _views(gate, up)
-    _launch(_gated_fwd_kernel, [g2, u2, y.view(g2.shape)], kind, gate.dtype)
-    return y
+    amax = _launch_gated_fwd(g2, u2, y.view(g2.shape), kind, fp8_amax)
+    return (y, amax) if fp8_amax else y
 
 
 def gated_activation_bwd(dy: Tensor, gate: Tensor, up: Tensor, kind: str) -> tuple[Tensor, Tensor]:
@@ -301,18 +325,19 @@ def _halves(rows2: Tensor, gate_first: bool) -> tuple[Tensor, Tensor]:
     return (first, second) if gate_first else (second, first)
 
 
-def gated_activation_packed_fwd(gate_up: Tensor, kind: str, gate_first: bool = True) -> Tensor:
+def gated_activation_packed_fwd(gate_up: Tensor, kind: str, gate_first: bool = True, fp8_amax: bool = False):
     """Triton forward of the packed form: ``act(gate) * up`` with ``gate, up = gate_up.chunk(2, -1)``
-    (swapped when ``gate_first`` is False), read in place; output (..., N), contiguous."""
+    (swapped when ``gate_first`` is False), read in place; output (..., N), contiguous. With ``fp8_amax``,
+    ``(y, max |y|)`` as in :func:`gated_activation_fwd`."""
     n = gate_up.shape[-1] // 2
     y = torch.empty((*gate_up.shape[:-1], n), dtype=gate_up.dtype, device=gate_up.device)
     if y.numel() == 0:
-        return y
+        return (y, torch.zeros(1, dtype=torch.float32, device=y.device)) if fp8_amax else y
     # The halves as two views of gate_up (H100, inside a compiled graph: 0.88-0.89 of copy at hidden
     # 4096-8192; reading both through one pointer with column offsets measured the same).
     g2, u2 = _halves(tu.as_rows(gate_up), gate_first)
-    _launch(_gated_fwd_kernel, [g2, u2, y.view(-1, n)], kind, gate_up.dtype)
-    return y
+    amax = _launch_gated_fwd(g2, u2, y.view(-1, n), kind, fp8_amax)
+    return (y, amax) if fp8_amax else y
 
 
 def gated_activation_packed_bwd(dy: Tensor, gate_up: Tensor, kind: str, gate_first: bool = True) -> Tensor:
@@ -411,10 +436,13 @@ def _activation_backward_op(dy: Tensor, x: Tensor, kind: str) -> Tensor:
 
 
 @torch.library.triton_op("kernel_pytorch::gated_activation", mutates_args=())
-def _gated_op(gate: Tensor, up: Tensor, kind: str) -> Tensor:
+def _gated_op(gate: Tensor, up: Tensor, kind: str, fp8_amax: bool) -> tuple[Tensor, Tensor]:
+    # Returns (y, amax): amax is an empty tensor that nothing reads without fp8_amax (an op's outputs
+    # cannot be optional).
     _kind_index(kind)
-    forward = gated_activation_fwd if _use_triton(gate) else _gated_fwd_native
-    return forward(gate, up, kind)
+    if _use_triton(gate):
+        return _with_amax(gated_activation_fwd(gate, up, kind, fp8_amax), fp8_amax)
+    return _with_amax(_gated_fwd_native(gate, up, kind), fp8_amax, native=True)
 
 
 @torch.library.triton_op("kernel_pytorch::gated_activation_backward", mutates_args=())
@@ -425,10 +453,20 @@ def _gated_backward_op(dy: Tensor, gate: Tensor, up: Tensor, kind: str) -> tuple
 
 
 @torch.library.triton_op("kernel_pytorch::gated_activation_packed", mutates_args=())
-def _gated_packed_op(gate_up: Tensor, kind: str, gate_first: bool) -> Tensor:
+def _gated_packed_op(gate_up: Tensor, kind: str, gate_first: bool, fp8_amax: bool) -> tuple[Tensor, Tensor]:
+    # Returns (y, amax), as _gated_op.
     _kind_index(kind)
-    forward = gated_activation_packed_fwd if _use_triton(gate_up) else _gated_packed_fwd_native
-    return forward(gate_up, kind, gate_first)
+    if _use_triton(gate_up):
+        return _with_amax(gated_activation_packed_fwd(gate_up, kind, gate_first, fp8_amax), fp8_amax)
+    return _with_amax(_gated_packed_fwd_native(gate_up, kind, gate_first), fp8_amax, native=True)
+
+
+def _with_amax(result, fp8_amax: bool, native: bool = False) -> tuple[Tensor, Tensor]:
+    """``(y, amax)`` from a forward's result: ``(y, amax)`` from a Triton forward with ``fp8_amax``, else
+    ``y``, whose maximum the native path computes here (and which gets an empty amax without fp8_amax)."""
+    if not fp8_amax:
+        return result, result.new_empty(0, dtype=torch.float32)
+    return (result, tensor_abs_max(result)) if native else result
 
 
 @torch.library.triton_op("kernel_pytorch::gated_activation_packed_backward", mutates_args=())
@@ -450,26 +488,28 @@ def _activation_backward(ctx, dy):
 
 
 def _gated_setup(ctx, inputs, output):
-    gate, up, kind = inputs
+    gate, up, kind, _fp8_amax = inputs
     ctx.kind = kind
+    ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(gate, up)
 
 
-def _gated_backward(ctx, dy):
+def _gated_backward(ctx, dy, _damax):
     gate, up = ctx.saved_tensors
     dgate, dup = _gated_backward_op(dy, gate, up, ctx.kind)
-    return (dgate if ctx.needs_input_grad[0] else None), (dup if ctx.needs_input_grad[1] else None), None
+    return (dgate if ctx.needs_input_grad[0] else None), (dup if ctx.needs_input_grad[1] else None), None, None
 
 
 def _gated_packed_setup(ctx, inputs, output):
-    gate_up, kind, gate_first = inputs
+    gate_up, kind, gate_first, _fp8_amax = inputs
     ctx.kind, ctx.gate_first = kind, gate_first
+    ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(gate_up)
 
 
-def _gated_packed_backward(ctx, dy):
+def _gated_packed_backward(ctx, dy, _damax):
     (gate_up,) = ctx.saved_tensors
-    return _gated_packed_backward_op(dy, gate_up, ctx.kind, ctx.gate_first), None, None
+    return _gated_packed_backward_op(dy, gate_up, ctx.kind, ctx.gate_first), None, None, None
 
 
 _activation_op.register_autograd(_activation_backward, setup_context=_activation_setup)
@@ -515,23 +555,26 @@ def activation(x: Tensor, kind: str = "silu") -> Tensor:
     return _activation_op(x, kind)
 
 
-def gated_activation(gate: Tensor, up: Tensor, kind: str = "silu") -> Tensor:
+def gated_activation(gate: Tensor, up: Tensor, kind: str = "silu", *, fp8_amax: bool = False):
     """``act(gate) * up`` (SwiGLU for ``"silu"``, GeGLU for the GELUs) from two same-shape tensors,
     computed in fp32 and rounded once. Strided inputs (e.g. the chunks of one projection's output) are
-    read in place.
+    read in place. ``fp8_amax=True`` returns ``(y, max |y|)``, the maximum computed by the activation's own
+    kernel: what :func:`~kernel_pytorch.ops.float8_linear.float8_linear` takes as ``x_amax``.
 
     >>> gate, up = torch.randn(2, 8, 172), torch.randn(2, 8, 172)
     >>> y = gated_activation(gate, up, "silu")    # ~ F.silu(gate) * up
     """
     _kind_index(kind)
     _check_pair(gate, up)
-    return _gated_op(gate, up, kind)
+    y, amax = _gated_op(gate, up, kind, bool(fp8_amax))
+    return (y, amax) if fp8_amax else y
 
 
-def gated_activation_packed(gate_up: Tensor, kind: str = "silu", gate_first: bool = True) -> Tensor:
+def gated_activation_packed(gate_up: Tensor, kind: str = "silu", gate_first: bool = True, *,
+                            fp8_amax: bool = False):
     """``act(gate) * up`` with ``gate, up = gate_up.chunk(2, -1)`` (``up, gate`` when ``gate_first`` is
     False): the output of one fused gate/up projection, last dim 2N -> N. The gradient is one tensor
-    of gate_up's shape.
+    of gate_up's shape. ``fp8_amax=True`` returns ``(y, max |y|)`` as :func:`gated_activation` does.
 
     >>> gate_up = torch.randn(2, 8, 344)
     >>> y = gated_activation_packed(gate_up, "silu")   # (2, 8, 172)
@@ -541,7 +584,8 @@ def gated_activation_packed(gate_up: Tensor, kind: str = "silu", gate_first: boo
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dim must be even (gate and up side by side), got shape "
                          f"{tuple(gate_up.shape)}")
-    return _gated_packed_op(gate_up, kind, bool(gate_first))
+    y, amax = _gated_packed_op(gate_up, kind, bool(gate_first), bool(fp8_amax))
+    return (y, amax) if fp8_amax else y
 
 
 def _use_gelu_epilogue(x: Tensor, weight: Tensor, bias: Tensor | None, kind: str) -> bool:

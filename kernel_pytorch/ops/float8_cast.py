@@ -35,7 +35,7 @@ from torch import Tensor
 
 from kernel_pytorch.ops.triton_utils import device_guard, jit, launch, tl, triton, unused_pointer, use_triton
 
-__all__ = ["Float8Cast", "Amax", "abs_max", "cast", "EPS", "FLOAT8_DTYPES", "padded"]
+__all__ = ["Float8Cast", "Amax", "abs_max", "tensor_abs_max", "cast", "EPS", "FLOAT8_DTYPES", "padded"]
 
 # Lower bound on amax, so scale = fp8_max / amax stays finite for all-zero tensors/rows (the value
 # torchao and PyTorch's own _scaled_mm tests use: fp8_max / 1e-12 ~ 4.5e14 is far inside fp32's range).
@@ -110,6 +110,14 @@ def abs_max(t: Tensor, tensorwise: bool, rows: bool = False, cols: bool = False)
             num_warps=8)
     tensor, row_max, col_max = maxima.split(sizes)
     return Amax(tensor=tensor if tensorwise else None, rows=row_max if rows else None, cols=col_max if cols else None)
+
+
+def tensor_abs_max(t: Tensor) -> Tensor:
+    """``max |t|`` of a tensor of any shape, as the (1,) fp32 tensor a tensorwise cast takes (the fallback of
+    the kernels that compute it while producing ``t``: ``rms_norm`` / ``gated_activation*`` with ``fp8_amax``)."""
+    if t.numel() == 0:
+        return torch.zeros(1, device=t.device, dtype=torch.float32)
+    return abs_max(t.reshape(-1, t.shape[-1]), tensorwise=True).tensor
 
 
 def _amax_steps(tiles: int) -> int:

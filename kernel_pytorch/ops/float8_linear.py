@@ -147,8 +147,12 @@ def _mm(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dty
 
 
 def float8_mm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: str, emulate: bool,
-                  forward_dtype: torch.dtype, weight_grad: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  forward_dtype: torch.dtype, weight_grad: bool = True,
+                  x_amax: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``x @ weight.T + bias`` with both operands in ``forward_dtype``; x (M, K), weight (N, K).
+
+    ``x_amax``: max |x| (shape (1,), fp32), tensorwise only, when the kernel that produced x computed it
+    (``rms_norm`` / ``gated_activation*`` with ``fp8_amax=True``): x's cast then skips its own reduction.
 
     Returns ``(out, x_t, x_t_inv, w_col_amax)``: what the backward needs, made in the same passes: x
     transposed to (K, M padded to 16) in float8, scaled along M (empty without ``weight_grad``: inference
@@ -157,8 +161,11 @@ def float8_mm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: str
     if not emulate:
         _check_fp8_device(x.device)
     tensorwise = recipe == "tensorwise"
-    x_q = cast(x, abs_max(x, tensorwise, rows=True, cols=weight_grad), forward_dtype, rows=True, cols=weight_grad,
-               cols_multiple=FP8_ALIGNMENT)  # scales along K for the forward, along M for grad_weight
+    if x_amax is not None and not tensorwise:
+        raise ValueError("x_amax (the input's maximum, computed by its producer) is for the tensorwise recipe: "
+                         "rowwise scales need the maxima of x's rows and columns")
+    x_max = Amax(tensor=x_amax) if x_amax is not None else abs_max(x, tensorwise, rows=True, cols=weight_grad)
+    x_q = cast(x, x_max, forward_dtype, rows=True, cols=weight_grad, cols_multiple=FP8_ALIGNMENT)  # scales along K for the forward, along M for grad_weight
     w_amax = abs_max(weight, tensorwise, rows=True, cols=True)
     w_q = cast(weight, w_amax, forward_dtype, rows=True)
     out = _mm(x_q.rows, x_q.rows_inv, w_q.rows, w_q.rows_inv, x.dtype, emulate, bias, fast_accum=True)
@@ -196,10 +203,11 @@ def float8_mm_bwd(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, weight: Tensor
 # which made an FP8 model host-bound. Fake tensors: the same bodies, traced (no launch, nothing read).
 
 @torch.library.triton_op("kernel_pytorch::float8_linear", mutates_args=())
-def _float8_linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: str, emulate: bool,
-                      forward_dtype: torch.dtype, backward_dtype: torch.dtype,
+def _float8_linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], x_amax: Optional[Tensor], recipe: str,
+                      emulate: bool, forward_dtype: torch.dtype, backward_dtype: torch.dtype,
                       weight_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    out, x_t, x_t_inv, w_col_amax = float8_mm_fwd(x, weight, bias, recipe, emulate, forward_dtype, weight_grad)
+    out, x_t, x_t_inv, w_col_amax = float8_mm_fwd(x, weight, bias, recipe, emulate, forward_dtype, weight_grad,
+                                                  x_amax)
     # The fp8 bytes leave the op as uint8: integer outputs are data to autograd and to the op checkers
     # (which would otherwise try to sum and multiply float8 tensors); the backward views them back.
     return out, x_t.view(torch.uint8), x_t_inv, w_col_amax
@@ -216,7 +224,7 @@ def _float8_linear_backward_op(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, w
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, recipe, emulate, forward_dtype, backward_dtype, _weight_grad = inputs
+    x, weight, bias, _x_amax, recipe, emulate, forward_dtype, backward_dtype, _weight_grad = inputs
     _, x_t, x_t_inv, w_col_amax = output
     ctx.save_for_backward(x_t, x_t_inv, weight, w_col_amax)
     ctx.mark_non_differentiable(x_t_inv, w_col_amax)
@@ -239,7 +247,7 @@ def _backward(ctx, grad_out, *_unused):
         gi, gw = (gi if need_x else None), (gw if need_w else None)
     if need_b:
         gb = grad_out.float().sum(0).to(ctx.bias_dtype)
-    return gi, gw, gb, None, None, None, None, None
+    return gi, gw, gb, None, None, None, None, None, None
 
 
 _float8_linear_op.register_autograd(_backward, setup_context=_setup_context)
@@ -249,8 +257,13 @@ _float8_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 def float8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, recipe: str = "tensorwise",
                   emulate: bool = False, forward_dtype: torch.dtype = torch.float8_e4m3fn,
-                  backward_dtype: torch.dtype = torch.float8_e5m2) -> Tensor:
-    """``F.linear(x, weight, bias)`` with float8 matmuls forward and backward; x of shape (..., K)."""
+                  backward_dtype: torch.dtype = torch.float8_e5m2, x_amax: Optional[Tensor] = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` with float8 matmuls forward and backward; x of shape (..., K).
+
+    ``x_amax``: ``max |x|`` as a (1,) fp32 tensor, computed by the kernel that produced x (tensorwise recipe
+    only): the forward then does not read x to find it. It must be x's exact maximum (the scale, and so the
+    result, is that of the unfused path); ``rms_norm`` and ``gated_activation*`` return it with
+    ``fp8_amax=True``, and the FP8 pass wires them up where a norm or gated activation feeds an FP8 linear."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown float8 recipe {recipe!r}; expected one of {RECIPES}")
     for name, dt in (("forward_dtype", forward_dtype), ("backward_dtype", backward_dtype)):
@@ -259,7 +272,7 @@ def float8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, reci
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     weight_grad = torch.is_grad_enabled() and weight.requires_grad
-    out = _float8_linear_op(x2, weight, bias, recipe, emulate, forward_dtype, backward_dtype, weight_grad)[0]
+    out = _float8_linear_op(x2, weight, bias, x_amax, recipe, emulate, forward_dtype, backward_dtype, weight_grad)[0]
     return out.reshape(*lead, weight.shape[0])
 
 

@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from kernel_pytorch.ops import triton_utils as tu
+from kernel_pytorch.ops.float8_cast import tensor_abs_max
 from kernel_pytorch.ops.triton_utils import (grad_row_indices, jit, load_grad_rows, load_rows, row_indices,
                                              store_grad_rows, tl)
 
@@ -53,11 +54,12 @@ def _rms_norm_fwd_kernel(
     W,  # (n_cols,) weight, any float dtype; read only if HAS_WEIGHT
     Y,  # (n_rows, n_cols) output in X's dtype
     RSTD,  # (n_rows,) output 1 / sqrt(mean(h²) + eps) in ACC, saved for the backward
+    AMAX,  # (n_programs,) fp32 output: each program's max |y| (as rounded to Y's dtype); only if FP8_AMAX
     stride_x, stride_r, stride_h, stride_y,
     n_rows, n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
     ACC: tl.constexpr,  # tl.float32, or tl.float64 for fp64 inputs
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, FP8_AMAX: tl.constexpr,
 ):
     rows, cols, row_mask, col_mask, mask = row_indices(n_rows, n_cols, BLOCK_N, ROWS)
     x = load_rows(X, R, H, rows, cols, mask, stride_x, stride_r, stride_h, HAS_RESIDUAL, ACC)
@@ -71,7 +73,10 @@ def _rms_norm_fwd_kernel(
         if CAST_BEFORE_WEIGHT:
             y = y.to(Y.dtype.element_ty).to(ACC)
         y = y * w[None, :]
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    y = y.to(Y.dtype.element_ty)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+    if FP8_AMAX:  # masked elements are 0, and |y| >= 0
+        tl.store(AMAX + tl.program_id(0), tl.max(tl.max(tl.abs(y.to(tl.float32)), axis=1), axis=0))
 
 
 @jit
@@ -125,8 +130,10 @@ def _rms_norm_bwd_kernel(
 # -------------------------------------------------------------------------------------------- launches
 
 def rms_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, residual: Optional[Tensor] = None,
-                 eps: float = 1e-6, cast_before_weight: bool = False):
-    """Triton forward: ``(y, h, rstd)``; ``h = x + residual`` or None, rstd of shape ``x.shape[:-1]``.
+                 eps: float = 1e-6, cast_before_weight: bool = False, fp8_amax: bool = False):
+    """Triton forward: ``(y, h, rstd, amax)``; ``h = x + residual`` or None, rstd of shape ``x.shape[:-1]``,
+    ``amax`` = max |y| as a (1,) fp32 tensor with ``fp8_amax`` (else None): each program writes its tile's
+    maximum and one small reduction takes theirs, so an FP8 linear fed by y need not read y to scale it.
 
     Any device Triton can launch on, CPU tensors included under ``TRITON_INTERPRET=1``.
     """
@@ -138,21 +145,23 @@ def rms_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, residual: Optional[
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     rstd = torch.empty(x.shape[:-1], dtype=tu.acc_dtype(x.dtype), device=x.device)
     if n_rows == 0:
-        return y, h, rstd
+        return y, h, rstd, (torch.zeros(1, dtype=torch.float32, device=x.device) if fp8_amax else None)
+    programs = tu.triton.cdiv(n_rows, tile.rows)
+    partial = torch.empty(programs, dtype=torch.float32, device=x.device) if fp8_amax else None
     y2 = y.view(-1, hidden)
     r2 = tu.as_rows(residual) if residual is not None else tu.unused_pointer(x)
     h2 = h.view(-1, hidden) if h is not None else tu.unused_pointer(x)
     w = weight.contiguous() if weight is not None else tu.unused_pointer(x)
     with tu.device_guard(x):
-        tu.launch(_rms_norm_fwd_kernel)[(tu.triton.cdiv(n_rows, tile.rows),)](
-            x2, r2, h2, w, y2, rstd,
+        tu.launch(_rms_norm_fwd_kernel)[(programs,)](
+            x2, r2, h2, w, y2, rstd, partial if fp8_amax else tu.unused_pointer(x),
             x2.stride(0), r2.stride(0), h2.stride(0), y2.stride(0),
             n_rows, hidden, eps,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
             CAST_BEFORE_WEIGHT=cast_before_weight, ACC=tu.triton_acc_dtype(x.dtype),
-            BLOCK_N=tile.block_n, ROWS=tile.rows, num_warps=tile.num_warps,
+            BLOCK_N=tile.block_n, ROWS=tile.rows, FP8_AMAX=fp8_amax, num_warps=tile.num_warps,
         )
-    return y, h, rstd
+    return y, h, rstd, (partial.amax().reshape(1) if fp8_amax else None)
 
 
 def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, dh: Optional[Tensor] = None,
@@ -202,7 +211,7 @@ def _fused_rms_norm_available(device_type: str, backward: bool) -> bool:
 
 
 def _rms_norm_fwd_native(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], eps: float,
-                         cast_before_weight: bool):
+                         cast_before_weight: bool, fp8_amax: bool = False):
     # Contiguous like the Triton path's outputs (and the fake's): x + r follows a permuted x's layout.
     h = (x + residual).contiguous() if residual is not None else None
     inp = h if h is not None else x
@@ -218,7 +227,8 @@ def _rms_norm_fwd_native(x: Tensor, weight: Optional[Tensor], residual: Optional
         if weight is not None:
             y = y.to(x.dtype) * weight if cast_before_weight else y * weight.to(acc)
         y = y.to(x.dtype)
-    return y.contiguous(), h, rstd.reshape(inp.shape[:-1]).to(acc)
+    amax = tensor_abs_max(y) if fp8_amax else None
+    return y.contiguous(), h, rstd.reshape(inp.shape[:-1]).to(acc), amax
 
 
 def _rms_norm_bwd_native(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, dh: Optional[Tensor],
@@ -254,13 +264,14 @@ def _rms_norm_bwd_native(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: 
 
 @torch.library.triton_op("kernel_pytorch::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], eps: float,
-                 cast_before_weight: bool) -> tuple[Tensor, Tensor, Tensor]:
-    # Returns (y, h, rstd). A custom op's outputs cannot be optional: without a residual, h is an empty
-    # tensor that nothing reads.
+                 cast_before_weight: bool, fp8_amax: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    # Returns (y, h, rstd, amax). A custom op's outputs cannot be optional: without a residual, h is an
+    # empty tensor that nothing reads, and so is amax without fp8_amax.
     triton = tu.use_triton(x, TRITON_FWD_MIN_ELEMENTS)
     forward = rms_norm_fwd if triton else _rms_norm_fwd_native
-    y, h, rstd = forward(x, weight, residual, eps, cast_before_weight)
-    return y, (h if h is not None else x.new_empty(0)), rstd
+    y, h, rstd, amax = forward(x, weight, residual, eps, cast_before_weight, fp8_amax)
+    return (y, (h if h is not None else x.new_empty(0)), rstd,
+            (amax if amax is not None else x.new_empty(0, dtype=torch.float32)))
 
 
 @torch.library.triton_op("kernel_pytorch::rms_norm_backward", mutates_args=())
@@ -274,19 +285,20 @@ def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd:
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, residual, _eps, cast_before_weight = inputs
-    _y, h, rstd = output
+    x, weight, residual, _eps, cast_before_weight, _fp8_amax = inputs
+    _y, h, rstd, amax = output
     ctx.has_residual = residual is not None
     ctx.cast_before_weight = cast_before_weight
+    ctx.mark_non_differentiable(amax)
     ctx.save_for_backward(h if residual is not None else x, weight, rstd)
 
 
-def _backward(ctx, dy, dh, _drstd):
+def _backward(ctx, dy, dh, _drstd, _damax):
     x, weight, rstd = ctx.saved_tensors
     weight_grad = weight is not None and ctx.needs_input_grad[1]
     dx, dw = _rms_norm_backward_op(dy, x, weight, rstd, dh if ctx.has_residual else None,
                                    ctx.cast_before_weight, weight_grad)
-    return dx, (dw if weight_grad else None), (dx if ctx.has_residual else None), None, None
+    return dx, (dw if weight_grad else None), (dx if ctx.has_residual else None), None, None, None
 
 
 _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -295,20 +307,25 @@ _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------------------------------- public API
 
 def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, residual: Optional[Tensor] = None,
-             *, cast_before_weight: bool = False):
+             *, cast_before_weight: bool = False, fp8_amax: bool = False):
     """RMSNorm over the last axis; with ``residual``, the fused add + norm returning ``(normed, x + residual)``.
 
     Statistics in fp32, output in ``x``'s dtype; ``cast_before_weight=True`` rounds the normalized value
     to that dtype before the weight multiply (Hugging Face Llama) instead of once at the end
     (``F.rms_norm``). Differentiable, and traceable by ``torch.compile(fullgraph=True)``.
+    ``fp8_amax=True`` also returns ``max |normed|`` (a (1,) fp32 tensor, last), computed by the norm's
+    own kernel: what :func:`~kernel_pytorch.ops.float8_linear.float8_linear` takes as ``x_amax``.
 
     >>> x, r, w = torch.randn(2, 8, 64), torch.randn(2, 8, 64), torch.ones(64)
     >>> y = rms_norm(x, w)
     >>> y, h = rms_norm(x, w, residual=r)        # h = x + r, y = rms_norm(h, w)
+    >>> y, amax = rms_norm(x, w, fp8_amax=True)  # amax == y.abs().amax()
     """
     _check_arguments(x, weight, residual)
-    y, h, _ = _rms_norm_op(x, weight, residual, float(eps), bool(cast_before_weight))
-    return (y, h) if residual is not None else y
+    y, h, _, amax = _rms_norm_op(x, weight, residual, float(eps), bool(cast_before_weight), bool(fp8_amax))
+    outputs = (y, h) if residual is not None else (y,)
+    outputs += (amax,) if fp8_amax else ()
+    return outputs if len(outputs) > 1 else y
 
 
 def _check_arguments(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor]) -> None:

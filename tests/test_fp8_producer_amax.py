@@ -1,0 +1,169 @@
+"""Quantization fused into the producing kernels: ``rms_norm`` and ``gated_activation*`` with ``fp8_amax=True``
+return ``max |y|`` from their own kernels, and ``float8_linear(..., x_amax=)`` takes it instead of reading x.
+
+The maximum must be exact, not close: it sets the FP8 scale, so an FP8 linear fed by a producer's amax must
+give the unfused result bit for bit. Triton kernels run interpreted on the CPU (``test_interp_*``, in a child
+process) and on the GPU with ``-m gpu``; the native path on the CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from .triton_interpreter import INTERPRETED, cuda_device, interp, route_to_triton, run_interpreted_tests
+
+A = importlib.import_module("kernel_pytorch.ops.activations")
+R = importlib.import_module("kernel_pytorch.ops.rms_norm")
+tu = importlib.import_module("kernel_pytorch.ops.triton_utils")
+from kernel_pytorch.ops.float8_linear import float8_linear  # noqa: E402
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _producers(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, gate_up: torch.Tensor):
+    """(name, y, amax) of each producer in its fp8_amax form, on fresh inputs."""
+    n = gate_up.shape[-1] // 2
+    y, amax = R.rms_norm(x, w, fp8_amax=True)
+    yield "rms_norm", y, amax
+    y, _h, amax = R.rms_norm(x, w, 1e-6, r, cast_before_weight=True, fp8_amax=True)
+    yield "residual rms_norm", y, amax
+    y, amax = A.gated_activation_packed(gate_up, "silu", fp8_amax=True)
+    yield "packed swiglu", y, amax
+    y, amax = A.gated_activation_packed(gate_up[::2], "gelu_tanh", gate_first=False, fp8_amax=True)
+    yield "packed geglu, strided rows", y, amax
+    y, amax = A.gated_activation(gate_up[..., :n], gate_up[..., n:], "silu", fp8_amax=True)
+    yield "swiglu of two chunks", y, amax
+
+
+def _inputs(dtype, device, rows=37, hidden=96):
+    x = torch.randn(rows, hidden, dtype=dtype, device=device) * 3
+    x[rows // 2, hidden // 3] = 40.0  # an outlier that must be the maximum's source, not lost in a tile's reduction
+    return (x, torch.randn(hidden, dtype=dtype, device=device), torch.randn_like(x),
+            torch.randn(rows, 2 * hidden, dtype=dtype, device=device))
+
+
+def check_amax_is_exact(dtype, device):
+    torch.manual_seed(0)
+    for name, y, amax in _producers(*_inputs(dtype, device)):
+        assert amax.shape == (1,) and amax.dtype == torch.float32, name
+        assert torch.equal(amax, y.detach().abs().float().amax().reshape(1)), name
+
+
+def check_fp8_linear_with_producer_amax_equals_unfused(device, emulate):
+    """The FP8 linear given the norm's maximum: the unfused result, forward and gradients, bit for bit."""
+    torch.manual_seed(1)
+    x, w, _, _ = _inputs(torch.bfloat16, device, rows=64, hidden=128)
+    weight = torch.randn(48, 128, dtype=torch.bfloat16, device=device, requires_grad=True)
+    results = []
+    for fused in (False, True):
+        xi = x.clone().requires_grad_()
+        y, amax = R.rms_norm(xi, w, fp8_amax=True)
+        out = float8_linear(y, weight, emulate=emulate, x_amax=amax if fused else None)
+        out.float().square().sum().backward()
+        results.append((out.detach(), xi.grad, weight.grad.clone()))
+        weight.grad = None
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_native_path_amax_is_exact():
+    check_amax_is_exact(torch.float32, "cpu")
+    check_amax_is_exact(torch.bfloat16, "cpu")
+
+
+def test_emulated_fp8_linear_with_producer_amax_equals_unfused():
+    check_fp8_linear_with_producer_amax_equals_unfused("cpu", emulate=True)
+
+
+def test_amax_output_takes_no_gradient_and_leaves_the_gradients_alone():
+    torch.manual_seed(2)
+    x, w, r, gate_up = (t.requires_grad_() for t in _inputs(torch.float64, "cpu", rows=5, hidden=8))
+    for fn, args in ((lambda x, w: R.rms_norm(x, w, fp8_amax=True)[0], (x, w)),
+                     (lambda x, r, w: R.rms_norm(x, w, 1e-6, r, fp8_amax=True)[:2], (x, r, w)),
+                     (lambda gu: A.gated_activation_packed(gu, "silu", fp8_amax=True)[0], (gate_up,))):
+        assert torch.autograd.gradcheck(fn, args)
+    assert not R.rms_norm(x, w, fp8_amax=True)[1].requires_grad
+
+
+def test_x_amax_is_for_the_tensorwise_recipe_only():
+    x, w = torch.randn(16, 32), torch.randn(16, 32)
+    with pytest.raises(ValueError, match="tensorwise"):
+        float8_linear(x, w, recipe="rowwise", emulate=True, x_amax=x.abs().amax().reshape(1))
+
+
+def test_compile_fullgraph_traces_the_amax_outputs():
+    torch.manual_seed(3)
+    x, w, _, gate_up = _inputs(torch.float32, "cpu")
+    weight = torch.randn(32, 96)
+
+    def fn(x, gate_up):
+        y, amax = R.rms_norm(x, w, fp8_amax=True)
+        h, h_amax = A.gated_activation_packed(gate_up, "silu", fp8_amax=True)
+        return float8_linear(y, weight, emulate=True, x_amax=amax), h_amax
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for a, b in zip(compiled(x, gate_up), fn(x, gate_up)):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------ Triton, interpreted
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    calls = route_to_triton(monkeypatch, R, ("rms_norm_fwd",), ("TRITON_FWD_MIN_ELEMENTS",))
+    return route_to_triton(monkeypatch, A, ("gated_activation_fwd", "gated_activation_packed_fwd"),
+                           ("TRITON_MIN_ELEMENTS",), calls)
+
+
+@interp
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_interp_kernel_amax_is_exact(triton_on_cpu, dtype):
+    check_amax_is_exact(dtype, "cpu")
+    assert set(triton_on_cpu) == {"rms_norm_fwd", "gated_activation_fwd", "gated_activation_packed_fwd"}
+
+
+@interp
+def test_interp_kernel_amax_over_many_programs(triton_on_cpu):
+    # 3000 rows: hundreds of programs (partial maxima) for the norm and the flat gated tiles alike.
+    torch.manual_seed(4)
+    x, w, gate_up = torch.randn(3000, 64), torch.randn(64), torch.randn(3000, 128)
+    x[2999, 63] = -77.0  # in the last program, at its last element
+    y, amax = R.rms_norm(x, w, fp8_amax=True)
+    assert torch.equal(amax, y.abs().amax().reshape(1))
+    y, amax = A.gated_activation_packed(gate_up, "silu", fp8_amax=True)
+    assert torch.equal(amax, y.abs().amax().reshape(1))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_* tests itself")
+@pytest.mark.skipif(not tu.HAS_TRITON, reason="Triton is not installed: no kernels to interpret")
+def test_triton_kernels_in_a_subprocess():
+    run_interpreted_tests(__file__)
+
+
+# --------------------------------------------------------------------------------------------- GPU
+
+@pytest.fixture
+def cuda():
+    return cuda_device()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_kernel_amax_is_exact(cuda, dtype):
+    check_amax_is_exact(dtype, cuda)
+    torch.manual_seed(5)
+    x, w = torch.randn(8192, 2048, dtype=dtype, device=cuda), torch.randn(2048, dtype=dtype, device=cuda)
+    y, amax = R.rms_norm(x, w, fp8_amax=True)
+    assert torch.equal(amax, y.abs().float().amax().reshape(1))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_linear_with_producer_amax_equals_unfused(cuda):
+    from kernel_pytorch.ops.float8_linear import float8_hardware_reason
+
+    if float8_hardware_reason(cuda) is not None:
+        pytest.fail(f"-m gpu FP8 tests need an FP8 GPU: {float8_hardware_reason(cuda)}")
+    check_fp8_linear_with_producer_amax_equals_unfused(cuda, emulate=False)
