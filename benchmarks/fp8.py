@@ -20,6 +20,12 @@ Five tables, bf16 activations and weights throughout:
    from the same bf16 inputs. Issue floors: >= 20 dB output, >= 17 dB weight gradient.
 5. ``model``: a training step of DESIGN.md's Llama-style model (12 layers, batch 4 x 2048) through
    ``kernel_pytorch.optimize`` in bf16, with ``fp8=True`` (each recipe) and ``fp8="auto"``. Target: 1.15x.
+6. ``producers``: quantization fused into the producing kernel, at the model's shapes: RMSNorm -> the fused
+   gate/up linear (8192 x 2048 -> 11264) and packed SwiGLU -> down (8192 x 5632 -> 2048), forward +
+   backward, GPU time: the producer in bf16 + ``F.linear``; + ``float8_linear`` finding x's maximum itself;
+   + ``float8_linear`` given the maximum the producer computed (``fp8_amax=True`` / ``x_amax``).
+
+A run with some ``--parts`` keeps the other parts of the JSON it writes over (from an earlier run).
 
 Each sweep point also records ``auto``: what ``optimize(fp8="auto")`` decides there (its own timing) and
 the speedup that choice gets on the point's measurements (never below 1 when the decision is right).
@@ -55,7 +61,8 @@ BF16 = "bf16 nn.Linear"
 TARGETS = {"tensorwise": 1.5, "rowwise": 1.35}  # forward + backward speedup at 8192^3
 SQNR_FLOORS = {"output": 20.0, "grad_weight": 17.0}  # dB
 SIZES = (1024, 2048, 4096, 8192, 16384)
-PARTS = ("ceilings", "linear", "numerics", "sweep", "model")
+PARTS = ("ceilings", "linear", "numerics", "sweep", "model", "producers")
+PRODUCER_SHAPES = {"rms_norm -> gate/up": (8192, 2048, 11264), "swiglu -> down": (8192, 5632, 2048)}
 QUICK_POINTS = ((1024, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 4096),
                 (4096, 8192, 2048))
 NUMERICS_SHAPE = (4096, 4096, 4096)  # M, K, N
@@ -310,6 +317,53 @@ def model_step(quick: bool, runs: int) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------ 6. producers
+
+def _producer_step(case: str, m: int, k: int, n: int, fp8: str | None) -> Callable[[], object]:
+    """Forward + backward of producer -> linear; ``fp8``: None (bf16 F.linear), "cast" (float8_linear reads
+    x for its maximum) or "producer" (the producer's kernel computes it)."""
+    from kernel_pytorch.ops import gated_activation_packed, rms_norm
+    from kernel_pytorch.ops.float8_linear import float8_linear
+
+    source = _randn(m, 2 * k if case.startswith("swiglu") else k, grad=True)
+    norm_weight = _randn(k, grad=True) if case.startswith("rms_norm") else None
+    weight, dy = _randn(n, k, scale=k ** -0.5, grad=True), _randn(m, n)
+    params = tuple(t for t in (source, norm_weight, weight) if t is not None)
+
+    def step():
+        fused = fp8 == "producer"
+        if norm_weight is not None:
+            out = rms_norm(source, norm_weight, 1e-6, fp8_amax=fused)
+        else:
+            out = gated_activation_packed(source, "silu", fp8_amax=fused)
+        x, amax = out if fused else (out, None)
+        y = torch.nn.functional.linear(x, weight) if fp8 is None else float8_linear(x, weight, x_amax=amax)
+        return torch.autograd.grad(y, params, dy)
+
+    return step
+
+
+def producers(runs: int) -> dict:
+    """GPU time of each producer -> linear pair, bf16 and FP8 without and with the fused maximum."""
+    out: dict = {}
+    for case, (m, k, n) in PRODUCER_SHAPES.items():
+        row: dict = {"m": m, "k": k, "n": n, "gpu_ms": {}}
+        for name, fp8 in (("bf16", None), ("fp8, amax by the cast", "cast"), ("fp8, amax from the producer", "producer")):
+            try:
+                ms, error = _gpu_time(_producer_step(case, m, k, n, fp8), 6 * m * k * n)
+                row["gpu_ms"][name] = round(ms, 4) if ms is not None else error
+            except Exception as error:  # one provider's failure must not end the run
+                row["gpu_ms"][name] = _error(error)
+            _free()
+        times = row["gpu_ms"]
+        if all(isinstance(t, float) for t in times.values()):
+            row["fused_saves_ms"] = round(times["fp8, amax by the cast"] - times["fp8, amax from the producer"], 4)
+            row["speedup_vs_bf16"] = {name: round(times["bf16"] / t, 3) for name, t in times.items() if name != "bf16"}
+        out[case] = row
+        print("producers", case, row, flush=True)
+    return out
+
+
 # ------------------------------------------------------------------------------------------ 4. numerics
 
 def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -407,6 +461,19 @@ def fp8_unavailable() -> str | None:
     return None
 
 
+def _earlier_parts(path: Path, parts: list[str]) -> dict:
+    """The parts of an earlier run's JSON that this run does not measure, each with the environment it
+    was measured in (``measured_in``); {} when there is none."""
+    if not path.exists():
+        return {}
+    import json
+
+    earlier = json.loads(path.read_text())
+    kept = {part: earlier[part] for part in PARTS if part not in parts and part in earlier}
+    measured_in = {part: earlier.get("measured_in", {}).get(part, earlier.get("environment")) for part in kept}
+    return {**kept, "measured_in": measured_in} if kept else {}
+
+
 def _summary(row: dict) -> dict:
     return {"mkn": (row["m"], row["k"], row["n"]), "ms": {n: r.get("ms", r.get("error")) for n, r in
                                                           row["results"].items()},
@@ -421,7 +488,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     runs = 5 if args.quick else 10
     name = "fp8" + ("_quick" if args.quick else "")
-    payload: dict = {"dtype": "bfloat16", "fp8_forward": "float8_e4m3fn", "fp8_backward": "float8_e5m2"}
+    payload: dict = _earlier_parts(args.out / f"{name}.json", args.parts)
+    payload.update({"dtype": "bfloat16", "fp8_forward": "float8_e4m3fn", "fp8_backward": "float8_e5m2"})
 
     if "ceilings" in args.parts:
         payload["ceilings"] = ceilings(runs=runs)
@@ -446,6 +514,9 @@ def main(argv: list[str] | None = None) -> None:
             write_result(name, payload, args.out)
     if "model" in args.parts:
         payload["model"] = model_step(args.quick, runs)
+        write_result(name, payload, args.out)
+    if "producers" in args.parts:
+        payload["producers"] = producers(runs)
         write_result(name, payload, args.out)
     payload["seconds"] = round(time.perf_counter() - started, 1)
     path = write_result(name, payload, args.out)

@@ -56,6 +56,7 @@ from kernel_pytorch.ops.float8_linear import (
     float8_dtypes_for,
     float8_eligible,
     float8_hardware_reason,
+    float8_linear,
 )
 from kernel_pytorch.timing import PER_CALL, Timings, fastest_cuda_graph_ms, fastest_cuda_ms
 from kernel_pytorch.verify import call_arguments
@@ -199,13 +200,16 @@ def _decide(fqn: str, linear: nn.Linear, shape, reason: str | None, decide, reci
 
 
 def measured_decision(shape: tuple[int, int, int], dtype: torch.dtype, recipe: str, training: bool,
-                      device: torch.device, compiled: bool) -> tuple[bool, str, float, float]:
+                      device: torch.device, compiled: bool,
+                      input_amax_fused: bool = False) -> tuple[bool, str, float, float]:
     """``(convert, reason, base_ms, fp8_ms)`` for a linear of this (M, K, N): FP8 only where it measured at
-    least :data:`MIN_SPEEDUP` faster on ``device`` (module docstring, "The decision")."""
+    least :data:`MIN_SPEEDUP` faster on ``device`` (module docstring, "The decision").
+    ``input_amax_fused``: the input's producer computes its maximum (``float8_linear``'s ``x_amax``), so
+    the FP8 side is timed without that reduction, as it will run."""
     unable = float8_hardware_reason(device)
     if unable is not None:
         return False, f"fp8='auto' could not measure: {unable}", math.nan, math.nan
-    timed = _measurement(shape, dtype, recipe, training, device, compiled)
+    timed = _measurement(shape, dtype, recipe, training, device, compiled, input_amax_fused)
     speedup = timed.base_ms / timed.fp8_ms
     measured = f"fp8 measured {speedup:.2f}x ({timed.timing}) at (M, K, N) = {tuple(shape)}"
     if speedup < MIN_SPEEDUP:
@@ -244,18 +248,23 @@ class _Measurement:
 
 
 def _measurement(shape, dtype: torch.dtype, recipe: str, training: bool, device: torch.device,
-                 compiled: bool) -> _Measurement:
+                 compiled: bool, input_amax_fused: bool = False) -> _Measurement:
     """(ms in ``dtype``, ms in FP8) of one call, forward (+ backward when training), and how they were timed;
     measured once per process and arguments."""
-    key = (*shape, dtype, recipe, training, str(device), compiled)
+    key = (*shape, dtype, recipe, training, str(device), compiled, input_amax_fused)
     if key not in _measured:
         m, k, n = shape
         base = nn.Linear(k, n, bias=False, device=device, dtype=dtype)
         forward_dtype, backward_dtype = float8_dtypes_for(device)
-        fp8 = Float8Linear.from_linear(base, recipe=recipe, forward_dtype=forward_dtype, backward_dtype=backward_dtype)
         x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=training)
         dy = torch.randn(m, n, device=device, dtype=dtype)
-        timed = _timed({"base": _step(base, x, dy, training), "fp8": _step(fp8, x, dy, training)}, compiled)
+        x_amax = x.detach().abs().amax().float().reshape(1) if input_amax_fused else None
+
+        def fp8(x):
+            return float8_linear(x, base.weight, None, recipe, False, forward_dtype, backward_dtype, x_amax)
+
+        timed = _timed({"base": _step(base, base.weight, x, dy, training),
+                        "fp8": _step(fp8, base.weight, x, dy, training)}, compiled)
         _measured[key] = _Measurement(timed.ms["base"], timed.ms["fp8"], timed.describe())
     return _measured[key]
 
@@ -268,10 +277,11 @@ def _timed(steps: dict[str, Callable[[], None]], compiled: bool) -> Timings:
     return Timings(fastest_cuda_ms(steps, warmup=_MEASURE_WARMUP, runs=_MEASURE_RUNS), PER_CALL)
 
 
-def _step(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, training: bool) -> Callable[[], None]:
+def _step(layer: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor,
+          training: bool) -> Callable[[], None]:
     def step():
         if training:
-            torch.autograd.grad(layer(x), (x, layer.weight), dy)
+            torch.autograd.grad(layer(x), (x, weight), dy)
         else:
             with torch.no_grad():
                 layer(x)

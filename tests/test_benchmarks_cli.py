@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from benchmarks import e2e
+from benchmarks import fp8 as fp8_bench
 from benchmarks import render_readme_table as render
 from benchmarks import ring_attention as ring_bench
 from kernel_pytorch.testing import LlamaStyleConfig
@@ -267,3 +268,14 @@ def test_ring_attention_model_part_runs_context_parallel_on_cpu(tmp_path):
         assert [(p["tokens_per_gpu"], p["total_tokens"]) for p in result["points"]] == [(8, 16), (16, 32)]
         assert all(p["ms"] > 0 and "peak_memory_bytes" not in p for p in result["points"])
         assert "predicted_total_tokens" not in result
+
+
+def test_fp8_run_of_some_parts_keeps_the_others(tmp_path):
+    path = tmp_path / "fp8.json"
+    path.write_text(json.dumps({"environment": {"date": "then"}, "ceilings": {"a": 1}, "sweep": [{"m": 1}],
+                                "measured_in": {"sweep": {"date": "before"}}}))
+    kept = fp8_bench._earlier_parts(path, ["producers"])
+    assert kept["ceilings"] == {"a": 1} and kept["sweep"] == [{"m": 1}]
+    assert kept["measured_in"] == {"ceilings": {"date": "then"}, "sweep": {"date": "before"}}
+    assert "sweep" not in fp8_bench._earlier_parts(path, ["sweep", "producers"])
+    assert fp8_bench._earlier_parts(tmp_path / "none.json", ["sweep"]) == {}

@@ -211,3 +211,59 @@ def test_the_rewritten_graph_calls_float8_linear_with_the_recipe():
     out = gm(*example)[0]
     error = (out - expected).norm() / expected.norm()
     assert 1e-4 < error < 0.1, error  # FP8's rounding (not exact), within fp8_tolerance
+
+
+# ---------------------------------------------------------------- quantization fused into the producer
+
+class NormThenLinears(nn.Module):
+    """One RMSNorm feeding two linears (run with the horizontal fusion off), and a SwiGLU of the second's
+    output halves feeding a third."""
+
+    def __init__(self, dim=64):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim, eps=1e-6)
+        self.a, self.b = nn.Linear(dim, 32, bias=False), nn.Linear(dim, 128)
+        self.down = nn.Linear(64, dim, bias=False)
+        self.head = nn.Linear(dim, 16)
+
+    def forward(self, x):
+        y = self.norm(x)
+        gate, up = self.b(y).chunk(2, dim=-1)
+        return self.head(self.down(F.silu(gate) * up) + self.a(y).repeat(1, 1, 2))
+
+
+def test_norm_and_gated_activation_compute_their_fp8_linears_input_maximum():
+    torch.manual_seed(0)
+    model, x = NormThenLinears().train(), torch.randn(4, 24, 64)
+    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, example_inputs=(x,),
+                                        disable_passes=("horizontal_gemm",))
+    rewrites = _fp8_rewrites(kernel_pytorch.report_of(optimized))
+    assert set(rewrites) == {"a", "b", "down"}, rewrites
+    assert all("maximum from the rms_norm kernel" in rewrites[n] for n in ("a", "b")), rewrites
+    assert "maximum from the gated_activation_packed kernel" in rewrites["down"], rewrites
+    # The FP8 linears given the producers' maxima compute what the unfused ones do, bit for bit.
+    rms, act = importlib.import_module("kernel_pytorch.ops.rms_norm"), importlib.import_module("kernel_pytorch.ops.activations")
+    y = rms.rms_norm(x, model.norm.weight, 1e-6)
+    gate_up = float8_linear(y, model.b.weight, model.b.bias, emulate=True)
+    h = float8_linear(act.gated_activation_packed(gate_up, "silu"), model.down.weight, emulate=True)
+    expected = model.head(h + float8_linear(y, model.a.weight, emulate=True).repeat(1, 1, 2))
+    assert torch.equal(optimized(x), expected)
+
+
+def test_rowwise_fp8_linears_find_their_own_input_maximum():
+    model = _llama().train()
+    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, fp8_recipe="rowwise",
+                                        example_inputs=(_tokens(model, batch=FUSED_BATCH, seq=64),))
+    rewrites = _fp8_rewrites(kernel_pytorch.report_of(optimized))
+    assert len(rewrites) == 8 and not any("maximum from" in r for r in rewrites.values()), rewrites
+
+
+def test_fused_llama_layers_name_the_kernel_that_finds_their_input_maximum():
+    model = _llama().train()
+    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True,
+                                        example_inputs=(_tokens(model, batch=FUSED_BATCH, seq=64),))
+    rewrites = _fp8_rewrites(kernel_pytorch.report_of(optimized))
+    assert "maximum from the rms_norm kernel" in rewrites["layers.0.attn"]  # q/k/v after input_layernorm
+    assert "maximum from the rms_norm kernel" in rewrites["layers.1.mlp"]  # gate/up after the residual-fused norm
+    assert "maximum from the gated_activation_packed kernel" in rewrites["layers.0.mlp.down_proj"]
+    assert "maximum from" not in rewrites["layers.0.attn.o_proj"]  # attention's output: no such producer

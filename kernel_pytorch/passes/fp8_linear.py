@@ -25,6 +25,11 @@ The decision: ``fp8=True`` converts every candidate; ``fp8="auto"`` converts one
 :func:`~kernel_pytorch.float8_conversion.measured_decision` measured FP8 faster for its (M, K, N) on this
 GPU (each shape once per process); ``fp8_emulate=True`` converts every candidate to the same numerics run
 in fp32 (any device; for testing, no speedup). The report gives each decision with its measurement.
+
+Quantization fused into the producer: where a converted linear's input comes straight from an RMSNorm or
+gated-activation kernel (tensorwise recipe), that kernel computes the input's maximum and the FP8 linear
+does not read its input for it (:mod:`kernel_pytorch.passes.fp8_input_amax`); ``fp8="auto"`` then times
+the FP8 side without that reduction.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from torch.fx import Node
 from kernel_pytorch.float8_conversion import PASS_NAME, measured_decision
 from kernel_pytorch.ops.float8_linear import FP8_ALIGNMENT, float8_dtypes_for, float8_linear
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
+from kernel_pytorch.passes.fp8_input_amax import amax_producer, producer_amax
 from kernel_pytorch.passes.graph_utils import FUSED_LINEARS, erase_unused, gemm_rows, module_path_of, set_example_value
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
@@ -82,17 +88,21 @@ class Float8LinearPass(GraphPass):
         location = module_path_of(node, "(model)") if len(members) > 1 else members[0]
         names = " + ".join(m.rpartition(".")[2] for m in members) if len(members) > 1 else ""
         shape, reason = _candidate(node, members, ctx, under_autocast)
+        producer = amax_producer(node.args[0]) if ctx.config.fp8_recipe == "tensorwise" else None
         convert = False
         if reason is None:
-            convert, reason = _decision(node, shape, ctx)
+            convert, reason = _decision(node, shape, ctx, input_amax_fused=producer is not None)
         if not convert:
             result.skip(location, f"{names}: {reason}" if names else reason)
             return
-        _replace(gm, node, ctx)
-        result.rewrite(location, f"{names + ' ' if names else ''}-> float8_linear ({ctx.config.fp8_recipe}): {reason}")
+        _replace(gm, node, ctx, fuse_input_amax=producer is not None)
+        fused = f"; its input's maximum from the {producer} kernel" if producer else ""
+        result.rewrite(location, f"{names + ' ' if names else ''}-> float8_linear ({ctx.config.fp8_recipe}): "
+                                 f"{reason}{fused}")
 
 
-def _decision(node: Node, shape: tuple[int, int, int], ctx: PassContext) -> tuple[bool, str]:
+def _decision(node: Node, shape: tuple[int, int, int], ctx: PassContext,
+              input_amax_fused: bool) -> tuple[bool, str]:
     """Whether the candidate converts, and why."""
     config = ctx.config
     if config.fp8_emulate:
@@ -100,7 +110,8 @@ def _decision(node: Node, shape: tuple[int, int, int], ctx: PassContext) -> tupl
     if config.fp8 is True:
         return True, f"fp8=True at (M, K, N) = {shape}"
     x = example_value(node.args[0])
-    convert, reason, _, _ = measured_decision(shape, x.dtype, config.fp8_recipe, ctx.training, x.device, ctx.compiled)
+    convert, reason, _, _ = measured_decision(shape, x.dtype, config.fp8_recipe, ctx.training, x.device, ctx.compiled,
+                                              input_amax_fused)
     return convert, reason
 
 
@@ -131,11 +142,13 @@ def _candidate(node: Node, members: list[str], ctx: PassContext,
     return (rows, k, n), None
 
 
-def _replace(gm: torch.fx.GraphModule, node: Node, ctx: PassContext) -> None:
+def _replace(gm: torch.fx.GraphModule, node: Node, ctx: PassContext, fuse_input_amax: bool) -> None:
     x = example_value(node.args[0])
     forward_dtype, backward_dtype = float8_dtypes_for(x.device)
     kwargs: dict[str, Any] = {"recipe": ctx.config.fp8_recipe, "emulate": ctx.config.fp8_emulate,
                               "forward_dtype": forward_dtype, "backward_dtype": backward_dtype}
+    if fuse_input_amax:
+        kwargs["x_amax"] = producer_amax(gm, node.args[0])
     args = tuple(node.args) + (None,) * (3 - len(node.args))
     with gm.graph.inserting_before(node):
         fp8 = gm.graph.call_function(float8_linear, args, kwargs)
