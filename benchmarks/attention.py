@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import RESULTS_DIR, measure, measure_gpu_time, write_result  # noqa: E402
 from kernel_pytorch import optimize, report_of  # noqa: E402
 
+GPU_ROUNDS = 3
 SDPA_BACKENDS = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION,
                  "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
 
@@ -116,9 +118,18 @@ def run_case(head_dim, length, causal, backward, compiled, runs, compile_mode="a
         row["ms"][name] = timed_ms(_step(fn, q, k, v, backward), runs)
         if isinstance(row["ms"][name], float):
             row["tflops"][name] = round(flops / row["ms"][name] / 1e9, 1)
-        if name == "kernel_pytorch.optimize" or name.startswith("sdpa-"):  # the ones the fraction compares:
-            # the unfused providers materialize B·H·L² scores in each captured call (OOM at hd64 L=8192)
-            row["gpu_ms"][name] = timed_ms(_step(fn, q, k, v, backward), runs, gpu_time=True)
+    # GPU time of the ones the fraction compares (the unfused providers materialize B·H·L² scores in each
+    # captured call: OOM at hd64 L=8192), in GPU_ROUNDS interleaved rounds, the median of each: measured once
+    # each, in turn, the first one measured read ~3% slow (H100, hd64 L=1024 causal fwd+bwd: optimize
+    # 1.197 then 1.164, 1.154 ms, the same cuDNN kernels as sdpa-cudnn's 1.163, 1.165, 1.161).
+    compared = {n: fn for n, fn in providers.items() if n == "kernel_pytorch.optimize" or n.startswith("sdpa-")}
+    samples: dict[str, list] = {name: [] for name in compared}
+    for _ in range(GPU_ROUNDS):
+        for name, fn in compared.items():
+            samples[name].append(timed_ms(_step(fn, q, k, v, backward), runs, gpu_time=True))
+    for name, times in samples.items():
+        numbers = [t for t in times if isinstance(t, float)]
+        row["gpu_ms"][name] = round(statistics.median(numbers), 4) if len(numbers) == len(times) else times[0]
     for key, times in (("fraction_of_fastest_kernel", row["ms"]), ("gpu_fraction_of_fastest_kernel", row["gpu_ms"])):
         fused = [t for n, t in times.items() if n.startswith("sdpa-") and isinstance(t, float)]
         ours = times.get("kernel_pytorch.optimize")

@@ -87,6 +87,14 @@ CUBLASLT_GELU_EPILOGUE = True
 # took 178.5 us, Inductor's fused silu(g) * u 178.3 us); erf gelu's forward 2.5 TB/s.
 _BLOCK = 1024
 _NUM_WARPS = 4
+# The gated forward that also finds max |y| (fp8_amax): each program reduces its tile across warps and
+# stores one partial maximum. Measured on an H200 (packed SwiGLU, gate_up 8192 x 11264 bf16, GPU time,
+# median of 3): 64.8 us without the maximum, 106.1 us with a
+# separate abs_max pass, and with it fused 79.5 / 74.6 / 82.3 / 77.5 / 90.8 us for tiles of 1024, 2048,
+# 4096, 8192 (8 warps), 16384 (8 warps) elements: 2048 with 4 warps. SwiGLU -> FP8 down projection,
+# forward + backward: 0.7245 ms against 0.7595 with the cast finding the maximum.
+_AMAX_BLOCK = 2048
+_AMAX_NUM_WARPS = 4
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -225,44 +233,50 @@ def _gated_bwd_kernel(
 
 # -------------------------------------------------------------------------------------------- launches
 
-def _tiling(n_rows, n_cols) -> tuple[int, int, int]:
-    """``(rows, block_n, n_col_blocks)`` of the (rows x block_n) tiles over an (n_rows, n_cols) view."""
+def _tiling(n_rows, n_cols, block: int = _BLOCK) -> tuple[int, int, int]:
+    """``(rows, block_n, n_col_blocks)`` of the (rows x block_n) tiles of ``block`` elements over an
+    (n_rows, n_cols) view."""
     if isinstance(n_rows, int) and isinstance(n_cols, int) and n_rows > 1:
-        block_n = min(tu.next_power_of_2(max(n_cols, 1)), _BLOCK)
+        block_n = min(tu.next_power_of_2(max(n_cols, 1)), block)
     else:
         # One row (the flat view of contiguous inputs: one compiled tile for every size), or sizes that are
         # symbolic under torch.compile(dynamic=True): full-width tiles, no specialization on the size.
-        block_n = _BLOCK
-    return _BLOCK // block_n, block_n, tu.triton.cdiv(n_cols, block_n)
+        block_n = block
+    return block // block_n, block_n, tu.triton.cdiv(n_cols, block_n)
 
 
-def _programs(view: Tensor) -> int:
+def _programs(view: Tensor, block: int = _BLOCK) -> int:
     """Programs (tiles) of a launch over ``view``."""
-    rows, _, n_col_blocks = _tiling(*view.shape)
+    rows, _, n_col_blocks = _tiling(*view.shape, block)
     return tu.triton.cdiv(view.shape[0], rows) * n_col_blocks
 
 
-def _launch(kernel, views: list, kind: str, dtype: torch.dtype, *extra, **constexprs) -> None:
+def _launch(kernel, views: list, kind: str, dtype: torch.dtype, *extra, block: int = _BLOCK,
+            num_warps: int = _NUM_WARPS, **constexprs) -> None:
     """Launch ``kernel`` over (rows, cols) views with unit column stride, shaped like the first (inputs
     first, then outputs, in the kernel's pointer order), passing each view's row stride after them, then
-    the sizes, then ``extra`` scalars and ``constexprs``."""
+    the sizes, then ``extra`` scalars and ``constexprs``; tiles of ``block`` elements."""
     n_rows, n_cols = views[0].shape
-    rows, block_n, n_col_blocks = _tiling(n_rows, n_cols)
+    rows, block_n, n_col_blocks = _tiling(n_rows, n_cols, block)
     with tu.device_guard(views[0]):
-        tu.launch(kernel)[(_programs(views[0]),)](
+        tu.launch(kernel)[(_programs(views[0], block),)](
             *views, *[v.stride(0) for v in views], n_rows, n_cols, n_col_blocks, *extra,
             KIND=_kind_index(kind), ACC=tu.triton_acc_dtype(dtype), ROWS=rows, BLOCK_N=block_n,
-            num_warps=_NUM_WARPS, **constexprs,
+            num_warps=num_warps, **constexprs,
         )
 
 
 def _launch_gated_fwd(gate: Tensor, up: Tensor, y: Tensor, kind: str, fp8_amax: bool) -> Tensor | None:
     """The gated forward over (rows, cols) views ``gate``, ``up`` -> ``y``; with ``fp8_amax``, max |y| as a
-    (1,) fp32 tensor (each program writes its tile's maximum, one small reduction takes theirs)."""
-    partial = torch.empty(_programs(gate), dtype=torch.float32, device=gate.device) if fp8_amax else None
-    _launch(_gated_fwd_kernel, [gate, up, y], kind, gate.dtype, partial if fp8_amax else tu.unused_pointer(gate),
-            FP8_AMAX=fp8_amax)
-    return partial.amax().reshape(1) if fp8_amax else None
+    (1,) fp32 tensor (each program writes its tile's maximum, one small reduction takes theirs), in
+    larger tiles (_AMAX_BLOCK)."""
+    if not fp8_amax:
+        _launch(_gated_fwd_kernel, [gate, up, y], kind, gate.dtype, tu.unused_pointer(gate), FP8_AMAX=False)
+        return None
+    partial = torch.empty(_programs(gate, _AMAX_BLOCK), dtype=torch.float32, device=gate.device)
+    _launch(_gated_fwd_kernel, [gate, up, y], kind, gate.dtype, partial, block=_AMAX_BLOCK,
+            num_warps=_AMAX_NUM_WARPS, FP8_AMAX=True)
+    return partial.amax().reshape(1)
 
 
 def _views(*tensors: Tensor) -> list:
