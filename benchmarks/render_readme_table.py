@@ -208,6 +208,16 @@ def render_fp8(data: dict) -> list[str]:
                 table(["setting", "ms", "vs bf16", "peak GiB", "FP8 layers", "verified", "optimize s"],
                       [[name, cell(r, "ms", 2), cell(r, "speedup", 3), cell(r, "peak_gib", 2), cell(r, "fp8_layers"),
                         cell(r, "verified"), cell(r, "optimize_s")] for name, r in model["results"].items()])]
+    producers = data.get("producers", {})
+    if producers:
+        names = ("bf16", "fp8, amax by the cast", "fp8, amax from the producer")
+        out += ["Quantization fused into the producing kernel, forward + backward, GPU ms:",
+                table(["producer -> linear", "(M, K, N)", *names, "saved"],
+                      [[case, f"({r.get('m')}, {r.get('k')}, {r.get('n')})", *(fmt(r["gpu_ms"].get(n), 4) for n in names),
+                        fmt(r.get("fused_saves_ms"), 4)] for case, r in producers.items()])]
+    for part, env in data.get("measured_in", {}).items():
+        if not (isinstance(data.get(part), dict) and "environment" in data[part]):  # else shown with its table
+            out.append(f"- {part}: measured earlier ({env_line(env)})")
     return out
 
 

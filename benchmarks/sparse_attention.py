@@ -366,6 +366,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="L = 1k and 4k windows only, forward, 5 runs")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--lengths", type=int, nargs="+", help="only these window (and top-k) lengths")
+    parser.add_argument("--directions", nargs="+", choices=("fwd", "fwd+bwd"), default=["fwd", "fwd+bwd"],
+                        help="forward and/or forward+backward rows of the window and blocks90 parts")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="which parts to run (default: all); topk writes sparse_attention_topk.json")
     args = parser.parse_args()
@@ -384,10 +386,11 @@ def run_masks(args) -> None:
     cases = [("window", length) for length in lengths] if "window" in args.parts else []
     if "blocks90" in args.parts and not args.quick and (not args.lengths or 16384 in args.lengths):
         cases.append(("blocks90", 16384))
-    partial = args.quick or args.lengths or not {"window", "blocks90"} <= set(args.parts)
+    partial = args.quick or args.lengths or not {"window", "blocks90"} <= set(args.parts) or len(args.directions) < 2
     name = "sparse_attention" + ("_partial" if partial else "")
     rows = []
-    for backward in ((False,) if args.quick else (False, True)):
+    directions = [d == "fwd+bwd" for d in args.directions]
+    for backward in ((False,) if args.quick else directions):
         for kind, length in cases:
             rows.append(run_case(kind, length, backward, runs=5 if args.quick else 10))
             print(rows[-1], flush=True)
