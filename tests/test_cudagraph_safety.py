@@ -121,8 +121,10 @@ def _cases():
     # (op call, inputs, the kernel arguments it writes: its outputs; a list, per kernel, for ops that launch
     # several: the backward norms reduce their per-program partial sums in a second kernel)
     return {
-        "rms_norm": (lambda x, w: ops.rms_norm(x, w, None, 1e-5, True), (x, w), {"Y", "RSTD"}),
-        "rms_norm residual": (lambda x, w, r: ops.rms_norm(x, w, r, 1e-5, False), (x, w, r), {"H", "Y", "RSTD"}),
+        "rms_norm": (lambda x, w: ops.rms_norm(x, w, None, 1e-5, True, False), (x, w), {"Y", "RSTD"}),
+        "rms_norm residual": (lambda x, w, r: ops.rms_norm(x, w, r, 1e-5, False, False), (x, w, r), {"H", "Y", "RSTD"}),
+        "rms_norm fp8_amax": (lambda x, w, r: ops.rms_norm(x, w, r, 1e-5, False, True), (x, w, r),
+                              {"H", "Y", "RSTD", "AMAX"}),
         "rms_norm_backward": (lambda dy, x, w, s, dh: ops.rms_norm_backward(dy, x, w, s, dh, False, True),
                               (r, x, w, stat, r * 2), [{"DX", "DW_PARTIAL"}, {"OUT0"}]),
         "layer_norm": (lambda x, w, b: ops.layer_norm(x, w, b, None, 1e-5), (x, w, b), {"Y", "MEAN", "RSTD"}),
@@ -135,10 +137,13 @@ def _cases():
         "rope_backward": (lambda q, k, c, s: ops.rope_backward(q, k, c, s, False), (q, k, cos, sin), {"QO", "KO"}),
         "activation": (lambda x: ops.activation(x, "gelu_tanh"), (x,), {"Y"}),
         "activation_backward": (lambda dy, x: ops.activation_backward(dy, x, "silu"), (r, x), {"DX"}),
-        "gated_activation": (lambda g, u: ops.gated_activation(g, u, "silu"), (g, u), {"Y"}),
+        "gated_activation": (lambda g, u: ops.gated_activation(g, u, "silu", False), (g, u), {"Y"}),
+        "gated_activation fp8_amax": (lambda g, u: ops.gated_activation(g, u, "silu", True), (g, u), {"Y", "AMAX"}),
         "gated_activation_backward": (lambda dy, g, u: ops.gated_activation_backward(dy, g, u, "silu"),
                                       (g * 2, g, u), {"DG", "DU"}),
-        "gated_activation_packed": (lambda gu: ops.gated_activation_packed(gu, "silu", True), (gu,), {"Y"}),
+        "gated_activation_packed": (lambda gu: ops.gated_activation_packed(gu, "silu", True, False), (gu,), {"Y"}),
+        "gated_activation_packed fp8_amax": (lambda gu: ops.gated_activation_packed(gu, "silu", True, True), (gu,),
+                                             {"Y", "AMAX"}),
         "gated_activation_packed_backward": (lambda dy, gu: ops.gated_activation_packed_backward(dy, gu, "silu", True),
                                              (g * 2, gu), {"DG"}),
     }
