@@ -89,10 +89,10 @@ _BLOCK = 1024
 _NUM_WARPS = 4
 # The gated forward that also finds max |y| (fp8_amax): each program reduces its tile across warps and
 # stores one partial maximum. Measured on an H200 (packed SwiGLU, gate_up 8192 x 11264 bf16, GPU time,
-# median of 3): 64.8 us without the maximum, 106.1 us with a
-# separate abs_max pass, and with it fused 79.5 / 74.6 / 82.3 / 77.5 / 90.8 us for tiles of 1024, 2048,
-# 4096, 8192 (8 warps), 16384 (8 warps) elements: 2048 with 4 warps. SwiGLU -> FP8 down projection,
-# forward + backward: 0.7245 ms against 0.7595 with the cast finding the maximum.
+# median of 3): 64.8 us without the maximum, 106.1 us with a separate abs_max pass, and with it fused
+# 79.5 / 74.6 / 82.3 / 77.5 / 90.8 us for tiles of 1024, 2048, 4096, 8192 (8 warps), 16384 (8 warps)
+# elements: 2048 with 4 warps. SwiGLU -> FP8 down projection, forward + backward: 0.7245 ms against
+# 0.7595 with the cast finding the maximum.
 _AMAX_BLOCK = 2048
 _AMAX_NUM_WARPS = 4
 

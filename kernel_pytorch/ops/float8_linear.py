@@ -165,7 +165,8 @@ def float8_mm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: str
         raise ValueError("x_amax (the input's maximum, computed by its producer) is for the tensorwise recipe: "
                          "rowwise scales need the maxima of x's rows and columns")
     x_max = Amax(tensor=x_amax) if x_amax is not None else abs_max(x, tensorwise, rows=True, cols=weight_grad)
-    x_q = cast(x, x_max, forward_dtype, rows=True, cols=weight_grad, cols_multiple=FP8_ALIGNMENT)  # scales along K for the forward, along M for grad_weight
+    # scales along K for the forward, along M for grad_weight
+    x_q = cast(x, x_max, forward_dtype, rows=True, cols=weight_grad, cols_multiple=FP8_ALIGNMENT)
     w_amax = abs_max(weight, tensorwise, rows=True, cols=True)
     w_q = cast(weight, w_amax, forward_dtype, rows=True)
     out = _mm(x_q.rows, x_q.rows_inv, w_q.rows, w_q.rows_inv, x.dtype, emulate, bias, fast_accum=True)
