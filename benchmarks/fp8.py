@@ -25,7 +25,7 @@ Five tables, bf16 activations and weights throughout:
    backward, GPU time: the producer in bf16 + ``F.linear``; + ``float8_linear`` finding x's maximum itself;
    + ``float8_linear`` given the maximum the producer computed (``fp8_amax=True`` / ``x_amax``).
 
-A run with some ``--parts`` keeps the other parts of the JSON it writes over (from an earlier run).
+A run with some ``--parts`` keeps the other parts of the JSON it writes over, each with its environment.
 
 Each sweep point also records ``auto``: what ``optimize(fp8="auto")`` decides there (its own timing) and
 the speedup that choice gets on the point's measurements (never below 1 when the decision is right).
@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import RESULTS_DIR, measure, measure_gpu_time, write_result  # noqa: E402
+from benchmarks.harness import RESULTS_DIR, earlier_parts, measure, measure_gpu_time, write_result  # noqa: E402
 from kernel_pytorch import float8_conversion  # noqa: E402
 from kernel_pytorch.ops.float8_linear import Float8Linear  # noqa: E402
 
@@ -461,19 +461,6 @@ def fp8_unavailable() -> str | None:
     return None
 
 
-def _earlier_parts(path: Path, parts: list[str]) -> dict:
-    """The parts of an earlier run's JSON that this run does not measure, each with the environment it
-    was measured in (``measured_in``); {} when there is none."""
-    if not path.exists():
-        return {}
-    import json
-
-    earlier = json.loads(path.read_text())
-    kept = {part: earlier[part] for part in PARTS if part not in parts and part in earlier}
-    measured_in = {part: earlier.get("measured_in", {}).get(part, earlier.get("environment")) for part in kept}
-    return {**kept, "measured_in": measured_in} if kept else {}
-
-
 def _summary(row: dict) -> dict:
     return {"mkn": (row["m"], row["k"], row["n"]), "ms": {n: r.get("ms", r.get("error")) for n, r in
                                                           row["results"].items()},
@@ -488,7 +475,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     runs = 5 if args.quick else 10
     name = "fp8" + ("_quick" if args.quick else "")
-    payload: dict = _earlier_parts(args.out / f"{name}.json", args.parts)
+    payload: dict = earlier_parts(args.out / f"{name}.json", [p for p in PARTS if p not in args.parts])
     payload.update({"dtype": "bfloat16", "fp8_forward": "float8_e4m3fn", "fp8_backward": "float8_e5m2"})
 
     if "ceilings" in args.parts:

@@ -12,7 +12,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -103,6 +103,19 @@ def environment() -> dict[str, Any]:
         env["cuda"] = torch.version.cuda
         env["cudnn"] = torch.backends.cudnn.version()
     return env
+
+
+def earlier_parts(path: Path, parts: Iterable[str]) -> dict[str, Any]:
+    """The ``parts`` an earlier result file at ``path`` holds, for a run of other parts to write back with
+    its own, and under ``environments`` the environment each was measured in (the one the file records for
+    the part, else the file's); {} when there is no such file or part."""
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    kept = {part: earlier[part] for part in parts if part in earlier}
+    recorded = earlier.get("environments", {})
+    environments = {part: recorded.get(part, earlier.get("environment")) for part in kept}
+    return {**kept, "environments": environments} if kept else {}
 
 
 def write_result(name: str, payload: dict[str, Any], directory: Path = RESULTS_DIR) -> Path:

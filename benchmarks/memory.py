@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import RESULTS_DIR, environment, measure
+from benchmarks.harness import RESULTS_DIR, earlier_parts, environment, measure
 from kernel_pytorch import optimize, report_of
 from kernel_pytorch.memory import OffloadedOptimizer, make_optimizer
 from kernel_pytorch.testing import LlamaStyleConfig, LlamaStyleLM
@@ -470,8 +470,7 @@ def write_merged(name: str, parts: dict, directory: Path) -> Path:
     ran in), so that parts run as separate commands end up in one file."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
-    previous = json.loads(path.read_text()) if path.exists() else {}
-    merged = {key: value for key, value in previous.items() if key in PARTS or key == "environments"}
+    merged = earlier_parts(path, PARTS)
     environments = merged.get("environments", {})
     for part, rows in parts.items():
         if part in _SPLIT_BY:

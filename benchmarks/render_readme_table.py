@@ -215,9 +215,6 @@ def render_fp8(data: dict) -> list[str]:
                 table(["producer -> linear", "(M, K, N)", *names, "saved"],
                       [[case, f"({r.get('m')}, {r.get('k')}, {r.get('n')})", *(fmt(r["gpu_ms"].get(n), 4) for n in names),
                         fmt(r.get("fused_saves_ms"), 4)] for case, r in producers.items()])]
-    for part, env in data.get("measured_in", {}).items():
-        if not (isinstance(data.get(part), dict) and "environment" in data[part]):  # else shown with its table
-            out.append(f"- {part}: measured earlier ({env_line(env)})")
     return out
 
 

@@ -50,6 +50,7 @@ from typing import Any, Literal, Union
 import torch
 from torch import nn
 
+from kernel_pytorch.ops.float8_cast import tensor_abs_max
 from kernel_pytorch.ops.float8_linear import (
     RECIPES,
     Float8Linear,
@@ -258,7 +259,7 @@ def _measurement(shape, dtype: torch.dtype, recipe: str, training: bool, device:
         forward_dtype, backward_dtype = float8_dtypes_for(device)
         x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=training)
         dy = torch.randn(m, n, device=device, dtype=dtype)
-        x_amax = x.detach().abs().amax().float().reshape(1) if input_amax_fused else None
+        x_amax = tensor_abs_max(x.detach()) if input_amax_fused else None  # as the producer would give it
 
         def fp8(x):
             return float8_linear(x, base.weight, None, recipe, False, forward_dtype, backward_dtype, x_amax)

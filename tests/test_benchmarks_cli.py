@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from benchmarks import e2e
-from benchmarks import fp8 as fp8_bench
 from benchmarks import render_readme_table as render
+from benchmarks.harness import earlier_parts
 from benchmarks import ring_attention as ring_bench
 from kernel_pytorch.testing import LlamaStyleConfig
 
@@ -273,9 +273,9 @@ def test_ring_attention_model_part_runs_context_parallel_on_cpu(tmp_path):
 def test_fp8_run_of_some_parts_keeps_the_others(tmp_path):
     path = tmp_path / "fp8.json"
     path.write_text(json.dumps({"environment": {"date": "then"}, "ceilings": {"a": 1}, "sweep": [{"m": 1}],
-                                "measured_in": {"sweep": {"date": "before"}}}))
-    kept = fp8_bench._earlier_parts(path, ["producers"])
-    assert kept["ceilings"] == {"a": 1} and kept["sweep"] == [{"m": 1}]
-    assert kept["measured_in"] == {"ceilings": {"date": "then"}, "sweep": {"date": "before"}}
-    assert "sweep" not in fp8_bench._earlier_parts(path, ["sweep", "producers"])
-    assert fp8_bench._earlier_parts(tmp_path / "none.json", ["sweep"]) == {}
+                                "environments": {"sweep": {"date": "before"}}}))
+    kept = earlier_parts(path, ["ceilings", "sweep", "linear"])
+    assert kept["ceilings"] == {"a": 1} and kept["sweep"] == [{"m": 1}] and "linear" not in kept
+    assert kept["environments"] == {"ceilings": {"date": "then"}, "sweep": {"date": "before"}}
+    assert earlier_parts(path, ["linear"]) == {}
+    assert earlier_parts(tmp_path / "none.json", ["sweep"]) == {}

@@ -69,6 +69,17 @@ def check_fp8_linear_with_producer_amax_equals_unfused(device, emulate):
         assert torch.equal(a, b)
 
 
+def check_empty_inputs_give_a_zero_maximum():
+    zero = torch.zeros(1)
+    assert torch.equal(R.rms_norm(torch.randn(0, 8), torch.ones(8), fp8_amax=True)[1], zero)
+    assert torch.equal(A.gated_activation_packed(torch.randn(0, 16), "silu", fp8_amax=True)[1], zero)
+    assert torch.equal(A.gated_activation(torch.randn(0, 8), torch.randn(0, 8), "silu", fp8_amax=True)[1], zero)
+
+
+def test_native_path_empty_inputs_give_a_zero_maximum():
+    check_empty_inputs_give_a_zero_maximum()
+
+
 def test_native_path_amax_is_exact():
     check_amax_is_exact(torch.float32, "cpu")
     check_amax_is_exact(torch.bfloat16, "cpu")
@@ -122,6 +133,12 @@ def triton_on_cpu(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_interp_kernel_amax_is_exact(triton_on_cpu, dtype):
     check_amax_is_exact(dtype, "cpu")
+    assert set(triton_on_cpu) == {"rms_norm_fwd", "gated_activation_fwd", "gated_activation_packed_fwd"}
+
+
+@interp
+def test_interp_empty_inputs_give_a_zero_maximum(triton_on_cpu):
+    check_empty_inputs_give_a_zero_maximum()
     assert set(triton_on_cpu) == {"rms_norm_fwd", "gated_activation_fwd", "gated_activation_packed_fwd"}
 
 

@@ -314,7 +314,7 @@ def gated_activation_fwd(gate: Tensor, up: Tensor, kind: str, fp8_amax: bool = F
     ``fp8_amax``, ``(y, max |y|)``: the (1,) fp32 maximum an FP8 linear fed by y would otherwise read y for."""
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if gate.numel() == 0:
-        return (y, torch.zeros(1, dtype=torch.float32, device=y.device)) if fp8_amax else y
+        return (y, tensor_abs_max(y)) if fp8_amax else y  # the maximum of nothing: 0
     g2, u2 = _views(gate, up)
     amax = _launch_gated_fwd(g2, u2, y.view(g2.shape), kind, fp8_amax)
     return (y, amax) if fp8_amax else y
@@ -346,7 +346,7 @@ def gated_activation_packed_fwd(gate_up: Tensor, kind: str, gate_first: bool = T
     n = gate_up.shape[-1] // 2
     y = torch.empty((*gate_up.shape[:-1], n), dtype=gate_up.dtype, device=gate_up.device)
     if y.numel() == 0:
-        return (y, torch.zeros(1, dtype=torch.float32, device=y.device)) if fp8_amax else y
+        return (y, tensor_abs_max(y)) if fp8_amax else y  # the maximum of nothing: 0
     # The halves as two views of gate_up (H100, inside a compiled graph: 0.88-0.89 of copy at hidden
     # 4096-8192; reading both through one pointer with column offsets measured the same).
     g2, u2 = _halves(tu.as_rows(gate_up), gate_first)

@@ -145,7 +145,7 @@ def rms_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, residual: Optional[
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     rstd = torch.empty(x.shape[:-1], dtype=tu.acc_dtype(x.dtype), device=x.device)
     if n_rows == 0:
-        return y, h, rstd, (torch.zeros(1, dtype=torch.float32, device=x.device) if fp8_amax else None)
+        return y, h, rstd, (tensor_abs_max(y) if fp8_amax else None)  # the maximum of nothing: 0
     programs = tu.triton.cdiv(n_rows, tile.rows)
     partial = torch.empty(programs, dtype=torch.float32, device=x.device) if fp8_amax else None
     y2 = y.view(-1, hidden)
