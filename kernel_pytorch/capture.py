@@ -25,6 +25,7 @@ import torch
 import torch.fx
 import torch.utils.checkpoint
 
+from kernel_pytorch.compile_skip import attention_only
 from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.errors import PassError
 from kernel_pytorch.float8_conversion import judging_config
@@ -80,6 +81,13 @@ class CompilerChoice:
 
     name: str
     mode: str = "default"
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Inductor's modes that replay CUDA graphs, which remove the host time :func:`attention_only` saves."""
+        from torch._inductor import list_mode_options
+
+        return self.name == "inductor" and bool(list_mode_options(self.mode).get("triton.cudagraphs"))
 
     def describe(self) -> str:
         return "eager (rewritten graphs run by PyTorch)" if self.name == "eager" else f"{self.name} ({self.mode})"
@@ -328,6 +336,10 @@ class GraphOptimizer:
                                                   ops_before=before.get(block, 0), ops_after=after.get(block, 0)))
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str) -> Callable[..., Any]:
+        if self.compiler.name == "inductor" and not self.compiler.uses_cuda_graphs and attention_only(gm):
+            self.report.notes.append(f"{name}: run eagerly, not by Inductor: its only compute is fused attention, "
+                                     "which Inductor would call as it is (this saves its wrapper's host time)")
+            return gm.forward
         try:
             return self.compiler.compile(gm, example_inputs)
         except Exception as error:
