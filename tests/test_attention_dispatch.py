@@ -3,6 +3,7 @@ checked by the ``gpu``-marked test at the end, and its mechanics on the CPU)."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -213,6 +214,23 @@ def test_measurement_compiles_flex_and_times_it(monkeypatch):
                                                                   for k, fn in fns.items()})
     timings, failures = dispatch._measure(_cpu_problem(), ["cpu_flash", "flex", "sdpa"])
     assert not failures and set(timings) == {"cpu_flash", "flex", "sdpa"}, failures
+
+
+def test_a_measurement_inside_a_capture_compiles_its_backward_up_front():
+    """optimize measures flex inside the model's capture, which holds Dynamo's compile lock; on CUDA autograd
+    runs the backward on a device thread, which waited for that lock forever when it compiled the backward
+    lazily (H100, a sliding window in training). The thread here stands in for the device thread."""
+    from torch._dynamo.convert_frame import compile_lock
+
+    compiled = torch.compile(lambda x: (x.sin() * 2).sum(), backend="inductor", dynamic=False)
+    x = torch.randn(8, requires_grad=True)
+    with compile_lock, dispatch._measurement_compiles():
+        loss = compiled(x)
+        backward = threading.Thread(target=loss.backward, daemon=True)
+        backward.start()
+        backward.join(timeout=60)
+    assert not backward.is_alive(), "the backward waited for the compile lock"
+    assert torch.allclose(x.grad, 2 * x.detach().cos())
 
 
 def test_a_kernel_that_fails_to_compile_is_passed_over_with_the_error(monkeypatch):

@@ -26,6 +26,7 @@ L=16384, 6.66x dense causal flash), so there it is measured against the fused ke
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from dataclasses import dataclass
@@ -311,7 +312,7 @@ def _measure(problem: AttentionProblem, kernels: list[str]) -> tuple[dict[str, f
                 # then one run as timed (with dropout, where the problem has it), so the timing cannot fail.
                 fn = _attention_fn(kernel)
                 timed = functools.partial(_run, fn, inputs, kernel, problem, with_dropout=True)
-                with _compile_limits_lifted():
+                with _measurement_compiles():
                     result = _run(fn, inputs, kernel, problem, with_dropout=False)
                     timed()
                 error = _relative_error(result, reference)
@@ -346,10 +347,19 @@ def _flex_for_measurement(q, k, v, attn_mask, **kwargs) -> torch.Tensor:
     return attention(q, k, v, attn_mask, **kwargs)
 
 
-def _compile_limits_lifted():
-    """Dynamo's recompile limits (8 per code object by default) lifted while a measurement compiles: one
-    entry per attention problem would otherwise push a model's later problems back to eager."""
-    return torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16)
+@contextlib.contextmanager
+def _measurement_compiles():
+    """How a measurement inside ``optimize`` compiles (FlexAttention).
+
+    Dynamo's recompile limits (8 per code object by default) are lifted: one entry per attention problem
+    would otherwise push a model's later problems back to eager. And the backward is compiled with the
+    forward: the measurement runs inside the model's own capture, which holds Dynamo's compile lock, and
+    on CUDA autograd runs the backward on a device thread, whose lazy backward compile waited for that
+    lock forever (H100, the sliding window in training: optimize hung in ``compile_fx_backward``).
+    """
+    with torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16), \
+            torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        yield
 
 
 def _random_inputs(p: AttentionProblem) -> dict:
