@@ -291,15 +291,18 @@ def _opcheck_all(device="cpu", test_utils=None):
     for kind in KINDS:
         torch.library.opcheck(ops.activation.default, (x, kind), **kwargs)
         torch.library.opcheck(ops.gated_activation.default, (g, u, kind, kind == "silu"), **kwargs)
-        torch.library.opcheck(ops.gated_activation_packed.default, (gu, kind, kind != "gelu", kind == "gelu"), **kwargs)
+        torch.library.opcheck(ops.gated_activation_packed.default, (gu, kind, kind != "gelu", kind == "gelu", None),
+                              **kwargs)
     # Strided inputs, and the backward ops called directly, for one kind (the layout code is shared).
     cases = [
         (ops.activation.default, (x.t(), "silu")),
         (ops.gated_activation.default, (gu[:, :33], gu[:, 33:], "silu", True)),
-        (ops.gated_activation_packed.default, (gu[::2], "silu", False, True)),
+        (ops.gated_activation_packed.default, (gu[::2], "silu", False, True, None)),
+        (ops.gated_activation_packed.default, (gu[::2], "silu", True, False, make(1))),  # the slot gets d gate_up's max
         (ops.activation_backward.default, (dy, x.detach(), "silu")),
         (ops.gated_activation_backward.default, (dy.t(), g.detach().t(), u.detach().t(), "silu")),
-        (ops.gated_activation_packed_backward.default, (dy, gu.detach()[::2], "silu", False)),
+        (ops.gated_activation_packed_backward.default, (dy, gu.detach()[::2], "silu", False, False)),
+        (ops.gated_activation_packed_backward.default, (dy, gu.detach()[::2], "silu", True, True)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, **kwargs)

@@ -141,11 +141,16 @@ def _cases():
         "gated_activation fp8_amax": (lambda g, u: ops.gated_activation(g, u, "silu", True), (g, u), {"Y", "AMAX"}),
         "gated_activation_backward": (lambda dy, g, u: ops.gated_activation_backward(dy, g, u, "silu"),
                                       (g * 2, g, u), {"DG", "DU"}),
-        "gated_activation_packed": (lambda gu: ops.gated_activation_packed(gu, "silu", True, False), (gu,), {"Y"}),
-        "gated_activation_packed fp8_amax": (lambda gu: ops.gated_activation_packed(gu, "silu", True, True), (gu,),
-                                             {"Y", "AMAX"}),
-        "gated_activation_packed_backward": (lambda dy, gu: ops.gated_activation_packed_backward(dy, gu, "silu", True),
+        "gated_activation_packed": (lambda gu: ops.gated_activation_packed(gu, "silu", True, False, None), (gu,),
+                                    {"Y"}),
+        "gated_activation_packed fp8_amax": (lambda gu: ops.gated_activation_packed(gu, "silu", True, True, None),
+                                             (gu,), {"Y", "AMAX"}),
+        "gated_activation_packed_backward": (lambda dy, gu: ops.gated_activation_packed_backward(dy, gu, "silu", True,
+                                                                                                 False),
                                              (g * 2, gu), {"DG"}),
+        "gated_activation_packed_backward fp8_amax": (
+            lambda dy, gu: ops.gated_activation_packed_backward(dy, gu, "silu", True, True), (g * 2, gu),
+            {"DG", "DAMAX"}),
     }
 
 

@@ -148,7 +148,8 @@ def test_interp_float8_linear_through_the_kernels(recipe, monkeypatch):
     # tensorwise with the input's maximum given, as a producing kernel gives it
     x_amax = x.detach().abs().amax().reshape(1) if recipe == "tensorwise" else None
     torch.library.opcheck(torch.ops.kernel_pytorch.float8_linear.default,
-                          (x, w.requires_grad_(), b, x_amax, recipe, True, torch.float8_e4m3fn, torch.float8_e5m2, True),
+                          (x, w.requires_grad_(), b, x_amax, recipe, True, torch.float8_e4m3fn, torch.float8_e5m2, True,
+                           recipe == "tensorwise"),
                           test_utils=EAGER_OPCHECKS)
 
 

@@ -182,16 +182,17 @@ def test_opcheck():
     x_amax = x.detach().abs().amax().reshape(1)
     for recipe in RECIPES:
         torch.library.opcheck(torch.ops.kernel_pytorch.float8_linear.default,
-                              (x, w, b, None, recipe, True, torch.float8_e4m3fn, torch.float8_e5m2, True))
-        _, x_t, x_t_inv, w_amax = torch.ops.kernel_pytorch.float8_linear(x.detach(), w.detach(), None, None, recipe,
-                                                                         True, torch.float8_e4m3fn, torch.float8_e5m2,
-                                                                         True)
+                              (x, w, b, None, recipe, True, torch.float8_e4m3fn, torch.float8_e5m2, True, False))
+        _, x_t, x_t_inv, w_amax, _ = torch.ops.kernel_pytorch.float8_linear(
+            x.detach(), w.detach(), None, None, recipe, True, torch.float8_e4m3fn, torch.float8_e5m2, True, False)
+        dy = torch.randn(20, 32)
+        dy_amax = dy.abs().amax().reshape(1) if recipe == "tensorwise" else None
         for need_x, need_w in ((True, False), (False, True), (True, True)):
             torch.library.opcheck(torch.ops.kernel_pytorch.float8_linear_backward.default,
-                                  (torch.randn(20, 32), x_t, x_t_inv, w.detach(), w_amax, recipe, True,
-                                   torch.float8_e4m3fn, torch.float8_e5m2, need_x, need_w))
+                                  (dy, x_t, x_t_inv, w.detach(), w_amax, recipe, True,
+                                   torch.float8_e4m3fn, torch.float8_e5m2, need_x, need_w, dy_amax))
     torch.library.opcheck(torch.ops.kernel_pytorch.float8_linear.default,
-                          (x, w, b, x_amax, "tensorwise", True, torch.float8_e4m3fn, torch.float8_e5m2, True))
+                          (x, w, b, x_amax, "tensorwise", True, torch.float8_e4m3fn, torch.float8_e5m2, True, True))
 
 
 # --------------------------------------------------------------------------------------- module, state

@@ -8,6 +8,7 @@ and the measured decision are in test_float8_conversion.py's GPU tests.
 
 from __future__ import annotations
 
+import copy
 import importlib
 
 import pytest
@@ -250,6 +251,34 @@ def test_norm_and_gated_activation_compute_their_fp8_linears_input_maximum():
     assert torch.equal(optimized(x), expected)
 
 
+def test_gated_activation_backward_computes_the_fp8_gate_up_gradient_maximum():
+    torch.manual_seed(1)
+    model, x = NormThenLinears().train(), torch.randn(4, 24, 64)
+    reference = copy.deepcopy(model)
+    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, example_inputs=(x,),
+                                        disable_passes=("horizontal_gemm",))
+    rewrites = _fp8_rewrites(kernel_pytorch.report_of(optimized))
+    grad_note = "its gradient's maximum from the gated activation's backward kernel"
+    assert grad_note in rewrites["b"] and not any(grad_note in rewrites[n] for n in ("a", "down")), rewrites
+    # The gradients are the unfused FP8 path's, bit for bit (both emulated).
+    rms, act = importlib.import_module("kernel_pytorch.ops.rms_norm"), importlib.import_module("kernel_pytorch.ops.activations")
+    y = rms.rms_norm(x, reference.norm.weight, 1e-6)
+    gate_up = float8_linear(y, reference.b.weight, reference.b.bias, emulate=True)
+    h = float8_linear(act.gated_activation_packed(gate_up, "silu"), reference.down.weight, emulate=True)
+    reference.head(h + float8_linear(y, reference.a.weight, emulate=True).repeat(1, 1, 2)).square().sum().backward()
+    optimized(x).square().sum().backward()
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(ours.grad, theirs.grad), name
+
+
+def test_in_inference_no_gradient_maximum_is_wired():
+    model, x = NormThenLinears().eval(), torch.randn(4, 24, 64)
+    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, example_inputs=(x,),
+                                        disable_passes=("horizontal_gemm",))
+    rewrites = _fp8_rewrites(kernel_pytorch.report_of(optimized))
+    assert set(rewrites) == {"a", "b", "down"} and not any("gradient's maximum" in r for r in rewrites.values())
+
+
 def test_rowwise_fp8_linears_find_their_own_input_maximum():
     model = _llama().train()
     optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, fp8_recipe="rowwise",
@@ -267,3 +296,6 @@ def test_fused_llama_layers_name_the_kernel_that_finds_their_input_maximum():
     assert "maximum from the rms_norm kernel" in rewrites["layers.1.mlp"]  # gate/up after the residual-fused norm
     assert "maximum from the gated_activation_packed kernel" in rewrites["layers.0.mlp.down_proj"]
     assert "maximum from" not in rewrites["layers.0.attn.o_proj"]  # attention's output: no such producer
+    # the fused gate/up feeds only the packed SwiGLU, whose backward finds its gradient's maximum
+    assert "gradient's maximum from the gated activation's backward" in rewrites["layers.1.mlp"], rewrites
+    assert "gradient's maximum" not in rewrites["layers.0.attn"]

@@ -69,6 +69,44 @@ def check_fp8_linear_with_producer_amax_equals_unfused(device, emulate):
         assert torch.equal(a, b)
 
 
+def check_backward_amax_is_exact(dtype, device, rows=37):
+    """The packed gated backward's max |d gate_up|, handed to the slot's gradient: exact, and d gate_up the
+    same as without it."""
+    torch.manual_seed(6)
+    gate_up = torch.randn(2 * rows, 192, dtype=dtype, device=device)
+    dy = torch.randn(rows, 96, dtype=dtype, device=device)
+    dy[rows - 1, 95] = -50.0  # in the last program, at its last element
+    for kind, gate_first in (("silu", True), ("gelu_tanh", False)):
+        grads = []
+        for slot in (None, torch.zeros(1, device=device, requires_grad=True)):
+            gu = gate_up[::2].clone().requires_grad_()  # strided rows, as a row slice of a projection
+            A.gated_activation_packed(gu, kind, gate_first, grad_amax_slot=slot).backward(dy)
+            grads.append(gu.grad)
+        assert torch.equal(grads[0], grads[1]), kind
+        assert torch.equal(slot.grad, grads[1].abs().float().amax().reshape(1)), kind
+
+
+def check_fp8_linear_with_consumer_grad_amax_equals_unfused(device, emulate):
+    """The FP8 gate/up projection given its gradient's maximum by the SwiGLU backward: the unfused result,
+    forward and gradients, bit for bit."""
+    torch.manual_seed(7)
+    x = torch.randn(64, 128, dtype=torch.bfloat16, device=device)
+    weight = torch.randn(96, 128, dtype=torch.bfloat16, device=device, requires_grad=True)
+    results = []
+    for fused in (False, True):
+        xi = x.clone().requires_grad_()
+        if fused:
+            gate_up, slot = float8_linear(xi, weight, emulate=emulate, grad_amax_slot=True)
+        else:
+            gate_up, slot = float8_linear(xi, weight, emulate=emulate), None
+        out = A.gated_activation_packed(gate_up, "silu", grad_amax_slot=slot)
+        out.float().square().sum().backward()
+        results.append((out.detach(), xi.grad, weight.grad.clone()))
+        weight.grad = None
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def check_empty_inputs_give_a_zero_maximum():
     zero = torch.zeros(1)
     assert torch.equal(R.rms_norm(torch.randn(0, 8), torch.ones(8), fp8_amax=True)[1], zero)
@@ -83,10 +121,36 @@ def test_native_path_empty_inputs_give_a_zero_maximum():
 def test_native_path_amax_is_exact():
     check_amax_is_exact(torch.float32, "cpu")
     check_amax_is_exact(torch.bfloat16, "cpu")
+    check_backward_amax_is_exact(torch.float32, "cpu")
+    check_backward_amax_is_exact(torch.bfloat16, "cpu")
 
 
 def test_emulated_fp8_linear_with_producer_amax_equals_unfused():
     check_fp8_linear_with_producer_amax_equals_unfused("cpu", emulate=True)
+
+
+def test_emulated_fp8_linear_with_consumer_grad_amax_equals_unfused():
+    check_fp8_linear_with_consumer_grad_amax_equals_unfused("cpu", emulate=True)
+
+
+def test_a_slot_without_its_consumer_leaves_the_backward_to_find_the_maximum():
+    torch.manual_seed(8)
+    x, weight = torch.randn(32, 64, requires_grad=True), torch.randn(48, 64, requires_grad=True)
+    out, slot = float8_linear(x, weight, emulate=True, grad_amax_slot=True)
+    assert slot.shape == (1,) and slot.dtype == torch.float32 and slot.requires_grad
+    out.sum().backward()
+    fused_grads = (x.grad.clone(), weight.grad.clone())
+    x.grad = weight.grad = None
+    float8_linear(x, weight, emulate=True).sum().backward()
+    assert torch.equal(fused_grads[0], x.grad) and torch.equal(fused_grads[1], weight.grad)
+
+
+def test_grad_amax_slot_is_for_the_tensorwise_recipe_only():
+    x, w = torch.randn(16, 32), torch.randn(16, 32)
+    with pytest.raises(ValueError, match="tensorwise"):
+        float8_linear(x, w, recipe="rowwise", emulate=True, grad_amax_slot=True)
+    with pytest.raises(ValueError, match="grad_amax_slot must be the"):
+        A.gated_activation_packed(torch.randn(4, 8), "silu", grad_amax_slot=torch.zeros(2))
 
 
 def test_amax_output_takes_no_gradient_and_leaves_the_gradients_alone():
@@ -120,13 +184,31 @@ def test_compile_fullgraph_traces_the_amax_outputs():
         assert torch.equal(a, b)
 
 
+def test_compile_fullgraph_trains_through_the_grad_amax_slot():
+    torch.manual_seed(9)
+    x, weight = torch.randn(32, 64), torch.randn(96, 64, requires_grad=True)
+
+    def fn(x):
+        gate_up, slot = float8_linear(x, weight, emulate=True, grad_amax_slot=True)
+        return A.gated_activation_packed(gate_up, "silu", grad_amax_slot=slot)
+
+    grads = []
+    for run in (torch.compile(fn, fullgraph=True, backend="aot_eager"), fn):
+        xi = x.clone().requires_grad_()
+        run(xi).square().sum().backward()
+        grads.append((xi.grad, weight.grad.clone()))
+        weight.grad = None
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------------------ Triton, interpreted
 
 @pytest.fixture
 def triton_on_cpu(monkeypatch):
     calls = route_to_triton(monkeypatch, R, ("rms_norm_fwd",), ("TRITON_FWD_MIN_ELEMENTS",))
-    return route_to_triton(monkeypatch, A, ("gated_activation_fwd", "gated_activation_packed_fwd"),
-                           ("TRITON_MIN_ELEMENTS",), calls)
+    return route_to_triton(monkeypatch, A, ("gated_activation_fwd", "gated_activation_packed_fwd",
+                                            "gated_activation_packed_bwd"), ("TRITON_MIN_ELEMENTS",), calls)
 
 
 @interp
@@ -152,6 +234,15 @@ def test_interp_kernel_amax_over_many_programs(triton_on_cpu):
     assert torch.equal(amax, y.abs().amax().reshape(1))
     y, amax = A.gated_activation_packed(gate_up, "silu", fp8_amax=True)
     assert torch.equal(amax, y.abs().amax().reshape(1))
+
+
+@interp
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_interp_backward_amax_is_exact(triton_on_cpu, dtype):
+    check_backward_amax_is_exact(dtype, "cpu")
+    check_backward_amax_is_exact(dtype, "cpu", rows=1500)  # hundreds of programs' partial maxima
+    check_fp8_linear_with_consumer_grad_amax_equals_unfused("cpu", emulate=True)
+    assert "gated_activation_packed_bwd" in triton_on_cpu
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_* tests itself")
@@ -184,3 +275,11 @@ def test_gpu_fp8_linear_with_producer_amax_equals_unfused(cuda):
     if float8_hardware_reason(cuda) is not None:
         pytest.fail(f"-m gpu FP8 tests need an FP8 GPU: {float8_hardware_reason(cuda)}")
     check_fp8_linear_with_producer_amax_equals_unfused(cuda, emulate=False)
+    check_fp8_linear_with_consumer_grad_amax_equals_unfused(cuda, emulate=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_backward_amax_is_exact(cuda, dtype):
+    check_backward_amax_is_exact(dtype, cuda)
+    check_backward_amax_is_exact(dtype, cuda, rows=8192)

@@ -178,14 +178,17 @@ def float8_mm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: str
 
 def float8_mm_bwd(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, weight: Tensor, w_col_amax: Tensor,
                   recipe: str, emulate: bool, forward_dtype: torch.dtype, backward_dtype: torch.dtype,
-                  input_grad: bool = True, weight_grad: bool = True) -> tuple[Optional[Tensor], Optional[Tensor]]:
+                  input_grad: bool = True, weight_grad: bool = True,
+                  grad_out_amax: Optional[Tensor] = None) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """``(grad_input, grad_weight)``: ``dy @ W`` and ``dy.T @ x`` with dy in ``backward_dtype``, from what
-    :func:`float8_mm_fwd` returned; scales along each product's reduction dimension."""
+    :func:`float8_mm_fwd` returned; scales along each product's reduction dimension. ``grad_out_amax``:
+    max |dy| (tensorwise) from the kernel that computed dy, which dy's cast then does not look for."""
     if not emulate:
         _check_fp8_device(grad_out.device)
     tensorwise = recipe == "tensorwise"
-    dy_q = cast(grad_out, abs_max(grad_out, tensorwise, rows=input_grad, cols=weight_grad), backward_dtype,
-                rows=input_grad, cols=weight_grad, cols_multiple=FP8_ALIGNMENT)
+    dy_max = Amax(tensor=grad_out_amax) if grad_out_amax is not None and tensorwise else abs_max(
+        grad_out, tensorwise, rows=input_grad, cols=weight_grad)
+    dy_q = cast(grad_out, dy_max, backward_dtype, rows=input_grad, cols=weight_grad, cols_multiple=FP8_ALIGNMENT)
     grad_input = grad_weight = None
     if input_grad:  # reduce over N: dy (M, N) per row, W.T (K, N) per row
         w_amax = Amax(tensor=w_col_amax) if tensorwise else Amax(cols=w_col_amax)
@@ -206,29 +209,32 @@ def float8_mm_bwd(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, weight: Tensor
 @torch.library.triton_op("kernel_pytorch::float8_linear", mutates_args=())
 def _float8_linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], x_amax: Optional[Tensor], recipe: str,
                       emulate: bool, forward_dtype: torch.dtype, backward_dtype: torch.dtype,
-                      weight_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      weight_grad: bool, grad_amax_slot: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     out, x_t, x_t_inv, w_col_amax = float8_mm_fwd(x, weight, bias, recipe, emulate, forward_dtype, weight_grad,
                                                   x_amax)
+    # The slot: a (1,) fp32 output whose value nothing reads and whose gradient, from the consumer the slot
+    # is handed to, is max |grad_out| (see float8_linear); empty without grad_amax_slot.
+    slot = torch.zeros(1 if grad_amax_slot else 0, dtype=torch.float32, device=x.device)
     # The fp8 bytes leave the op as uint8: integer outputs are data to autograd and to the op checkers
     # (which would otherwise try to sum and multiply float8 tensors); the backward views them back.
-    return out, x_t.view(torch.uint8), x_t_inv, w_col_amax
+    return out, x_t.view(torch.uint8), x_t_inv, w_col_amax, slot
 
 
 @torch.library.triton_op("kernel_pytorch::float8_linear_backward", mutates_args=())
 def _float8_linear_backward_op(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, weight: Tensor, w_col_amax: Tensor,
                                recipe: str, emulate: bool, forward_dtype: torch.dtype, backward_dtype: torch.dtype,
-                               input_grad: bool, weight_grad: bool) -> list[Tensor]:
+                               input_grad: bool, weight_grad: bool, grad_out_amax: Optional[Tensor]) -> list[Tensor]:
     gi, gw = float8_mm_bwd(grad_out, x_t.view(forward_dtype), x_t_inv, weight, w_col_amax, recipe, emulate, forward_dtype,
-                           backward_dtype, input_grad, weight_grad)
+                           backward_dtype, input_grad, weight_grad, grad_out_amax)
     # An op cannot return None: an unneeded gradient comes back as an empty tensor.
     return [gi if gi is not None else grad_out.new_empty(0), gw if gw is not None else weight.new_empty(0)]
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, _x_amax, recipe, emulate, forward_dtype, backward_dtype, _weight_grad = inputs
-    _, x_t, x_t_inv, w_col_amax = output
+    x, weight, bias, _x_amax, recipe, emulate, forward_dtype, backward_dtype, _weight_grad, grad_amax_slot = inputs
+    _, x_t, x_t_inv, w_col_amax, slot = output
     ctx.save_for_backward(x_t, x_t_inv, weight, w_col_amax)
-    ctx.mark_non_differentiable(x_t_inv, w_col_amax)
+    ctx.mark_non_differentiable(x_t_inv, w_col_amax, *(() if grad_amax_slot else (slot,)))
     # Only the output has a gradient; materializing zeros for the others cost a 64 MB fill per step at
     # 8192^2 (the fp8 x.T), seen in the profile.
     ctx.set_materialize_grads(False)
@@ -236,19 +242,23 @@ def _setup_context(ctx, inputs, output):
     ctx.bias_dtype = bias.dtype if bias is not None else None
 
 
-def _backward(ctx, grad_out, *_unused):
+def _backward(ctx, grad_out, _grad_x_t, _grad_x_t_inv, _grad_w_col_amax, grad_out_amax):
+    """``grad_out_amax``: the slot's gradient (``grad_amax_slot=True``), max |grad_out| from the consumer's
+    backward kernel; None when the slot had no consumer (grads are not materialized), then found here."""
     x_t, x_t_inv, weight, w_col_amax = ctx.saved_tensors
     recipe, emulate, forward_dtype, backward_dtype = ctx.config
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    if grad_out is None:  # only the slot was used (grads are not materialized): nothing flows back
+        return None, None, None, None, None, None, None, None, None, None
     grad_out = grad_out.contiguous()
     gi = gw = gb = None
     if need_x or need_w:
         gi, gw = _float8_linear_backward_op(grad_out, x_t, x_t_inv, weight, w_col_amax, recipe, emulate,
-                                            forward_dtype, backward_dtype, need_x, need_w)
+                                            forward_dtype, backward_dtype, need_x, need_w, grad_out_amax)
         gi, gw = (gi if need_x else None), (gw if need_w else None)
     if need_b:
         gb = grad_out.float().sum(0).to(ctx.bias_dtype)
-    return gi, gw, gb, None, None, None, None, None, None
+    return gi, gw, gb, None, None, None, None, None, None, None
 
 
 _float8_linear_op.register_autograd(_backward, setup_context=_setup_context)
@@ -258,13 +268,20 @@ _float8_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 def float8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, recipe: str = "tensorwise",
                   emulate: bool = False, forward_dtype: torch.dtype = torch.float8_e4m3fn,
-                  backward_dtype: torch.dtype = torch.float8_e5m2, x_amax: Optional[Tensor] = None) -> Tensor:
+                  backward_dtype: torch.dtype = torch.float8_e5m2, x_amax: Optional[Tensor] = None,
+                  grad_amax_slot: bool = False):
     """``F.linear(x, weight, bias)`` with float8 matmuls forward and backward; x of shape (..., K).
 
     ``x_amax``: ``max |x|`` as a (1,) fp32 tensor, computed by the kernel that produced x (tensorwise recipe
     only): the forward then does not read x to find it. It must be x's exact maximum (the scale, and so the
     result, is that of the unfused path); ``rms_norm`` and ``gated_activation*`` return it with
-    ``fp8_amax=True``, and the FP8 pass wires them up where a norm or gated activation feeds an FP8 linear."""
+    ``fp8_amax=True``, and the FP8 pass wires them up where a norm or gated activation feeds an FP8 linear.
+
+    ``grad_amax_slot=True`` (tensorwise) returns ``(out, slot)``: hand ``slot`` to the one consumer of
+    ``out`` whose backward computes the maximum of out's gradient (``gated_activation_packed(...,
+    grad_amax_slot=slot)``). The slot's gradient carries that maximum to this linear's backward, which then
+    does not read the gradient to find it. The consumer must be out's only user: the maximum is that of
+    its gradient, which is out's whole gradient only then."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown float8 recipe {recipe!r}; expected one of {RECIPES}")
     for name, dt in (("forward_dtype", forward_dtype), ("backward_dtype", backward_dtype)):
@@ -272,9 +289,14 @@ def float8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, reci
             raise ValueError(f"{name} must be a float8 dtype, got {dt}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if grad_amax_slot and recipe != "tensorwise":
+        raise ValueError("grad_amax_slot (the gradient's maximum from its consumer) is for the tensorwise recipe: "
+                         "rowwise scales need the maxima of the gradient's rows and columns")
     weight_grad = torch.is_grad_enabled() and weight.requires_grad
-    out = _float8_linear_op(x2, weight, bias, x_amax, recipe, emulate, forward_dtype, backward_dtype, weight_grad)[0]
-    return out.reshape(*lead, weight.shape[0])
+    out, *_, slot = _float8_linear_op(x2, weight, bias, x_amax, recipe, emulate, forward_dtype, backward_dtype,
+                                      weight_grad, bool(grad_amax_slot))
+    out = out.reshape(*lead, weight.shape[0])
+    return (out, slot) if grad_amax_slot else out
 
 
 def float8_eligible(linear: nn.Module) -> Optional[str]:
