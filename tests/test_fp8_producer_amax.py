@@ -133,15 +133,22 @@ def test_emulated_fp8_linear_with_consumer_grad_amax_equals_unfused():
     check_fp8_linear_with_consumer_grad_amax_equals_unfused("cpu", emulate=True)
 
 
-def test_a_slot_without_its_consumer_leaves_the_backward_to_find_the_maximum():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_slot_without_its_consumer_leaves_the_backward_to_find_the_maximum(compiled):
+    # Its gradient must reach the backward as None, not as a zero maximum (a zero would scale d out to inf).
     torch.manual_seed(8)
     x, weight = torch.randn(32, 64, requires_grad=True), torch.randn(48, 64, requires_grad=True)
     out, slot = float8_linear(x, weight, emulate=True, grad_amax_slot=True)
     assert slot.shape == (1,) and slot.dtype == torch.float32 and slot.requires_grad
-    out.sum().backward()
+
+    def slot_unused(x):
+        return float8_linear(x, weight, emulate=True, grad_amax_slot=True)[0]
+
+    run = torch.compile(slot_unused, fullgraph=True, backend="aot_eager") if compiled else slot_unused
+    run(x).square().sum().backward()
     fused_grads = (x.grad.clone(), weight.grad.clone())
     x.grad = weight.grad = None
-    float8_linear(x, weight, emulate=True).sum().backward()
+    float8_linear(x, weight, emulate=True).square().sum().backward()
     assert torch.equal(fused_grads[0], x.grad) and torch.equal(fused_grads[1], weight.grad)
 
 

@@ -45,9 +45,9 @@ def grad_amax_consumer(linear: Node, ctx: PassContext) -> Node | None:
     return user
 
 
-def wire_grad_amax(gm: torch.fx.GraphModule, fp8: Node, consumer: Node) -> Node:
-    """Switch ``fp8`` (a ``float8_linear`` call) to ``grad_amax_slot=True``, hand its slot to ``consumer``;
-    returns the node of the linear's output, which takes fp8's place in its users."""
+def wire_grad_amax(gm: torch.fx.GraphModule, fp8: Node, consumer: Node) -> None:
+    """Switch ``fp8`` (a ``float8_linear`` call) to ``grad_amax_slot=True``: its output's users take item 0,
+    and ``consumer`` takes the slot, item 1."""
     graph = gm.graph
     fp8.kwargs = {**fp8.kwargs, "grad_amax_slot": True}
     set_example_value(gm, fp8)
@@ -59,4 +59,3 @@ def wire_grad_amax(gm: torch.fx.GraphModule, fp8: Node, consumer: Node) -> Node:
         set_example_value(gm, node)
     fp8.replace_all_uses_with(out, delete_user_cb=lambda user: user not in (out, slot))
     consumer.kwargs = {**consumer.kwargs, "grad_amax_slot": slot}
-    return out
