@@ -201,16 +201,18 @@ def _decide(fqn: str, linear: nn.Linear, shape, reason: str | None, decide, reci
 
 
 def measured_decision(shape: tuple[int, int, int], dtype: torch.dtype, recipe: str, training: bool,
-                      device: torch.device, compiled: bool,
-                      input_amax_fused: bool = False) -> tuple[bool, str, float, float]:
+                      device: torch.device, compiled: bool, input_amax_fused: bool = False,
+                      grad_amax_fused: bool = False) -> tuple[bool, str, float, float]:
     """``(convert, reason, base_ms, fp8_ms)`` for a linear of this (M, K, N): FP8 only where it measured at
     least :data:`MIN_SPEEDUP` faster on ``device`` (module docstring, "The decision").
     ``input_amax_fused``: the input's producer computes its maximum (``float8_linear``'s ``x_amax``), so
-    the FP8 side is timed without that reduction, as it will run."""
+    the FP8 side is timed without that reduction, as it will run; ``grad_amax_fused``: likewise for the
+    output gradient's maximum, from its consumer's backward (``grad_amax_slot``; training only)."""
     unable = float8_hardware_reason(device)
     if unable is not None:
         return False, f"fp8='auto' could not measure: {unable}", math.nan, math.nan
-    timed = _measurement(shape, dtype, recipe, training, device, compiled, input_amax_fused)
+    timed = _measurement(shape, dtype, recipe, training, device, compiled, input_amax_fused,
+                         grad_amax_fused and training)
     speedup = timed.base_ms / timed.fp8_ms
     measured = f"fp8 measured {speedup:.2f}x ({timed.timing}) at (M, K, N) = {tuple(shape)}"
     if speedup < MIN_SPEEDUP:
@@ -249,10 +251,10 @@ class _Measurement:
 
 
 def _measurement(shape, dtype: torch.dtype, recipe: str, training: bool, device: torch.device,
-                 compiled: bool, input_amax_fused: bool = False) -> _Measurement:
+                 compiled: bool, input_amax_fused: bool = False, grad_amax_fused: bool = False) -> _Measurement:
     """(ms in ``dtype``, ms in FP8) of one call, forward (+ backward when training), and how they were timed;
     measured once per process and arguments."""
-    key = (*shape, dtype, recipe, training, str(device), compiled, input_amax_fused)
+    key = (*shape, dtype, recipe, training, str(device), compiled, input_amax_fused, grad_amax_fused)
     if key not in _measured:
         m, k, n = shape
         base = nn.Linear(k, n, bias=False, device=device, dtype=dtype)
@@ -260,12 +262,15 @@ def _measurement(shape, dtype: torch.dtype, recipe: str, training: bool, device:
         x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=training)
         dy = torch.randn(m, n, device=device, dtype=dtype)
         x_amax = tensor_abs_max(x.detach()) if input_amax_fused else None  # as the producer would give it
+        # With the gradient's maximum from the consumer: (out, slot), and the slot's gradient is that maximum.
+        fp8_dy = (dy, tensor_abs_max(dy)) if grad_amax_fused else dy
 
         def fp8(x):
-            return float8_linear(x, base.weight, None, recipe, False, forward_dtype, backward_dtype, x_amax)
+            return float8_linear(x, base.weight, None, recipe, False, forward_dtype, backward_dtype, x_amax,
+                                 grad_amax_fused)
 
         timed = _timed({"base": _step(base, base.weight, x, dy, training),
-                        "fp8": _step(fp8, base.weight, x, dy, training)}, compiled)
+                        "fp8": _step(fp8, base.weight, x, fp8_dy, training)}, compiled)
         _measured[key] = _Measurement(timed.ms["base"], timed.ms["fp8"], timed.describe())
     return _measured[key]
 
@@ -278,8 +283,9 @@ def _timed(steps: dict[str, Callable[[], None]], compiled: bool) -> Timings:
     return Timings(fastest_cuda_ms(steps, warmup=_MEASURE_WARMUP, runs=_MEASURE_RUNS), PER_CALL)
 
 
-def _step(layer: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor,
+def _step(layer: Callable[[torch.Tensor], Any], weight: torch.Tensor, x: torch.Tensor, dy: Any,
           training: bool) -> Callable[[], None]:
+    """One forward (+ backward) of ``layer``; ``dy``: the gradient of its output, or of each of its outputs."""
     def step():
         if training:
             torch.autograd.grad(layer(x), (x, weight), dy)

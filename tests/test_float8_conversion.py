@@ -160,6 +160,42 @@ def test_auto_compares_gpu_time_for_compiled_models_and_time_per_call_for_eager_
     assert len(used) == 2
 
 
+def test_auto_times_the_fp8_side_with_the_maxima_its_neighbours_compute(monkeypatch):
+    """With the input's maximum from its producer and the gradient's from its consumer, the FP8 step that is
+    timed gets both (x_amax, and the slot's gradient), so it runs as the model will: its own gradients are
+    those of the step that finds them itself."""
+    from kernel_pytorch.ops.float8_linear import float8_linear
+
+    calls, grads = [], {}
+
+    def emulated(x, weight, bias, recipe, emulate, fwd, bwd, x_amax, grad_amax_slot):
+        calls.append((x_amax is not None, grad_amax_slot))
+        return float8_linear(x, weight, bias, recipe, True, fwd, bwd, x_amax, grad_amax_slot)
+
+    timing = importlib.import_module("kernel_pytorch.timing")
+
+    def run_each_step_once(steps, **_counts):
+        for step in steps.values():
+            step()
+        return timing.Timings({name: 1.0 for name in steps}, timing.GRAPH_TIME)
+
+    real_grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda out, inputs, dy: grads.setdefault(len(grads), real_grad(
+        out, inputs, dy)))
+    monkeypatch.setattr(FC, "float8_hardware_reason", lambda device: None)
+    monkeypatch.setattr(FC, "float8_dtypes_for", lambda device: (torch.float8_e4m3fn, torch.float8_e5m2))
+    monkeypatch.setattr(FC, "_measured", {})
+    monkeypatch.setattr(FC, "float8_linear", emulated)
+    monkeypatch.setattr(FC, "fastest_cuda_graph_ms", run_each_step_once)
+    for fused in (True, False):
+        torch.manual_seed(0)  # the same layer and inputs
+        FC.measured_decision((32, 64, 48), torch.float32, "tensorwise", True, torch.device("cpu"), True,
+                             input_amax_fused=fused, grad_amax_fused=fused)
+    assert calls == [(True, True), (False, False)]
+    # grads: [base, fp8 fused, base, fp8 unfused], on the same random inputs
+    assert all(torch.equal(a, b) for a, b in zip(grads[1], grads[3]))
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu

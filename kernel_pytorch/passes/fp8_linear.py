@@ -31,7 +31,7 @@ gated-activation kernel (tensorwise recipe), that kernel computes the input's ma
 does not read its input for it (:mod:`kernel_pytorch.passes.fp8_input_amax`); ``fp8="auto"`` then times
 the FP8 side without that reduction. In training, where a converted gate/up projection feeds only a packed
 gated activation, the activation's backward computes the maximum of the projection's output gradient
-(:mod:`kernel_pytorch.passes.fp8_grad_amax`); the decision's timing does not count that saving.
+(:mod:`kernel_pytorch.passes.fp8_grad_amax`), and ``fp8="auto"`` times that too.
 """
 
 from __future__ import annotations
@@ -92,13 +92,13 @@ class Float8LinearPass(GraphPass):
         names = " + ".join(m.rpartition(".")[2] for m in members) if len(members) > 1 else ""
         shape, reason = _candidate(node, members, ctx, under_autocast)
         producer = amax_producer(node.args[0]) if ctx.config.fp8_recipe == "tensorwise" else None
+        consumer = grad_amax_consumer(node, ctx)
         convert = False
         if reason is None:
-            convert, reason = _decision(node, shape, ctx, input_amax_fused=producer is not None)
+            convert, reason = _decision(node, shape, ctx, producer is not None, consumer is not None)
         if not convert:
             result.skip(location, f"{names}: {reason}" if names else reason)
             return
-        consumer = grad_amax_consumer(node, ctx)
         _replace(gm, node, ctx, fuse_input_amax=producer is not None, consumer=consumer)
         fused = f"; its input's maximum from the {producer} kernel" if producer else ""
         if consumer is not None:
@@ -107,8 +107,8 @@ class Float8LinearPass(GraphPass):
                                  f"{reason}{fused}")
 
 
-def _decision(node: Node, shape: tuple[int, int, int], ctx: PassContext,
-              input_amax_fused: bool) -> tuple[bool, str]:
+def _decision(node: Node, shape: tuple[int, int, int], ctx: PassContext, input_amax_fused: bool,
+              grad_amax_fused: bool) -> tuple[bool, str]:
     """Whether the candidate converts, and why."""
     config = ctx.config
     if config.fp8_emulate:
@@ -117,7 +117,7 @@ def _decision(node: Node, shape: tuple[int, int, int], ctx: PassContext,
         return True, f"fp8=True at (M, K, N) = {shape}"
     x = example_value(node.args[0])
     convert, reason, _, _ = measured_decision(shape, x.dtype, config.fp8_recipe, ctx.training, x.device, ctx.compiled,
-                                              input_amax_fused)
+                                              input_amax_fused, grad_amax_fused)
     return convert, reason
 
 
