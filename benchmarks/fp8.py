@@ -23,7 +23,9 @@ Five tables, bf16 activations and weights throughout:
 6. ``producers``: quantization fused into the producing kernel, at the model's shapes: RMSNorm -> the fused
    gate/up linear (8192 x 2048 -> 11264) and packed SwiGLU -> down (8192 x 5632 -> 2048), forward +
    backward, GPU time: the producer in bf16 + ``F.linear``; + ``float8_linear`` finding x's maximum itself;
-   + ``float8_linear`` given the maximum the producer computed (``fp8_amax=True`` / ``x_amax``).
+   + ``float8_linear`` given the maximum the producer computed (``fp8_amax=True`` / ``x_amax``). And the
+   backward's direction: the fused gate/up linear -> packed SwiGLU, whose backward computes the maximum of
+   the linear's output gradient (``grad_amax_slot``; the "amax from the producer" column).
 
 A run with some ``--parts`` keeps the other parts of the JSON it writes over, each with its environment.
 
@@ -62,7 +64,9 @@ TARGETS = {"tensorwise": 1.5, "rowwise": 1.35}  # forward + backward speedup at 
 SQNR_FLOORS = {"output": 20.0, "grad_weight": 17.0}  # dB
 SIZES = (1024, 2048, 4096, 8192, 16384)
 PARTS = ("ceilings", "linear", "numerics", "sweep", "model", "producers")
-PRODUCER_SHAPES = {"rms_norm -> gate/up": (8192, 2048, 11264), "swiglu -> down": (8192, 5632, 2048)}
+# "gate/up -> swiglu": the other direction, the SwiGLU backward finds the gate/up gradient's maximum.
+PRODUCER_SHAPES = {"rms_norm -> gate/up": (8192, 2048, 11264), "swiglu -> down": (8192, 5632, 2048),
+                   "gate/up -> swiglu": (8192, 2048, 11264)}
 QUICK_POINTS = ((1024, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 4096),
                 (4096, 8192, 2048))
 NUMERICS_SHAPE = (4096, 4096, 4096)  # M, K, N
@@ -325,6 +329,8 @@ def _producer_step(case: str, m: int, k: int, n: int, fp8: str | None) -> Callab
     from kernel_pytorch.ops import gated_activation_packed, rms_norm
     from kernel_pytorch.ops.float8_linear import float8_linear
 
+    if case == "gate/up -> swiglu":
+        return _consumer_step(m, k, n, fp8)
     source = _randn(m, 2 * k if case.startswith("swiglu") else k, grad=True)
     norm_weight = _randn(k, grad=True) if case.startswith("rms_norm") else None
     weight, dy = _randn(n, k, scale=k ** -0.5, grad=True), _randn(m, n)
@@ -339,6 +345,25 @@ def _producer_step(case: str, m: int, k: int, n: int, fp8: str | None) -> Callab
         x, amax = out if fused else (out, None)
         y = torch.nn.functional.linear(x, weight) if fp8 is None else float8_linear(x, weight, x_amax=amax)
         return torch.autograd.grad(y, params, dy)
+
+    return step
+
+
+def _consumer_step(m: int, k: int, n: int, fp8: str | None) -> Callable[[], object]:
+    """Forward + backward of the gate/up linear -> packed SwiGLU; ``fp8`` "producer": the SwiGLU backward
+    computes the maximum of the linear's output gradient (``grad_amax_slot``)."""
+    from kernel_pytorch.ops import gated_activation_packed
+    from kernel_pytorch.ops.float8_linear import float8_linear
+
+    x, weight, dy = _randn(m, k, grad=True), _randn(n, k, scale=k ** -0.5, grad=True), _randn(m, n // 2)
+
+    def step():
+        if fp8 is None:
+            gate_up, slot = torch.nn.functional.linear(x, weight), None
+        else:
+            gate_up, slot = float8_linear(x, weight, grad_amax_slot=True) if fp8 == "producer" else (
+                float8_linear(x, weight), None)
+        return torch.autograd.grad(gated_activation_packed(gate_up, "silu", grad_amax_slot=slot), (x, weight), dy)
 
     return step
 
