@@ -121,12 +121,16 @@ def _cases():
     # (op call, inputs, the kernel arguments it writes: its outputs; a list, per kernel, for ops that launch
     # several: the backward norms reduce their per-program partial sums in a second kernel)
     return {
-        "rms_norm": (lambda x, w: ops.rms_norm(x, w, None, 1e-5, True, False), (x, w), {"Y", "RSTD"}),
-        "rms_norm residual": (lambda x, w, r: ops.rms_norm(x, w, r, 1e-5, False, False), (x, w, r), {"H", "Y", "RSTD"}),
-        "rms_norm fp8_amax": (lambda x, w, r: ops.rms_norm(x, w, r, 1e-5, False, True), (x, w, r),
+        "rms_norm": (lambda x, w: ops.rms_norm(x, w, None, 1e-5, True, False, None), (x, w), {"Y", "RSTD"}),
+        "rms_norm residual": (lambda x, w, r: ops.rms_norm(x, w, r, 1e-5, False, False, None), (x, w, r),
+                              {"H", "Y", "RSTD"}),
+        "rms_norm fp8_amax": (lambda x, w, r: ops.rms_norm(x, w, r, 1e-5, False, True, None), (x, w, r),
                               {"H", "Y", "RSTD", "AMAX"}),
-        "rms_norm_backward": (lambda dy, x, w, s, dh: ops.rms_norm_backward(dy, x, w, s, dh, False, True),
+        "rms_norm_backward": (lambda dy, x, w, s, dh: ops.rms_norm_backward(dy, x, w, s, dh, False, True, False),
                               (r, x, w, stat, r * 2), [{"DX", "DW_PARTIAL"}, {"OUT0"}]),
+        "rms_norm_backward fp8_amax": (
+            lambda dy, x, w, s, dh: ops.rms_norm_backward(dy, x, w, s, dh, False, True, True),
+            (r, x, w, stat, r * 2), [{"DX", "DW_PARTIAL", "DX_AMAX"}, {"OUT0"}]),
         "layer_norm": (lambda x, w, b: ops.layer_norm(x, w, b, None, 1e-5), (x, w, b), {"Y", "MEAN", "RSTD"}),
         "layer_norm residual": (lambda x, w, b, r: ops.layer_norm(x, w, b, r, 1e-5), (x, w, b, r),
                                 {"H", "Y", "MEAN", "RSTD"}),

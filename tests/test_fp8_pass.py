@@ -258,7 +258,7 @@ def test_gated_activation_backward_computes_the_fp8_gate_up_gradient_maximum():
     optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, example_inputs=(x,),
                                         disable_passes=("horizontal_gemm",))
     rewrites = _fp8_rewrites(kernel_pytorch.report_of(optimized))
-    grad_note = "its gradient's maximum from the gated activation's backward kernel"
+    grad_note = "its gradient's maximum from the gated_activation_packed backward kernel"
     assert grad_note in rewrites["b"] and not any(grad_note in rewrites[n] for n in ("a", "down")), rewrites
     # The gradients are the unfused FP8 path's, bit for bit (both emulated).
     rms, act = importlib.import_module("kernel_pytorch.ops.rms_norm"), importlib.import_module("kernel_pytorch.ops.activations")
@@ -295,7 +295,10 @@ def test_fused_llama_layers_name_the_kernel_that_finds_their_input_maximum():
     assert "maximum from the rms_norm kernel" in rewrites["layers.0.attn"]  # q/k/v after input_layernorm
     assert "maximum from the rms_norm kernel" in rewrites["layers.1.mlp"]  # gate/up after the residual-fused norm
     assert "maximum from the gated_activation_packed kernel" in rewrites["layers.0.mlp.down_proj"]
-    assert "maximum from" not in rewrites["layers.0.attn.o_proj"]  # attention's output: no such producer
-    # the fused gate/up feeds only the packed SwiGLU, whose backward finds its gradient's maximum
-    assert "gradient's maximum from the gated activation's backward" in rewrites["layers.1.mlp"], rewrites
+    assert "input's maximum" not in rewrites["layers.0.attn.o_proj"]  # attention's output: no such producer
+    # the fused gate/up feeds only the packed SwiGLU, o_proj and down_proj only the next residual-fused RMSNorm:
+    # those kernels' backwards find the gradients' maxima; q/k/v's gradient comes from attention and RoPE
+    assert "gradient's maximum from the gated_activation_packed backward" in rewrites["layers.1.mlp"], rewrites
+    for name in ("layers.0.attn.o_proj", "layers.0.mlp.down_proj", "layers.1.mlp.down_proj"):
+        assert "gradient's maximum from the rms_norm backward" in rewrites[name], (name, rewrites)
     assert "gradient's maximum" not in rewrites["layers.0.attn"]

@@ -84,6 +84,21 @@ def check_backward_amax_is_exact(dtype, device, rows=37):
             grads.append(gu.grad)
         assert torch.equal(grads[0], grads[1]), kind
         assert torch.equal(slot.grad, grads[1].abs().float().amax().reshape(1)), kind
+    # The RMSNorm backward's max |dx|, plain and residual-fused (dx then also takes the sum's gradient).
+    x = torch.randn(rows, 160, dtype=dtype, device=device)
+    residual, weight = torch.randn_like(x), torch.randn(160, dtype=dtype, device=device)
+    dy = torch.randn_like(x)
+    dy[rows - 1, 159] = 60.0
+    for fused in (False, True):
+        grads = []
+        for slot in (None, torch.zeros(1, device=device, requires_grad=True)):
+            xi = x.clone().requires_grad_()
+            out = R.rms_norm(xi, weight, 1e-6, residual if fused else None, grad_amax_slot=slot)
+            y, h = out if fused else (out, None)
+            (y * dy).sum().backward() if h is None else ((y * dy).sum() + (h * dy.flip(0)).sum()).backward()
+            grads.append(xi.grad)
+        assert torch.equal(grads[0], grads[1]), fused
+        assert torch.equal(slot.grad, grads[1].abs().float().amax().reshape(1)), fused
 
 
 def check_fp8_linear_with_consumer_grad_amax_equals_unfused(device, emulate):
@@ -102,6 +117,27 @@ def check_fp8_linear_with_consumer_grad_amax_equals_unfused(device, emulate):
         out = A.gated_activation_packed(gate_up, "silu", grad_amax_slot=slot)
         out.float().square().sum().backward()
         results.append((out.detach(), xi.grad, weight.grad.clone()))
+        weight.grad = None
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def check_fp8_linear_with_norm_grad_amax_equals_unfused(device, emulate):
+    """The FP8 output projection feeding the residual-fused RMSNorm (o_proj / down_proj into the next norm),
+    given its gradient's maximum by the norm's backward: the unfused gradients, bit for bit."""
+    torch.manual_seed(10)
+    x, stream = torch.randn(64, 128, dtype=torch.bfloat16, device=device), torch.randn(64, 96, dtype=torch.bfloat16,
+                                                                                     device=device)
+    weight = torch.randn(96, 128, dtype=torch.bfloat16, device=device, requires_grad=True)
+    norm_weight = torch.randn(96, dtype=torch.bfloat16, device=device)
+    results = []
+    for fused in (False, True):
+        xi = x.clone().requires_grad_()
+        out, slot = float8_linear(xi, weight, emulate=emulate, grad_amax_slot=True) if fused else (
+            float8_linear(xi, weight, emulate=emulate), None)
+        y, h = R.rms_norm(out, norm_weight, 1e-6, stream, grad_amax_slot=slot)
+        (y.float().square().sum() + h.float().sum()).backward()
+        results.append((xi.grad, weight.grad.clone()))
         weight.grad = None
     for a, b in zip(*results):
         assert torch.equal(a, b)
@@ -131,6 +167,7 @@ def test_emulated_fp8_linear_with_producer_amax_equals_unfused():
 
 def test_emulated_fp8_linear_with_consumer_grad_amax_equals_unfused():
     check_fp8_linear_with_consumer_grad_amax_equals_unfused("cpu", emulate=True)
+    check_fp8_linear_with_norm_grad_amax_equals_unfused("cpu", emulate=True)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -158,6 +195,8 @@ def test_grad_amax_slot_is_for_the_tensorwise_recipe_only():
         float8_linear(x, w, recipe="rowwise", emulate=True, grad_amax_slot=True)
     with pytest.raises(ValueError, match="grad_amax_slot must be the"):
         A.gated_activation_packed(torch.randn(4, 8), "silu", grad_amax_slot=torch.zeros(2))
+    with pytest.raises(ValueError, match="grad_amax_slot must be the"):
+        R.rms_norm(torch.randn(4, 8), grad_amax_slot=torch.zeros(1, dtype=torch.float64))
 
 
 def test_amax_output_takes_no_gradient_and_leaves_the_gradients_alone():
@@ -213,7 +252,8 @@ def test_compile_fullgraph_trains_through_the_grad_amax_slot():
 
 @pytest.fixture
 def triton_on_cpu(monkeypatch):
-    calls = route_to_triton(monkeypatch, R, ("rms_norm_fwd",), ("TRITON_FWD_MIN_ELEMENTS",))
+    calls = route_to_triton(monkeypatch, R, ("rms_norm_fwd", "rms_norm_bwd"),
+                            ("TRITON_FWD_MIN_ELEMENTS", "TRITON_BWD_MIN_ELEMENTS", "TRITON_BWD_MIN_HIDDEN"))
     return route_to_triton(monkeypatch, A, ("gated_activation_fwd", "gated_activation_packed_fwd",
                                             "gated_activation_packed_bwd"), ("TRITON_MIN_ELEMENTS",), calls)
 
@@ -249,7 +289,8 @@ def test_interp_backward_amax_is_exact(triton_on_cpu, dtype):
     check_backward_amax_is_exact(dtype, "cpu")
     check_backward_amax_is_exact(dtype, "cpu", rows=1500)  # hundreds of programs' partial maxima
     check_fp8_linear_with_consumer_grad_amax_equals_unfused("cpu", emulate=True)
-    assert "gated_activation_packed_bwd" in triton_on_cpu
+    check_fp8_linear_with_norm_grad_amax_equals_unfused("cpu", emulate=True)
+    assert "gated_activation_packed_bwd" in triton_on_cpu and "rms_norm_bwd" in triton_on_cpu
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_* tests itself")
@@ -283,6 +324,7 @@ def test_gpu_fp8_linear_with_producer_amax_equals_unfused(cuda):
         pytest.fail(f"-m gpu FP8 tests need an FP8 GPU: {float8_hardware_reason(cuda)}")
     check_fp8_linear_with_producer_amax_equals_unfused(cuda, emulate=False)
     check_fp8_linear_with_consumer_grad_amax_equals_unfused(cuda, emulate=False)
+    check_fp8_linear_with_norm_grad_amax_equals_unfused(cuda, emulate=False)
 
 
 @pytest.mark.gpu

@@ -328,7 +328,11 @@ def test_interp_opcheck_triton_path(triton_on_cpu):
     torch.manual_seed(0)
     x = torch.randn(6, 33, requires_grad=True)
     r, w, b = torch.randn(6, 33), torch.randn(33, requires_grad=True), torch.randn(33, requires_grad=True)
-    torch.library.opcheck(torch.ops.kernel_pytorch.rms_norm.default, (x, w, r, 1e-6, True, True), test_utils=EAGER_OPCHECKS)
+    torch.library.opcheck(torch.ops.kernel_pytorch.rms_norm.default, (x, w, r, 1e-6, True, True, None),
+                          test_utils=EAGER_OPCHECKS)
+    slot = torch.zeros(1, requires_grad=True)  # its gradient: the backward kernel's max |dx|
+    torch.library.opcheck(torch.ops.kernel_pytorch.rms_norm.default, (x, w, r, 1e-6, False, False, slot),
+                          test_utils=EAGER_OPCHECKS)
     torch.library.opcheck(torch.ops.kernel_pytorch.layer_norm.default, (x, w, b, r, 1e-5), test_utils=EAGER_OPCHECKS)
     assert triton_on_cpu.get("rms_norm_fwd") and triton_on_cpu.get("layer_norm_fwd")
 
@@ -426,12 +430,15 @@ def test_opcheck_native_path():
     r, w, b = torch.randn(6, 33), torch.randn(33, requires_grad=True), torch.randn(33, requires_grad=True)
     rstd, mean = torch.rand(6) + 0.5, torch.randn(6)
     ops = torch.ops.kernel_pytorch
-    for args in [(x, w, r, 1e-6, False, False), (x, None, None, 1e-6, False, True), (x.t(), None, None, 1e-6, True, True)]:
+    slot = torch.zeros(1, requires_grad=True)
+    for args in [(x, w, r, 1e-6, False, False, None), (x, None, None, 1e-6, False, True, None),
+                 (x.t(), None, None, 1e-6, True, True, None), (x, w, r, 1e-6, False, False, slot)]:
         torch.library.opcheck(ops.rms_norm.default, args)
     for args in [(x, w, b, r, 1e-5), (x, None, None, None, 1e-5), (x, None, b, None, 1e-5)]:
         torch.library.opcheck(ops.layer_norm.default, args)
     dy = torch.randn(6, 33)
-    torch.library.opcheck(ops.rms_norm_backward.default, (dy, x.detach(), w.detach(), rstd, dy, False, True))
+    for fp8_amax in (False, True):
+        torch.library.opcheck(ops.rms_norm_backward.default, (dy, x.detach(), w.detach(), rstd, dy, False, True, fp8_amax))
     torch.library.opcheck(ops.layer_norm_backward.default,
                           (dy, x.detach(), w.detach(), b.detach(), mean, rstd, None, True, True))
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernel_pytorch.ops import triton_utils as tu
-from kernel_pytorch.ops.float8_cast import tensor_abs_max
+from kernel_pytorch.ops.float8_cast import check_grad_amax_slot, tensor_abs_max
 from kernel_pytorch.ops.triton_utils import jit, tl
 
 __all__ = [
@@ -628,9 +628,7 @@ def gated_activation_packed(gate_up: Tensor, kind: str = "silu", gate_first: boo
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dim must be even (gate and up side by side), got shape "
                          f"{tuple(gate_up.shape)}")
-    if grad_amax_slot is not None and (grad_amax_slot.shape != (1,) or grad_amax_slot.dtype != torch.float32):
-        raise ValueError("grad_amax_slot must be the (1,) float32 slot float8_linear(..., grad_amax_slot=True) "
-                         f"returns, got {grad_amax_slot.dtype} {tuple(grad_amax_slot.shape)}")
+    check_grad_amax_slot(grad_amax_slot)
     y, amax = _gated_packed_op(gate_up, kind, bool(gate_first), bool(fp8_amax), grad_amax_slot)
     return (y, amax) if fp8_amax else y
 

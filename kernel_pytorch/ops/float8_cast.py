@@ -35,7 +35,8 @@ from torch import Tensor
 
 from kernel_pytorch.ops.triton_utils import device_guard, jit, launch, tl, triton, unused_pointer, use_triton
 
-__all__ = ["Float8Cast", "Amax", "abs_max", "tensor_abs_max", "cast", "EPS", "FLOAT8_DTYPES", "padded"]
+__all__ = ["Float8Cast", "Amax", "abs_max", "tensor_abs_max", "check_grad_amax_slot", "cast", "EPS", "FLOAT8_DTYPES",
+           "padded"]
 
 # Lower bound on amax, so scale = fp8_max / amax stays finite for all-zero tensors/rows (the value
 # torchao and PyTorch's own _scaled_mm tests use: fp8_max / 1e-12 ~ 4.5e14 is far inside fp32's range).
@@ -110,6 +111,15 @@ def abs_max(t: Tensor, tensorwise: bool, rows: bool = False, cols: bool = False)
             num_warps=8)
     tensor, row_max, col_max = maxima.split(sizes)
     return Amax(tensor=tensor if tensorwise else None, rows=row_max if rows else None, cols=col_max if cols else None)
+
+
+def check_grad_amax_slot(slot) -> None:
+    """A consumer's ``grad_amax_slot`` must be the (1,) fp32 slot ``float8_linear(..., grad_amax_slot=True)``
+    returns (or None): its gradient is the maximum the consumer's backward computes."""
+    if slot is not None and (not isinstance(slot, Tensor) or slot.shape != (1,) or slot.dtype != torch.float32):
+        got = f"{slot.dtype} {tuple(slot.shape)}" if isinstance(slot, Tensor) else type(slot).__name__
+        raise ValueError(f"grad_amax_slot must be the (1,) float32 slot float8_linear(..., grad_amax_slot=True) "
+                         f"returns, got {got}")
 
 
 def tensor_abs_max(t: Tensor) -> Tensor:

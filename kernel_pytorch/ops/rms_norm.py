@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from kernel_pytorch.ops import triton_utils as tu
-from kernel_pytorch.ops.float8_cast import tensor_abs_max
+from kernel_pytorch.ops.float8_cast import check_grad_amax_slot, tensor_abs_max
 from kernel_pytorch.ops.triton_utils import (grad_row_indices, jit, load_grad_rows, load_rows, row_indices,
                                              store_grad_rows, tl)
 
@@ -89,10 +89,12 @@ def _rms_norm_bwd_kernel(
     DX,  # (n_rows, n_cols) output in X's dtype (also the residual's gradient)
     DW_PARTIAL,  # (n_programs, n_cols) output in ACC: this program's sum of dy * normalized over its
                  # rows; written only if WEIGHT_GRAD, summed over programs by the launcher
+    DX_AMAX,  # (n_programs,) fp32 output: this program's max |dx| as stored; written only if FP8_AMAX
     stride_dy, stride_x, stride_dh, stride_dx,
     n_rows, n_cols, rows_per_program,
     HAS_WEIGHT: tl.constexpr, HAS_DH: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    FP8_AMAX: tl.constexpr,
 ):
     # n = x * rstd, g = dy * w:  dx = rstd * (g - n * mean(g * n)),  dw = sum over rows of dy * n
     pid = tl.program_id(0)
@@ -103,6 +105,7 @@ def _rms_norm_bwd_kernel(
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
     dw = tl.zeros((BLOCK_N,), ACC)
+    dx_max = tl.zeros((BLOCK_N,), tl.float32)  # per column, reduced once at the end
     rows, row_mask, mask = grad_row_indices(row_start, row_end, col_mask, ROWS)
     x, dy = load_grad_rows(X, DY, rows, cols, mask, stride_x, stride_dy, ACC)
     for start in range(row_start, row_end, ROWS):
@@ -121,10 +124,14 @@ def _rms_norm_bwd_kernel(
             else:
                 dw += tl.sum(dy * n, axis=0)
         dx = rstd[:, None] * (g - n * (tl.sum(g * n, axis=1) / n_cols)[:, None])
-        store_grad_rows(DX, DH, dx, rows, cols, mask, stride_dx, stride_dh, HAS_DH)
+        stored = store_grad_rows(DX, DH, dx, rows, cols, mask, stride_dx, stride_dh, HAS_DH)
+        if FP8_AMAX:  # masked rows and columns are 0 (x, dy, rstd and dh load as 0 there)
+            dx_max = tl.maximum(dx_max, tl.max(tl.abs(stored.to(tl.float32)), axis=0))
         rows, row_mask, mask, x, dy = next_rows, next_row_mask, next_mask, next_x, next_dy
     if WEIGHT_GRAD:
         tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
+    if FP8_AMAX:
+        tl.store(DX_AMAX + pid, tl.max(dx_max, axis=0))
 
 
 # -------------------------------------------------------------------------------------------- launches
@@ -165,9 +172,12 @@ def rms_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, residual: Optional[
 
 
 def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, dh: Optional[Tensor] = None,
-                 cast_before_weight: bool = False, weight_grad: bool = True, n_programs: Optional[int] = None):
+                 cast_before_weight: bool = False, weight_grad: bool = True, n_programs: Optional[int] = None,
+                 fp8_amax: bool = False):
     """Triton backward: ``(dx, dweight)``; ``x`` is the norm's input (``h`` when the residual was fused),
     ``dh`` the gradient of ``h``, added into ``dx``; dweight is None without a weight or ``weight_grad``.
+    With ``fp8_amax``, ``(dx, dweight, max |dx|)``: the (1,) fp32 maximum an FP8 linear whose output is
+    this norm's input would otherwise read dx for.
 
     Each of ``n_programs`` programs (default: sized from the SM count) takes a contiguous block of rows
     and writes its partial dweight to an (n_programs, hidden) fp32 buffer, summed by ``tu.sum_partials``.
@@ -179,7 +189,8 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, 
     weight_grad = weight_grad and weight is not None
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_rows == 0:
-        return dx, (torch.zeros_like(weight) if weight_grad else None)
+        dw = torch.zeros_like(weight) if weight_grad else None
+        return (dx, dw, tensor_abs_max(dx)) if fp8_amax else (dx, dw)  # the maximum of nothing: 0
     n_tiles = tu.triton.cdiv(n_rows, tile.rows)
     programs = n_programs or tu.reduction_programs(x.device, n_tiles, tile.num_warps)
     rows_per_program = tu.triton.cdiv(n_tiles, programs) * tile.rows
@@ -188,17 +199,19 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, 
     dx2 = dx.view(-1, hidden)
     partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if weight_grad else tu.unused_pointer(rstd)
     dh2 = tu.as_rows(dh) if dh is not None else tu.unused_pointer(x)
+    dx_amax = torch.empty(programs, dtype=torch.float32, device=x.device) if fp8_amax else tu.unused_pointer(rstd)
     with tu.device_guard(x):
         tu.launch(_rms_norm_bwd_kernel)[(programs,)](
             dy2, x2, weight.contiguous() if weight is not None else tu.unused_pointer(x), rstd.reshape(-1).contiguous(),
-            dh2, dx2, partial,
+            dh2, dx2, partial, dx_amax,
             dy2.stride(0), x2.stride(0), dh2.stride(0), dx2.stride(0),
             n_rows, hidden, rows_per_program,
             HAS_WEIGHT=weight is not None, HAS_DH=dh is not None, WEIGHT_GRAD=weight_grad,
             CAST_BEFORE_WEIGHT=cast_before_weight, ACC=tu.triton_acc_dtype(x.dtype),
-            BLOCK_N=tile.block_n, ROWS=tile.rows, num_warps=tile.num_warps,
+            BLOCK_N=tile.block_n, ROWS=tile.rows, FP8_AMAX=fp8_amax, num_warps=tile.num_warps,
         )
-    return dx, (tu.sum_partials(partial[:, None], (weight.dtype,))[0] if weight_grad else None)
+    dw = tu.sum_partials(partial[:, None], (weight.dtype,))[0] if weight_grad else None
+    return (dx, dw, dx_amax.amax().reshape(1)) if fp8_amax else (dx, dw)
 
 
 # ---------------------------------------------------------------------------------- native (non-Triton)
@@ -264,9 +277,11 @@ def _rms_norm_bwd_native(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: 
 
 @torch.library.triton_op("kernel_pytorch::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], eps: float,
-                 cast_before_weight: bool, fp8_amax: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 cast_before_weight: bool, fp8_amax: bool,
+                 grad_amax_slot: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # Returns (y, h, rstd, amax). A custom op's outputs cannot be optional: without a residual, h is an
-    # empty tensor that nothing reads, and so is amax without fp8_amax.
+    # empty tensor that nothing reads, and so is amax without fp8_amax. grad_amax_slot is not read: its
+    # gradient carries max |dx| (see _backward).
     triton = tu.use_triton(x, TRITON_FWD_MIN_ELEMENTS)
     forward = rms_norm_fwd if triton else _rms_norm_fwd_native
     y, h, rstd, amax = forward(x, weight, residual, eps, cast_before_weight, fp8_amax)
@@ -276,29 +291,37 @@ def _rms_norm_op(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor]
 
 @torch.library.triton_op("kernel_pytorch::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, dh: Optional[Tensor],
-                          cast_before_weight: bool, weight_grad: bool) -> tuple[Tensor, Tensor]:
-    # Returns (dx, dweight); dweight is empty when not asked for.
+                          cast_before_weight: bool, weight_grad: bool, fp8_amax: bool) -> tuple[Tensor, Tensor, Tensor]:
+    # Returns (dx, dweight, max |dx|); dweight is empty when not asked for, and so is the maximum.
     triton = tu.use_triton(x, TRITON_BWD_MIN_ELEMENTS) and x.shape[-1] >= TRITON_BWD_MIN_HIDDEN
-    backward = rms_norm_bwd if triton else _rms_norm_bwd_native
-    dx, dw = backward(dy, x, weight, rstd, dh, cast_before_weight, weight_grad)
-    return dx, (dw if dw is not None else x.new_empty(0))
+    if triton:
+        dx, dw, *amax = rms_norm_bwd(dy, x, weight, rstd, dh, cast_before_weight, weight_grad, fp8_amax=fp8_amax)
+    else:
+        dx, dw = _rms_norm_bwd_native(dy, x, weight, rstd, dh, cast_before_weight, weight_grad)
+        amax = [tensor_abs_max(dx)] if fp8_amax else []
+    return dx, (dw if dw is not None else x.new_empty(0)), (amax[0] if amax else x.new_empty(0, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, residual, _eps, cast_before_weight, _fp8_amax = inputs
+    x, weight, residual, _eps, cast_before_weight, _fp8_amax, grad_amax_slot = inputs
     _y, h, rstd, amax = output
     ctx.has_residual = residual is not None
     ctx.cast_before_weight = cast_before_weight
+    ctx.grad_amax = grad_amax_slot is not None
     ctx.mark_non_differentiable(amax)
     ctx.save_for_backward(h if residual is not None else x, weight, rstd)
 
 
 def _backward(ctx, dy, dh, _drstd, _damax):
+    """dx (for x, and for the residual when fused); and, where ``grad_amax_slot`` was given, ``max |dx|`` as
+    the slot's "gradient": how the FP8 linear whose output is x (``float8_linear(..., grad_amax_slot=True)``)
+    receives its output gradient's maximum from this kernel instead of reading dx again."""
     x, weight, rstd = ctx.saved_tensors
     weight_grad = weight is not None and ctx.needs_input_grad[1]
-    dx, dw = _rms_norm_backward_op(dy, x, weight, rstd, dh if ctx.has_residual else None,
-                                   ctx.cast_before_weight, weight_grad)
-    return dx, (dw if weight_grad else None), (dx if ctx.has_residual else None), None, None, None
+    dx, dw, amax = _rms_norm_backward_op(dy, x, weight, rstd, dh if ctx.has_residual else None,
+                                         ctx.cast_before_weight, weight_grad, ctx.grad_amax)
+    return (dx, (dw if weight_grad else None), (dx if ctx.has_residual else None), None, None, None,
+            (amax if ctx.grad_amax else None))
 
 
 _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -307,7 +330,7 @@ _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------------------------------- public API
 
 def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, residual: Optional[Tensor] = None,
-             *, cast_before_weight: bool = False, fp8_amax: bool = False):
+             *, cast_before_weight: bool = False, fp8_amax: bool = False, grad_amax_slot: Optional[Tensor] = None):
     """RMSNorm over the last axis; with ``residual``, the fused add + norm returning ``(normed, x + residual)``.
 
     Statistics in fp32, output in ``x``'s dtype; ``cast_before_weight=True`` rounds the normalized value
@@ -315,6 +338,9 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, resi
     (``F.rms_norm``). Differentiable, and traceable by ``torch.compile(fullgraph=True)``.
     ``fp8_amax=True`` also returns ``max |normed|`` (a (1,) fp32 tensor, last), computed by the norm's
     own kernel: what :func:`~kernel_pytorch.ops.float8_linear.float8_linear` takes as ``x_amax``.
+    ``grad_amax_slot``: the slot ``float8_linear(..., grad_amax_slot=True)`` returned with x (or with the
+    residual, whose gradient is the same); the backward computes ``max |dx|`` in its kernel and hands it to
+    that linear's backward through it.
 
     >>> x, r, w = torch.randn(2, 8, 64), torch.randn(2, 8, 64), torch.ones(64)
     >>> y = rms_norm(x, w)
@@ -322,7 +348,9 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, resi
     >>> y, amax = rms_norm(x, w, fp8_amax=True)  # amax == y.abs().amax()
     """
     _check_arguments(x, weight, residual)
-    y, h, _, amax = _rms_norm_op(x, weight, residual, float(eps), bool(cast_before_weight), bool(fp8_amax))
+    check_grad_amax_slot(grad_amax_slot)
+    y, h, _, amax = _rms_norm_op(x, weight, residual, float(eps), bool(cast_before_weight), bool(fp8_amax),
+                                 grad_amax_slot)
     outputs = (y, h) if residual is not None else (y,)
     outputs += (amax,) if fp8_amax else ()
     return outputs if len(outputs) > 1 else y

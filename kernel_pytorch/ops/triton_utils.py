@@ -131,10 +131,13 @@ def store_grad_rows(
     DH,  # (n_rows, n_cols) gradient of the fused residual sum, added to dx; read only if HAS_DH
     dx, rows, cols, mask, stride_dx, stride_dh, HAS_DH: tl.constexpr,
 ):
-    """The backward norm kernels' per-tile end: dx (plus the residual sum's gradient) stored."""
+    """The backward norm kernels' per-tile end: dx (plus the residual sum's gradient) stored; returns the
+    tile as stored (rounded to DX's dtype; 0 where masked)."""
     if HAS_DH:
         dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(dx.dtype)
-    tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    stored = dx.to(DX.dtype.element_ty)
+    tl.store(DX + rows[:, None] * stride_dx + cols[None, :], stored, mask=mask)
+    return stored
 
 
 # Device types whose tensors go to the Triton kernels (ROCm tensors are "cuda" too); everything else

@@ -29,9 +29,9 @@ in fp32 (any device; for testing, no speedup). The report gives each decision wi
 Quantization fused into the producer: where a converted linear's input comes straight from an RMSNorm or
 gated-activation kernel (tensorwise recipe), that kernel computes the input's maximum and the FP8 linear
 does not read its input for it (:mod:`kernel_pytorch.passes.fp8_input_amax`); ``fp8="auto"`` then times
-the FP8 side without that reduction. In training, where a converted gate/up projection feeds only a packed
-gated activation, the activation's backward computes the maximum of the projection's output gradient
-(:mod:`kernel_pytorch.passes.fp8_grad_amax`), and ``fp8="auto"`` times that too.
+the FP8 side without that reduction. In training, where a converted linear feeds only a packed gated activation
+(gate/up) or an RMSNorm (o_proj, down_proj), that kernel's backward computes the maximum of the linear's
+output gradient (:mod:`kernel_pytorch.passes.fp8_grad_amax`), and ``fp8="auto"`` times that too.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from torch.fx import Node
 from kernel_pytorch.float8_conversion import PASS_NAME, measured_decision
 from kernel_pytorch.ops.float8_linear import FP8_ALIGNMENT, float8_dtypes_for, float8_linear
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
-from kernel_pytorch.passes.fp8_grad_amax import grad_amax_consumer, wire_grad_amax
+from kernel_pytorch.passes.fp8_grad_amax import consumer_name, grad_amax_consumer, wire_grad_amax
 from kernel_pytorch.passes.fp8_input_amax import amax_producer, producer_amax
 from kernel_pytorch.passes.graph_utils import FUSED_LINEARS, erase_unused, gemm_rows, module_path_of, set_example_value
 from kernel_pytorch.passes.normalize import is_call
@@ -102,7 +102,7 @@ class Float8LinearPass(GraphPass):
         _replace(gm, node, ctx, fuse_input_amax=producer is not None, consumer=consumer)
         fused = f"; its input's maximum from the {producer} kernel" if producer else ""
         if consumer is not None:
-            fused += "; its gradient's maximum from the gated activation's backward kernel"
+            fused += f"; its gradient's maximum from the {consumer_name(consumer)} backward kernel"
         result.rewrite(location, f"{names + ' ' if names else ''}-> float8_linear ({ctx.config.fp8_recipe}): "
                                  f"{reason}{fused}")
 
