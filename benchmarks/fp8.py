@@ -326,11 +326,11 @@ def model_step(quick: bool, runs: int) -> dict:
 def _producer_step(case: str, m: int, k: int, n: int, fp8: str | None) -> Callable[[], object]:
     """Forward + backward of producer -> linear; ``fp8``: None (bf16 F.linear), "cast" (float8_linear reads
     x for its maximum) or "producer" (the producer's kernel computes it)."""
+    if case == "gate/up -> swiglu":
+        return _consumer_step(m, k, n, fp8)
     from kernel_pytorch.ops import gated_activation_packed, rms_norm
     from kernel_pytorch.ops.float8_linear import float8_linear
 
-    if case == "gate/up -> swiglu":
-        return _consumer_step(m, k, n, fp8)
     source = _randn(m, 2 * k if case.startswith("swiglu") else k, grad=True)
     norm_weight = _randn(k, grad=True) if case.startswith("rms_norm") else None
     weight, dy = _randn(n, k, scale=k ** -0.5, grad=True), _randn(m, n)
