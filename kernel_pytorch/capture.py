@@ -28,7 +28,7 @@ import torch.utils.checkpoint
 from kernel_pytorch.compile_skip import attention_only
 from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.errors import PassError
-from kernel_pytorch.float8_conversion import judging_config
+from kernel_pytorch.float8_conversion import cuda_graphs_note, judging_config
 from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
 from kernel_pytorch.passes.graph_utils import (block_of, calls_per_block, checkpointed_subgraphs, clone_graph_module,
@@ -336,7 +336,11 @@ class GraphOptimizer:
                                                   ops_before=before.get(block, 0), ops_after=after.get(block, 0)))
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str) -> Callable[..., Any]:
-        if self.compiler.name == "inductor" and not self.compiler.uses_cuda_graphs and attention_only(gm):
+        without_graphs = self.compiler.name == "inductor" and not self.compiler.uses_cuda_graphs
+        note = cuda_graphs_note(gm, self.training, without_graphs)
+        if note is not None and note not in self.report.notes:
+            self.report.notes.append(note)
+        if without_graphs and attention_only(gm):
             self.report.notes.append(f"{name}: run eagerly, not by Inductor: its only compute is fused attention, "
                                      "which Inductor would call as it is (this saves its wrapper's host time)")
             return gm.forward

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 import torch
+import torch.fx
 from torch import nn
 
 from kernel_pytorch.ops.float8_cast import tensor_abs_max
@@ -63,7 +64,7 @@ from kernel_pytorch.timing import PER_CALL, Timings, fastest_cuda_graph_ms, fast
 from kernel_pytorch.verify import call_arguments
 
 __all__ = ["Float8Plan", "LayerDecision", "convert_to_float8", "linear_targets", "measured_decision",
-           "judging_config", "PASS_NAME", "MIN_SPEEDUP", "FilterFn"]
+           "judging_config", "cuda_graphs_note", "CUDA_GRAPHS_NOTE", "PASS_NAME", "MIN_SPEEDUP", "FilterFn"]
 
 FilterFn = Callable[[nn.Module, str], bool]
 # FP8 must beat the layer's own dtype by this factor to be chosen: the timing noise of a warm GPU on
@@ -322,3 +323,23 @@ def judging_config(config, rewriting_passes: Iterable[str]):
     if PASS_NAME not in set(rewriting_passes):
         return config
     return config.model_copy(update={"tolerances": {name: config.fp8_tolerance for name in config.tolerances}})
+
+
+# H100, benchmarks/e2e.py, the Llama-style training step with fp8="auto", two runs: 63.8 / 68.1 ms through
+# Inductor's default mode (a wide spread: host-bound), 59.7 / 60.4 ms with compile="reduce-overhead"; bf16
+# 67.0 / 67.5 ms and 68.4 / 68.5 ms. Not the default: CUDA graphs overwrite a step's outputs at the next step,
+# which breaks code that keeps them (results/e2e.json).
+CUDA_GRAPHS_NOTE = ("FP8 matmuls add short cast kernels whose launches leave the GPU idle in between; "
+                    "compile='reduce-overhead' (CUDA graphs) removes that: H100, Llama-style training step with "
+                    "fp8='auto', 59.7-60.4 ms against 63.8-68.1 ms in the default mode")
+
+
+def cuda_graphs_note(gm: torch.fx.GraphModule, training: bool, inductor_without_graphs: bool) -> str | None:
+    """:data:`CUDA_GRAPHS_NOTE` for a training graph that runs FP8 matmuls (not emulated) through Inductor
+    without CUDA graphs, else None."""
+    if not (training and inductor_without_graphs):
+        return None
+    graphs = [m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]  # checkpointed regions too
+    runs_fp8 = any(n.op == "call_function" and n.target is float8_linear and not n.kwargs.get("emulate", False)
+                   for graph in graphs for n in graph.nodes)
+    return CUDA_GRAPHS_NOTE if runs_fp8 else None

@@ -302,3 +302,21 @@ def test_fused_llama_layers_name_the_kernel_that_finds_their_input_maximum():
     for name in ("layers.0.attn.o_proj", "layers.0.mlp.down_proj", "layers.1.mlp.down_proj"):
         assert "gradient's maximum from the rms_norm backward" in rewrites[name], (name, rewrites)
     assert "gradient's maximum" not in rewrites["layers.0.attn"]
+
+
+def _graph_calling(kwargs: dict) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    graph.output(graph.call_function(float8_linear, (x, w, None), kwargs))
+    return torch.fx.GraphModule(nn.Module(), graph)
+
+
+def test_cuda_graphs_note_is_for_training_fp8_graphs_without_cuda_graphs():
+    real, emulated = _graph_calling({"emulate": False}), _graph_calling({"emulate": True})
+    assert FC.cuda_graphs_note(real, training=True, inductor_without_graphs=True) == FC.CUDA_GRAPHS_NOTE
+    assert FC.cuda_graphs_note(real, training=False, inductor_without_graphs=True) is None
+    assert FC.cuda_graphs_note(real, training=True, inductor_without_graphs=False) is None
+    assert FC.cuda_graphs_note(emulated, training=True, inductor_without_graphs=True) is None
+    outer = torch.fx.GraphModule(nn.Module(), torch.fx.Graph())  # an FP8 call inside a checkpointed region
+    outer.add_submodule("region", real)
+    assert FC.cuda_graphs_note(outer, training=True, inductor_without_graphs=True) == FC.CUDA_GRAPHS_NOTE
