@@ -208,6 +208,7 @@ def test_gpu_optimize_fp8_true(recipe):
     report = kernel_pytorch.report_of(optimized)
     assert report.verification.passed, report.verification
     assert sum(r.pass_name == "fp8" for r in report.rewrites) == 14, report.skipped  # 256 tokens: no q/k/v fusion
+    assert FC.CUDA_GRAPHS_NOTE in report.notes  # trained through Inductor's default mode
     optimized(tokens).float().logsumexp(-1).mean().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in optimized.parameters())
 
