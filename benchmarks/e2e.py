@@ -35,9 +35,10 @@ Each (model, part, provider) builds a fresh model (same seed), applies the provi
 ``harness.measure`` (CUDA events, L2 flushed before each call). ``peak_gib`` is
 ``torch.cuda.max_memory_allocated`` over the timed steps (parameters, gradients and optimizer state
 included), ``reserved_gib`` what the allocator held (the only figure that counts the memory of CUDA graphs,
-recorded before the timed steps, in the ``reduce-overhead`` providers); ``setup_peak_gib`` the peak while the provider was set up (optimize's verification runs the model
-as written). An error (out of memory, a compile failure) is recorded for that case and the run goes on;
-between cases everything is released (gc, ``torch._dynamo.reset()``, ``empty_cache``, peak statistics).
+recorded before the timed steps, in the ``reduce-overhead`` providers); ``setup_peak_gib`` the peak while the
+provider was set up (optimize's verification runs the model as written). An error (out of memory, a compile
+failure) is recorded for that case and the run goes on; between cases everything is released (gc,
+``torch._dynamo.reset()``, ``empty_cache``, peak statistics).
 
 Issue 9's targets (the absolute ones at full size only): Llama-style train step <= 75 ms in bf16 and <= 65 ms
 with FP8, inference <= 22 ms, train peak <= 13.2 GiB (transformers + SDPA + compile); and each transformers

@@ -81,9 +81,9 @@ def attended_flops(length: int, batch: int, backward: bool) -> float:
 
 
 def _inputs(length: int) -> tuple[torch.Tensor, ...]:
-    batch = TOKENS // length
-    make = lambda: torch.randn(batch, HEADS, length, HEAD_DIM, device="cuda", dtype=DTYPE, requires_grad=True)  # noqa: E731
-    return make(), make(), make(), torch.randn(batch, HEADS, length, HEAD_DIM, device="cuda", dtype=DTYPE)
+    shape = (TOKENS // length, HEADS, length, HEAD_DIM)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=DTYPE, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.randn(shape, device="cuda", dtype=DTYPE)
 
 
 def _flex_step(inputs, block_mask, options: dict, backward: bool):
