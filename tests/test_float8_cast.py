@@ -169,6 +169,18 @@ def test_reference_formulas():
         FC.abs_max(t[0], True)
 
 
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels are not JITFunctions: launch() has its own path")
+@pytest.mark.skipif(not tu.HAS_TRITON, reason="Triton is not installed: no kernels to launch")
+def test_launch_skips_the_tracing_wrapper_where_triton_op_bodies_run_eagerly():
+    from torch._higher_order_ops.triton_kernel_wrap import TraceableTritonKernelWrapper
+    from torch._library.triton import set_wrap_triton_enabled
+
+    kernel = FC._cast_kernel
+    assert isinstance(tu.launch(kernel), TraceableTritonKernelWrapper)  # tracing: Inductor sees the kernel
+    with set_wrap_triton_enabled(False):  # what a triton_op body runs under eagerly
+        assert tu.launch(kernel) is kernel
+
+
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_* tests itself")
 @pytest.mark.skipif(not tu.HAS_TRITON, reason="Triton is not installed: no kernels to interpret")
 def test_triton_kernels_in_a_subprocess():
