@@ -52,12 +52,14 @@ def capture_graph(module: torch.nn.Module, inputs: tuple, dynamic: bool = False)
     return box["gm"], box["inputs"]
 
 
-def assert_same_values_and_gradients(model: torch.nn.Module, reference: torch.nn.Module, x: torch.Tensor) -> None:
+def assert_same_values_and_gradients(model: torch.nn.Module, reference: torch.nn.Module, x: torch.Tensor,
+                                     *constants: torch.Tensor) -> None:
     """``model`` (rewritten) and ``reference`` (the original) agree on fresh input ``x`` in fp32: outputs
-    within 1e-5, input and parameter gradients within 1e-4 (relative norm)."""
+    within 1e-5, input and parameter gradients within 1e-4 (relative norm). ``constants`` (RoPE tables, a
+    mask) follow ``x`` in both calls and take no gradient."""
     x = x.detach().requires_grad_()
     x_ref = x.detach().clone().requires_grad_()
-    out, expected = model(x), reference(x_ref)
+    out, expected = model(x, *constants), reference(x_ref, *constants)
     assert rel_err(out, expected) < 1e-5
     grad = torch.randn_like(out)
     out.backward(grad)

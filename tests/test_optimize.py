@@ -11,7 +11,7 @@ import kernel_pytorch
 from kernel_pytorch import OptimizeConfig, optimize, report_of
 from kernel_pytorch.testing import LlamaStyleBlock, LlamaStyleConfig, rotary_tables
 
-from .conftest import rel_err, twin
+from .conftest import assert_same_values_and_gradients, rel_err, twin
 
 
 def tokens(batch=2, seq=11, vocab=97):
@@ -35,16 +35,8 @@ def test_block_outputs_and_gradients_equal_in_fp32():
     example = (torch.randn(2, 13, config.dim), cos[:13], sin[:13], mask)
     optimize(block, example_inputs=example)
 
-    x = torch.randn(3, 13, config.dim, requires_grad=True)  # fresh inputs, another batch size
-    x_ref = x.detach().clone().requires_grad_()
-    out, out_ref = block(x, cos[:13], sin[:13], mask), reference(x_ref, cos[:13], sin[:13], mask)
-    assert rel_err(out, out_ref) < 1e-5
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    out_ref.backward(grad_out)
-    assert rel_err(x.grad, x_ref.grad) < 1e-4
-    for (name, p), p_ref in zip(block.named_parameters(), reference.parameters()):
-        assert rel_err(p.grad, p_ref.grad) < 1e-4, name
+    # fresh inputs, another batch size
+    assert_same_values_and_gradients(block, reference, torch.randn(3, 13, config.dim), cos[:13], sin[:13], mask)
     report = report_of(block)
     assert report.mode == "training" and report.graphs >= 1
     assert report.verification is not None and report.verification.passed
