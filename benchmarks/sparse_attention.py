@@ -87,6 +87,11 @@ class BufferMaskAttention(nn.Module):
         return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
+def window_mask_mod(b, h, q_idx, kv_idx):
+    """The causal window as a FlexAttention ``mask_mod``: what a hand-tuned FlexAttention user writes."""
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
+
+
 def window_allowed(length: int, device) -> torch.Tensor:
     i = torch.arange(length, device=device)
     return (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < WINDOW)
@@ -103,9 +108,8 @@ def block_sparse_allowed(length: int, density: float, device) -> torch.Tensor:
 def _flex_direct(allowed: torch.Tensor, length: int):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    if allowed is None:  # the window as a mask_mod: what a hand-tuned FlexAttention user writes
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
+    if allowed is None:
+        mask_mod = window_mask_mod
     else:
         def mask_mod(b, h, q_idx, kv_idx):
             return allowed[q_idx, kv_idx]

@@ -25,18 +25,17 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import RESULTS_DIR, measure_gpu_time, write_result  # noqa: E402
+from benchmarks.sparse_attention import HEAD_DIM, HEADS, TOKENS, WINDOW, _dense, window_mask_mod  # noqa: E402
 
 __all__ = ["FORWARD_OPTIONS", "BACKWARD_OPTIONS", "sweep", "main"]
 
 DTYPE = torch.bfloat16
 MATCH_TOLERANCE = 1e-2  # largest |candidate - default| accepted, bf16 outputs of unit-variance inputs
-WINDOW, HEADS, HEAD_DIM, TOKENS = 1024, 16, 128, 16384
 
 # Forward candidates around the H100 default (128, 64, 3 stages, 8 warps); shared memory bounds the rest.
 FORWARD_OPTIONS: dict[str, dict] = {
@@ -70,13 +69,10 @@ BACKWARD_OPTIONS: dict[str, dict] = {
 }
 
 
-def _window_mask(b, h, q_idx, kv_idx):
-    return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
-
-
-def attended_flops(length: int, batch: int, backward: bool) -> float:
-    """Multiply-adds of the attended (query, key) pairs: 4 E per pair forward, 2.5x that forward+backward."""
-    pairs = sum(min(i + 1, WINDOW) for i in range(length))
+def attention_flops(length: int, batch: int, window: int, backward: bool) -> float:
+    """Multiply-adds of the attended (query, key) pairs of a causal ``window`` (``length``: dense causal):
+    4 E per pair forward, 3.5x that forward+backward."""
+    pairs = sum(min(i + 1, window) for i in range(length))
     return 4 * HEAD_DIM * pairs * batch * HEADS * (3.5 if backward else 1.0)
 
 
@@ -86,24 +82,17 @@ def _inputs(length: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, torch.randn(shape, device="cuda", dtype=DTYPE)
 
 
-def _flex_step(inputs, block_mask, options: dict, backward: bool):
+def _step(attention, inputs, backward: bool):
+    """One call of ``attention(q, k, v)``: its output, or forward + backward and the gradients."""
     q, k, v, dout = inputs
-    compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, kernel_options=options),
-                             dynamic=False, fullgraph=True)
     if backward:
-        return lambda: torch.autograd.grad(compiled(q, k, v), (q, k, v), dout)
-    return lambda: compiled(q, k, v)
+        return lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), dout)
+    return lambda: attention(q, k, v)
 
 
-def _cudnn_step(inputs, backward: bool):
-    q, k, v, dout = inputs
-
-    def forward():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if backward:
-        return lambda: torch.autograd.grad(forward(), (q, k, v), dout)
-    return forward
+def _flex(block_mask, options: dict):
+    return torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, kernel_options=options),
+                         dynamic=False, fullgraph=True)
 
 
 def _first(result):
@@ -112,10 +101,10 @@ def _first(result):
 
 def _case(length: int, backward: bool) -> dict:
     inputs = _inputs(length)
-    block_mask = create_block_mask(_window_mask, None, None, length, length, device="cuda")
-    flops = attended_flops(length, TOKENS // length, backward)
-    dense_flops = 4 * HEAD_DIM * (length * (length + 1) // 2) * (TOKENS // length) * HEADS * (3.5 if backward else 1.0)
-    cudnn_ms = measure_gpu_time(_cudnn_step(inputs, backward))
+    block_mask = create_block_mask(window_mask_mod, None, None, length, length, device="cuda")
+    flops = attention_flops(length, TOKENS // length, WINDOW, backward)
+    dense_flops = attention_flops(length, TOKENS // length, length, backward)
+    cudnn_ms = measure_gpu_time(_step(_dense(SDPBackend.CUDNN_ATTENTION), inputs, backward))
     row = {"length": length, "direction": "fwd+bwd" if backward else "fwd",
            "cudnn_causal": {"ms": round(cudnn_ms, 4), "tflops": round(dense_flops / cudnn_ms / 1e9, 1)},
            "candidates": {}}
@@ -123,7 +112,7 @@ def _case(length: int, backward: bool) -> dict:
     for name, options in (BACKWARD_OPTIONS if backward else FORWARD_OPTIONS).items():
         result: dict = {"options": options}
         try:
-            step = _flex_step(inputs, block_mask, options, backward)
+            step = _step(_flex(block_mask, options), inputs, backward)
             out = _first(step()).float()
             reference = out if reference is None else reference
             diff = float((out - reference).abs().max())
