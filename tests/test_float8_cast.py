@@ -174,11 +174,18 @@ def test_reference_formulas():
 def test_launch_skips_the_tracing_wrapper_where_triton_op_bodies_run_eagerly():
     from torch._higher_order_ops.triton_kernel_wrap import TraceableTritonKernelWrapper
     from torch._library.triton import set_wrap_triton_enabled
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Tracing(TorchDispatchMode):  # stands where make_fx / AOT autograd's modes stand
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
 
     kernel = FC._cast_kernel
-    assert isinstance(tu.launch(kernel), TraceableTritonKernelWrapper)  # tracing: Inductor sees the kernel
-    with set_wrap_triton_enabled(False):  # what a triton_op body runs under eagerly
-        assert tu.launch(kernel) is kernel
+    with Tracing():
+        assert isinstance(tu.launch(kernel), TraceableTritonKernelWrapper)  # Inductor sees the kernel
+        with set_wrap_triton_enabled(False):  # what a triton_op body runs under eagerly
+            assert tu.launch(kernel) is kernel
+    assert tu.launch(kernel) is kernel  # plain eager: an op body called through its autograd.Function
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_* tests itself")

@@ -15,6 +15,7 @@ import importlib
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .triton_interpreter import INTERPRETED, cuda_device
 
@@ -173,6 +174,63 @@ def test_training_reduces_loss():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that only forwards each op: what selective checkpointing or a FLOP counter installs."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _autograd_nodes(t: torch.Tensor) -> set[str]:
+    """The class names of every node in ``t``'s autograd graph."""
+    names, stack = set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and type(node).__name__ not in names:
+            names.add(type(node).__name__)
+            stack.extend(n for n, _ in node.next_functions)
+    return names
+
+
+def _forward_backward(fp8: nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    xi = x.clone().requires_grad_()
+    y = fp8(xi)
+    return (y, *torch.autograd.grad(y, (xi, *fp8.parameters()), dy))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_plain_eager_calls_skip_the_op_dispatch_with_identical_results(recipe):
+    """Eagerly, with nothing watching the dispatch, Float8Linear runs its body through an autograd.Function
+    (host time: triton_utils.plain_eager); under a dispatch mode it calls the torch.library op. Both give
+    the same bits, forward and backward."""
+    _, fp8 = make(torch.bfloat16, recipe)
+    x, dy = torch.randn(3, 24, 256, dtype=torch.bfloat16), torch.randn(3, 24, 128, dtype=torch.bfloat16)
+    eager = _forward_backward(fp8, x, dy)
+    with _PassThrough():
+        assert not tu.plain_eager(x)
+        dispatched = _forward_backward(fp8, x, dy)
+    assert "_Float8LinearFunctionBackward" in _autograd_nodes(eager[0])
+    assert "_Float8LinearFunctionBackward" not in _autograd_nodes(dispatched[0])
+    for a, b in zip(eager, dispatched):
+        assert torch.equal(a, b)
+
+
+def test_plain_eager_conditions():
+    x = torch.randn(4, 4)
+    assert tu.plain_eager(x, nn.Parameter(x), None)
+    assert not tu.plain_eager(x, x.as_subclass(_Subclass))
+    seen = []
+    torch.vmap(lambda t: seen.append(tu.plain_eager(t)) or t)(x)
+    assert seen == [False]
+    with _PassThrough():
+        assert not tu.plain_eager(x)
+    assert torch.compile(lambda t: t + tu.plain_eager(t), backend="eager", fullgraph=True)(x).equal(x)
+
+
+class _Subclass(torch.Tensor):
+    pass
 
 
 def test_opcheck():

@@ -51,6 +51,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from kernel_pytorch.ops.float8_cast import EPS, FLOAT8_DTYPES, Amax, abs_max, cast
+from kernel_pytorch.ops.triton_utils import plain_eager
 
 __all__ = ["Float8Linear", "float8_linear", "float8_eligible", "float8_hardware_reason", "float8_dtypes_for",
            "quantize", "float8_mm_fwd", "float8_mm_bwd",
@@ -206,8 +207,7 @@ def float8_mm_bwd(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, weight: Tensor
 # backward on an H100 against 0.04 ms of GPU time at 1024^3 (benchmarks/results/fp8.json; bf16: 0.08 ms),
 # which made an FP8 model host-bound. Fake tensors: the same bodies, traced (no launch, nothing read).
 
-@torch.library.triton_op("kernel_pytorch::float8_linear", mutates_args=())
-def _float8_linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], x_amax: Optional[Tensor], recipe: str,
+def _float8_linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], x_amax: Optional[Tensor], recipe: str,
                       emulate: bool, forward_dtype: torch.dtype, backward_dtype: torch.dtype,
                       weight_grad: bool, grad_amax_slot: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     out, x_t, x_t_inv, w_col_amax = float8_mm_fwd(x, weight, bias, recipe, emulate, forward_dtype, weight_grad,
@@ -220,14 +220,19 @@ def _float8_linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], x_amax:
     return out, x_t.view(torch.uint8), x_t_inv, w_col_amax, slot
 
 
-@torch.library.triton_op("kernel_pytorch::float8_linear_backward", mutates_args=())
-def _float8_linear_backward_op(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, weight: Tensor, w_col_amax: Tensor,
+def _float8_linear_backward(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, weight: Tensor, w_col_amax: Tensor,
                                recipe: str, emulate: bool, forward_dtype: torch.dtype, backward_dtype: torch.dtype,
                                input_grad: bool, weight_grad: bool, grad_out_amax: Optional[Tensor]) -> list[Tensor]:
     gi, gw = float8_mm_bwd(grad_out, x_t.view(forward_dtype), x_t_inv, weight, w_col_amax, recipe, emulate, forward_dtype,
                            backward_dtype, input_grad, weight_grad, grad_out_amax)
     # An op cannot return None: an unneeded gradient comes back as an empty tensor.
     return [gi if gi is not None else grad_out.new_empty(0), gw if gw is not None else weight.new_empty(0)]
+
+
+_float8_linear_op = torch.library.triton_op("kernel_pytorch::float8_linear", _float8_linear_forward,
+                                            mutates_args=())
+_float8_linear_backward_op = torch.library.triton_op("kernel_pytorch::float8_linear_backward",
+                                                     _float8_linear_backward, mutates_args=())
 
 
 def _setup_context(ctx, inputs, output):
@@ -253,7 +258,8 @@ def _backward(ctx, grad_out, _grad_x_t, _grad_x_t_inv, _grad_w_col_amax, grad_ou
     grad_out = grad_out.contiguous()
     gi = gw = gb = None
     if need_x or need_w:
-        gi, gw = _float8_linear_backward_op(grad_out, x_t, x_t_inv, weight, w_col_amax, recipe, emulate,
+        backward = _float8_linear_backward if plain_eager(grad_out, weight) else _float8_linear_backward_op
+        gi, gw = backward(grad_out, x_t, x_t_inv, weight, w_col_amax, recipe, emulate,
                                             forward_dtype, backward_dtype, need_x, need_w, grad_out_amax)
         gi, gw = (gi if need_x else None), (gw if need_w else None)
     if need_b:
@@ -262,6 +268,23 @@ def _backward(ctx, grad_out, _grad_x_t, _grad_x_t_inv, _grad_w_col_amax, grad_ou
 
 
 _float8_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _Float8LinearFunction(torch.autograd.Function):
+    """The op's body and autograd formula without its dispatch, for plain eager calls
+    (:func:`~kernel_pytorch.ops.triton_utils.plain_eager`): the same kernels, numerics and saved tensors.
+    The op's Python dispatch, forward and backward, was host time the GPU waited for on the per-call path:
+    at 8192^3 the step's kernels take 2.73 ms on an H100 but a call took 3.20-3.35 ms."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        # ctx-taking forward, not a setup_context staticmethod: with one, Function.apply binds the arguments
+        # through inspect.signature on every call (~100 us of the forward's host time on the development CPU).
+        output = _float8_linear_forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_backward)
 
 
 # ----------------------------------------------------------------------------------- functional/module
@@ -293,8 +316,11 @@ def float8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, reci
         raise ValueError("grad_amax_slot (the gradient's maximum from its consumer) is for the tensorwise recipe: "
                          "rowwise scales need the maxima of the gradient's rows and columns")
     weight_grad = torch.is_grad_enabled() and weight.requires_grad
-    out, *_, slot = _float8_linear_op(x2, weight, bias, x_amax, recipe, emulate, forward_dtype, backward_dtype,
-                                      weight_grad, bool(grad_amax_slot))
+    args = (x2, weight, bias, x_amax, recipe, emulate, forward_dtype, backward_dtype, weight_grad, bool(grad_amax_slot))
+    if plain_eager(x2, weight, bias, x_amax):
+        out, *_, slot = _Float8LinearFunction.apply(*args)
+    else:
+        out, *_, slot = _float8_linear_op(*args)
     out = out.reshape(*lead, weight.shape[0])
     return (out, slot) if grad_amax_slot else out
 
