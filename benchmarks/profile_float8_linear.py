@@ -61,7 +61,7 @@ def host_table(size: int) -> str:
     for recipe in ("tensorwise", "rowwise"):
         layers[f"Float8Linear {recipe} (autograd.Function)"] = Float8Linear.from_linear(linear, recipe=recipe)
         layers[f"Float8Linear {recipe} (torch.library op)"] = lambda t, recipe=recipe: F8._float8_linear_op(
-            t, linear.weight, None, None, recipe, False, torch.float8_e4m3fn, torch.float8_e5m2, True, False)[0]
+            t, linear.weight, None, None, recipe, False, torch.float8_e4m3fn, torch.float8_e5m2, True, True, False)[0]
     lines = [f"== host time per call, M = K = N = {size} (us)", f"{'':<48}{'forward':>10}{'fwd + bwd':>12}"]
     for name, layer in layers.items():
         forward = _host_us(lambda: layer(x))

@@ -238,19 +238,24 @@ def test_opcheck():
     w = torch.randn(32, 64, requires_grad=True)
     b = torch.randn(32, requires_grad=True)
     x_amax = x.detach().abs().amax().reshape(1)
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     for recipe in RECIPES:
         torch.library.opcheck(torch.ops.kernel_pytorch.float8_linear.default,
-                              (x, w, b, None, recipe, True, torch.float8_e4m3fn, torch.float8_e5m2, True, False))
-        _, x_t, x_t_inv, w_amax, _ = torch.ops.kernel_pytorch.float8_linear(
-            x.detach(), w.detach(), None, None, recipe, True, torch.float8_e4m3fn, torch.float8_e5m2, True, False)
+                              (x, w, b, None, recipe, True, *fp8, True, True, False))
+        _, x_t, x_t_inv, w_t, w_t_inv, _ = torch.ops.kernel_pytorch.float8_linear(
+            x.detach(), w.detach(), None, None, recipe, True, *fp8, True, True, False)
         dy = torch.randn(20, 32)
         dy_amax = dy.abs().amax().reshape(1) if recipe == "tensorwise" else None
         for need_x, need_w in ((True, False), (False, True), (True, True)):
             torch.library.opcheck(torch.ops.kernel_pytorch.float8_linear_backward.default,
-                                  (dy, x_t, x_t_inv, w.detach(), w_amax, recipe, True,
-                                   torch.float8_e4m3fn, torch.float8_e5m2, need_x, need_w, dy_amax))
+                                  (dy, x_t, x_t_inv, w_t, w_t_inv, w.detach(), recipe, True, *fp8, need_x, need_w,
+                                   dy_amax))
     torch.library.opcheck(torch.ops.kernel_pytorch.float8_linear.default,
-                          (x, w, b, x_amax, "tensorwise", True, torch.float8_e4m3fn, torch.float8_e5m2, True, True))
+                          (x, w, b, x_amax, "tensorwise", True, *fp8, True, True, True))
+    # an input without gradient: no W.T is written or kept
+    out = torch.ops.kernel_pytorch.float8_linear(x.detach(), w, None, None, "tensorwise", True, *fp8, False, True,
+                                                 False)
+    assert out[3].numel() == 0 and out[4].numel() == 0 and out[1].shape == (64, 32)
 
 
 # --------------------------------------------------------------------------------------- module, state
@@ -396,8 +401,8 @@ def test_triton_path_traces_into_kernels_that_write_only_their_outputs(recipe):
                                grad=True)
     both = ["OUT", "OUT_T", "ROW_INV", "COL_INV"]
     assert found["clones"] == [
-        ["AMAX"], both, ["AMAX"], ["OUT", "ROW_INV"],  # forward: x's maxima and both layouts; W's, its own layout
-        ["AMAX"], both, ["OUT_T", "COL_INV"],  # backward: dy's maxima and both layouts; W transposed
+        ["AMAX"], both, ["AMAX"], both,  # forward: the maxima and both layouts of x, then of W
+        ["AMAX"], both,  # backward: dy's maxima and both layouts (W.T was kept from the forward)
     ], found["clones"]
     assert found["mutated"] == [] and found["backward_mutated"] == []
 

@@ -31,8 +31,9 @@ AMD MI300, whose float8 formats are the ``*fnuz`` dtypes: pass them as ``forward
 Quantization (:mod:`kernel_pytorch.ops.float8_cast`): one Triton pass computes the maxima, a second
 scales, casts and writes each layout a matmul needs, so the backward never transposes: the forward
 writes x both as (M, K) for itself and as (K, M) for the weight gradient, and saves that fp8 copy (half
-of x's bytes) instead of x; W's column maxima (for W.T in the input gradient) come from the same pass
-as its row maxima. On other devices the same formulas run as PyTorch ops.
+of x's bytes) instead of x; likewise W as (N, K) for itself and as (K, N), scaled along N, for the input
+gradient, which then reads one byte of W per element instead of casting W again (two bytes read, one
+written, one launch). On other devices the same formulas run as PyTorch ops.
 
 Layers (DESIGN.md "Kernels"): ``float8_cast`` kernels -> :func:`float8_mm_fwd` /
 :func:`float8_mm_bwd` (emulated or ``_scaled_mm``) -> ``kernel_pytorch::float8_linear`` and
@@ -148,17 +149,19 @@ def _mm(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dty
 
 
 def float8_mm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: str, emulate: bool,
-                  forward_dtype: torch.dtype, weight_grad: bool = True,
-                  x_amax: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  forward_dtype: torch.dtype, weight_grad: bool = True, x_amax: Optional[Tensor] = None,
+                  input_grad: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``x @ weight.T + bias`` with both operands in ``forward_dtype``; x (M, K), weight (N, K).
 
     ``x_amax``: max |x| (shape (1,), fp32), tensorwise only, when the kernel that produced x computed it
     (``rms_norm`` / ``gated_activation*`` with ``fp8_amax=True``): x's cast then skips its own reduction.
 
-    Returns ``(out, x_t, x_t_inv, w_col_amax)``: what the backward needs, made in the same passes: x
-    transposed to (K, M padded to 16) in float8, scaled along M (empty without ``weight_grad``: inference
-    and frozen weights skip that write), and the maxima of W along N (the tensor's maximum for
-    tensorwise)."""
+    Returns ``(out, x_t, x_t_inv, w_t, w_t_inv)``: what the backward needs, written by the same cast passes
+    as the forward's operands: x transposed to (K, M padded to 16) in float8, scaled along M (for the
+    weight gradient; empty without ``weight_grad``: inference and frozen weights skip that write), and W
+    transposed to (K, N), scaled along N (for the input gradient; empty without ``input_grad``). Saving
+    W.T costs N * K bytes until the backward, which otherwise cast W again: at 8192^3 that is 64 MB kept
+    against a 128 MB read, a 64 MB write and a launch saved."""
     if not emulate:
         _check_fp8_device(x.device)
     tensorwise = recipe == "tensorwise"
@@ -168,17 +171,21 @@ def float8_mm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: str
     x_max = Amax(tensor=x_amax) if x_amax is not None else abs_max(x, tensorwise, rows=True, cols=weight_grad)
     # scales along K for the forward, along M for grad_weight
     x_q = cast(x, x_max, forward_dtype, rows=True, cols=weight_grad, cols_multiple=FP8_ALIGNMENT)
-    w_amax = abs_max(weight, tensorwise, rows=True, cols=True)
-    w_q = cast(weight, w_amax, forward_dtype, rows=True)
+    # scales along K for the forward, along N for grad_input (N is a multiple of 16: float8_eligible)
+    w_q = cast(weight, abs_max(weight, tensorwise, rows=True, cols=input_grad), forward_dtype, rows=True,
+               cols=input_grad)
     out = _mm(x_q.rows, x_q.rows_inv, w_q.rows, w_q.rows_inv, x.dtype, emulate, bias, fast_accum=True)
-    w_col_amax = w_amax.tensor if tensorwise else w_amax.cols
-    if not weight_grad:
-        return out, x.new_empty(0, dtype=forward_dtype), x.new_empty(0, dtype=torch.float32), w_col_amax
-    return out, x_q.cols, x_q.cols_inv, w_col_amax
+    x_t, x_t_inv = (x_q.cols, x_q.cols_inv) if weight_grad else _nothing_saved(x, forward_dtype)
+    w_t, w_t_inv = (w_q.cols, w_q.cols_inv) if input_grad else _nothing_saved(x, forward_dtype)
+    return out, x_t, x_t_inv, w_t, w_t_inv
 
 
-def float8_mm_bwd(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, weight: Tensor, w_col_amax: Tensor,
-                  recipe: str, emulate: bool, forward_dtype: torch.dtype, backward_dtype: torch.dtype,
+def _nothing_saved(like: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return like.new_empty(0, dtype=fp8_dtype), like.new_empty(0, dtype=torch.float32)
+
+
+def float8_mm_bwd(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, w_t: Tensor, w_t_inv: Tensor,
+                  weight_dtype: torch.dtype, recipe: str, emulate: bool, backward_dtype: torch.dtype,
                   input_grad: bool = True, weight_grad: bool = True,
                   grad_out_amax: Optional[Tensor] = None) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """``(grad_input, grad_weight)``: ``dy @ W`` and ``dy.T @ x`` with dy in ``backward_dtype``, from what
@@ -192,11 +199,9 @@ def float8_mm_bwd(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, weight: Tensor
     dy_q = cast(grad_out, dy_max, backward_dtype, rows=input_grad, cols=weight_grad, cols_multiple=FP8_ALIGNMENT)
     grad_input = grad_weight = None
     if input_grad:  # reduce over N: dy (M, N) per row, W.T (K, N) per row
-        w_amax = Amax(tensor=w_col_amax) if tensorwise else Amax(cols=w_col_amax)
-        w_t = cast(weight, w_amax, forward_dtype, rows=False, cols=True)
-        grad_input = _mm(dy_q.rows, dy_q.rows_inv, w_t.cols, w_t.cols_inv, grad_out.dtype, emulate)
+        grad_input = _mm(dy_q.rows, dy_q.rows_inv, w_t, w_t_inv, grad_out.dtype, emulate)
     if weight_grad:  # reduce over M: dy.T (N, M) per row, x.T (K, M) per row
-        grad_weight = _mm(dy_q.cols, dy_q.cols_inv, x_t, x_t_inv, weight.dtype, emulate)
+        grad_weight = _mm(dy_q.cols, dy_q.cols_inv, x_t, x_t_inv, weight_dtype, emulate)
     return grad_input, grad_weight
 
 
@@ -208,23 +213,26 @@ def float8_mm_bwd(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, weight: Tensor
 # which made an FP8 model host-bound. Fake tensors: the same bodies, traced (no launch, nothing read).
 
 def _float8_linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], x_amax: Optional[Tensor], recipe: str,
-                      emulate: bool, forward_dtype: torch.dtype, backward_dtype: torch.dtype,
-                      weight_grad: bool, grad_amax_slot: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    out, x_t, x_t_inv, w_col_amax = float8_mm_fwd(x, weight, bias, recipe, emulate, forward_dtype, weight_grad,
-                                                  x_amax)
+                           emulate: bool, forward_dtype: torch.dtype, backward_dtype: torch.dtype, input_grad: bool,
+                           weight_grad: bool, grad_amax_slot: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                             Tensor]:
+    out, x_t, x_t_inv, w_t, w_t_inv = float8_mm_fwd(x, weight, bias, recipe, emulate, forward_dtype, weight_grad,
+                                                    x_amax, input_grad)
     # The slot: a (1,) fp32 output whose value nothing reads and whose gradient, from the consumer the slot
     # is handed to, is max |grad_out| (see float8_linear); empty without grad_amax_slot.
     slot = torch.zeros(1 if grad_amax_slot else 0, dtype=torch.float32, device=x.device)
     # The fp8 bytes leave the op as uint8: integer outputs are data to autograd and to the op checkers
     # (which would otherwise try to sum and multiply float8 tensors); the backward views them back.
-    return out, x_t.view(torch.uint8), x_t_inv, w_col_amax, slot
+    return out, x_t.view(torch.uint8), x_t_inv, w_t.view(torch.uint8), w_t_inv, slot
 
 
-def _float8_linear_backward(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, weight: Tensor, w_col_amax: Tensor,
-                               recipe: str, emulate: bool, forward_dtype: torch.dtype, backward_dtype: torch.dtype,
-                               input_grad: bool, weight_grad: bool, grad_out_amax: Optional[Tensor]) -> list[Tensor]:
-    gi, gw = float8_mm_bwd(grad_out, x_t.view(forward_dtype), x_t_inv, weight, w_col_amax, recipe, emulate, forward_dtype,
-                           backward_dtype, input_grad, weight_grad, grad_out_amax)
+def _float8_linear_backward(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, w_t: Tensor, w_t_inv: Tensor,
+                            weight: Tensor, recipe: str, emulate: bool, forward_dtype: torch.dtype,
+                            backward_dtype: torch.dtype, input_grad: bool, weight_grad: bool,
+                            grad_out_amax: Optional[Tensor]) -> list[Tensor]:
+    """``weight``: only its dtype is used (the weight gradient's); the Parameter is passed, not a copy."""
+    gi, gw = float8_mm_bwd(grad_out, x_t.view(forward_dtype), x_t_inv, w_t.view(forward_dtype), w_t_inv,
+                           weight.dtype, recipe, emulate, backward_dtype, input_grad, weight_grad, grad_out_amax)
     # An op cannot return None: an unneeded gradient comes back as an empty tensor.
     return [gi if gi is not None else grad_out.new_empty(0), gw if gw is not None else weight.new_empty(0)]
 
@@ -236,35 +244,39 @@ _float8_linear_backward_op = torch.library.triton_op("kernel_pytorch::float8_lin
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, _x_amax, recipe, emulate, forward_dtype, backward_dtype, _weight_grad, grad_amax_slot = inputs
-    _, x_t, x_t_inv, w_col_amax, slot = output
-    ctx.save_for_backward(x_t, x_t_inv, weight, w_col_amax)
-    ctx.mark_non_differentiable(x_t_inv, w_col_amax, *(() if grad_amax_slot else (slot,)))
+    x, weight, bias, _x_amax, recipe, emulate, forward_dtype, backward_dtype, input_grad, _weight_grad, \
+        grad_amax_slot = inputs
+    _, x_t, x_t_inv, w_t, w_t_inv, slot = output
+    ctx.save_for_backward(x_t, x_t_inv, w_t, w_t_inv, weight)
+    ctx.mark_non_differentiable(x_t_inv, w_t_inv, *(() if grad_amax_slot else (slot,)))
     # Only the output has a gradient; materializing zeros for the others cost a 64 MB fill per step at
     # 8192^2 (the fp8 x.T), seen in the profile.
     ctx.set_materialize_grads(False)
-    ctx.config = (recipe, emulate, forward_dtype, backward_dtype)
+    ctx.config = (recipe, emulate, forward_dtype, backward_dtype, input_grad)
     ctx.bias_dtype = bias.dtype if bias is not None else None
 
 
-def _backward(ctx, grad_out, _grad_x_t, _grad_x_t_inv, _grad_w_col_amax, grad_out_amax):
+def _backward(ctx, grad_out, _grad_x_t, _grad_x_t_inv, _grad_w_t, _grad_w_t_inv, grad_out_amax):
     """``grad_out_amax``: the slot's gradient (``grad_amax_slot=True``), max |grad_out| from the consumer's
     backward kernel; None when the slot had no consumer (grads are not materialized), then found here."""
-    x_t, x_t_inv, weight, w_col_amax = ctx.saved_tensors
-    recipe, emulate, forward_dtype, backward_dtype = ctx.config
+    x_t, x_t_inv, w_t, w_t_inv, weight = ctx.saved_tensors
+    recipe, emulate, forward_dtype, backward_dtype, input_grad = ctx.config
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     if grad_out is None:  # only the slot was used (grads are not materialized): nothing flows back
-        return None, None, None, None, None, None, None, None, None, None
+        return (None,) * 11
+    if need_x and not input_grad:
+        raise RuntimeError("float8_linear: the input's gradient is needed but the forward ran with input_grad=False, "
+                           "so W.T was not kept")
     grad_out = grad_out.contiguous()
     gi = gw = gb = None
     if need_x or need_w:
         backward = _float8_linear_backward if plain_eager(grad_out, weight) else _float8_linear_backward_op
-        gi, gw = backward(grad_out, x_t, x_t_inv, weight, w_col_amax, recipe, emulate,
-                                            forward_dtype, backward_dtype, need_x, need_w, grad_out_amax)
+        gi, gw = backward(grad_out, x_t, x_t_inv, w_t, w_t_inv, weight, recipe, emulate, forward_dtype,
+                          backward_dtype, need_x, need_w, grad_out_amax)
         gi, gw = (gi if need_x else None), (gw if need_w else None)
     if need_b:
         gb = grad_out.float().sum(0).to(ctx.bias_dtype)
-    return gi, gw, gb, None, None, None, None, None, None, None
+    return (gi, gw, gb) + (None,) * 8
 
 
 _float8_linear_op.register_autograd(_backward, setup_context=_setup_context)
@@ -315,8 +327,10 @@ def float8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, reci
     if grad_amax_slot and recipe != "tensorwise":
         raise ValueError("grad_amax_slot (the gradient's maximum from its consumer) is for the tensorwise recipe: "
                          "rowwise scales need the maxima of the gradient's rows and columns")
+    input_grad = torch.is_grad_enabled() and x.requires_grad
     weight_grad = torch.is_grad_enabled() and weight.requires_grad
-    args = (x2, weight, bias, x_amax, recipe, emulate, forward_dtype, backward_dtype, weight_grad, bool(grad_amax_slot))
+    args = (x2, weight, bias, x_amax, recipe, emulate, forward_dtype, backward_dtype, input_grad, weight_grad,
+            bool(grad_amax_slot))
     if plain_eager(x2, weight, bias, x_amax):
         out, *_, slot = _Float8LinearFunction.apply(*args)
     else:
