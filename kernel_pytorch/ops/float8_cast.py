@@ -49,6 +49,7 @@ _BLOCK_R, _BLOCK_C = 64, 128  # cast: 8192 elements (16 KB of bf16) per program,
 # alone: the 1.5M atomics were the difference. Wider tiles halve the row atomics, the steps cut the rest.
 _AMAX_BLOCK_R, _AMAX_BLOCK_C = 32, 256
 _AMAX_MIN_PROGRAMS = 512  # ~4 per SM on an H100 / H200
+_AMAX_NUM_WARPS = 8
 # Each float8 dtype's largest finite value, looked up once: torch.finfo ran in every cast, 4-6 per layer
 # step, on the per-call host path FP8 loses on (see abs_max).
 _FP8_MAX = {dtype: torch.finfo(dtype).max for dtype in FLOAT8_DTYPES}
@@ -108,7 +109,7 @@ def abs_max(t: Tensor, tensorwise: bool, rows: bool = False, cols: bool = False)
         launch(_abs_max_kernel)[(triton.cdiv(row_tiles, steps), col_tiles)](
             t, maxima, t.shape[0], t.shape[1], t.stride(0), t.stride(1), sizes[0], sizes[0] + sizes[1],
             TENSOR=tensorwise, ROWS=rows, COLS=cols, STEPS=steps, BLOCK_R=_AMAX_BLOCK_R, BLOCK_C=_AMAX_BLOCK_C,
-            num_warps=8)
+            num_warps=_AMAX_NUM_WARPS)
     tensor, row_max, col_max = maxima.split(sizes)
     return Amax(tensor=tensor if tensorwise else None, rows=row_max if rows else None, cols=col_max if cols else None)
 
