@@ -286,7 +286,8 @@ class _Float8LinearFunction(torch.autograd.Function):
     """The op's body and autograd formula without its dispatch, for plain eager calls
     (:func:`~kernel_pytorch.ops.triton_utils.plain_eager`): the same kernels, numerics and saved tensors.
     The op's Python dispatch, forward and backward, was host time the GPU waited for on the per-call path:
-    at 8192^3 the step's kernels take 2.73 ms on an H100 but a call took 3.20-3.35 ms."""
+    at 8192^3 the step's kernels took 2.73 ms on an H100 but a call 3.20-3.35 ms; with this path (and W.T
+    kept from the forward) 2.83-2.84 ms in most runs (benchmarks/results/fp8.json's note)."""
 
     @staticmethod
     def forward(ctx, *inputs):

@@ -45,7 +45,7 @@ def launch(kernel):
     which lets Inductor call it from generated code. Where a ``triton_op`` body runs eagerly (PyTorch then
     turns ``wrap_triton`` off) or an op's body is called in :func:`plain_eager` mode, the wrapper would only
     forward to ``kernel[grid]``: the kernel itself then, since building the wrapper and indexing it cost
-    22.5 us of host time per launch against 0.4 us (measured on the development CPU), 7 launches per FP8
+    22.5 us of host time per launch against 0.4 us (measured on the development CPU), 6 launches per FP8
     linear forward + backward. Under Triton's interpreter (an
     ``InterpretedFunction``, which ``wrap_triton`` refuses) the kernel itself, skipped on fake tensors: the
     body's outputs are allocated before the launch, so tracing it for shapes needs no kernel run."""
@@ -62,9 +62,10 @@ def plain_eager(*tensors: torch.Tensor | None) -> bool:
     ``torch.library`` op: not under torch.compile's tracing, no ``TorchDispatchMode`` (fake tensors, AOT
     tracing, selective activation checkpointing, FLOP counters), no functorch transform (vmap, grad), and
     only plain tensors (no DTensor or other subclass). There an op module may call its body through an
-    ``autograd.Function`` instead: the op's Python dispatch (custom-op autograd wrapper, redispatch, schema
-    handling) cost 150-250 us of host time per FP8 linear forward on the development CPU against a few us
-    for the ``autograd.Function``, on the per-call path that eager FP8 loses on."""
+    ``autograd.Function`` instead, skipping the op's Python dispatch (custom-op autograd wrapper, redispatch,
+    schema handling): an FP8 linear's forward at 256^3 took 322-362 us of host time that way on the GPU
+    machines against 430-756 us through the op (benchmarks/profile_float8_linear.py), host time the GPU
+    waits for when a call starts from an idle GPU."""
     return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
             and torch._C._functorch.peek_interpreter_stack() is None
             and all(t is None or type(t) in _PLAIN_TENSOR_TYPES for t in tensors))
