@@ -37,6 +37,7 @@ TILES = ((32, 256), (64, 256), (16, 512), (32, 512), (64, 128), (128, 128))
 WARPS = (4, 8)
 MIN_PROGRAMS = (264, 528, 1056)
 _SETTING = ("_AMAX_BLOCK_R", "_AMAX_BLOCK_C", "_AMAX_NUM_WARPS", "_AMAX_MIN_PROGRAMS")
+_FIELDS = ("block_r", "block_c", "num_warps", "min_programs")
 
 
 def _reference(t: torch.Tensor, mode: dict) -> list[torch.Tensor]:
@@ -75,7 +76,7 @@ def sweep(quick: bool) -> dict:
                 for setting in settings:
                     for name, value in zip(_SETTING, setting):
                         setattr(FC, name, value)
-                    entry = dict(zip(("block_r", "block_c", "num_warps", "min_programs"), setting))
+                    entry = dict(zip(_FIELDS, setting))
                     try:
                         entry.update(_time_setting(t, mode, expected))
                     except Exception as error:  # a setting that does not compile (registers) is a result too
@@ -103,14 +104,15 @@ def _best(cases: list[dict], current: tuple) -> dict:
         failed = set()
         for case in (c for c in cases if mode in (c["mode"], "both")):
             for e in case["settings"]:
-                key = (e["block_r"], e["block_c"], e["num_warps"], e["min_programs"])
+                key = tuple(e[field] for field in _FIELDS)
                 if "ms" not in e:
                     failed.add(key)
                 totals[key] = totals.get(key, 0.0) + e.get("ms", 0.0)
         ok = {k: v for k, v in totals.items() if k not in failed}
         winner = min(ok, key=ok.get)
-        best[mode] = {"setting": dict(zip(("block_r", "block_c", "num_warps", "min_programs"), winner)),
-                      "total_ms": round(ok[winner], 5), "current_total_ms": round(ok.get(current, float("nan")), 5)}
+        best[mode] = {"setting": dict(zip(_FIELDS, winner)), "total_ms": round(ok[winner], 5),
+                      "current_setting": dict(zip(_FIELDS, current)),
+                      "current_total_ms": round(ok.get(current, float("nan")), 5)}
     return best
 
 
