@@ -14,6 +14,7 @@ import importlib
 
 import pytest
 import torch
+from torch._library.triton import is_wrap_triton_enabled
 
 from .triton_interpreter import EAGER_OPCHECKS, INTERPRETED, cuda_device, interp, run_interpreted_tests
 
@@ -123,10 +124,12 @@ def test_interp_float8_linear_through_the_kernels(recipe, monkeypatch):
     checks pass. M = 40 is padded to 48 for the weight gradient's reduction."""
     f8 = importlib.import_module("kernel_pytorch.ops.float8_linear")
     launches = {"n": 0}
+    wrapping = []  # whether each launch could have been traced: never in these plain eager calls
     real_launch = FC.launch
 
     def counted(kernel):
         launches["n"] += 1
+        wrapping.append(is_wrap_triton_enabled())
         return real_launch(kernel)
 
     monkeypatch.setattr(FC, "launch", counted)
@@ -143,6 +146,7 @@ def test_interp_float8_linear_through_the_kernels(recipe, monkeypatch):
             assert torch.equal(value, expected), (sorted(devices), name, float((value - expected).abs().max()))
         # forward: maxima and cast (both layouts) of x and of W; backward: of dy; none off the kernels
         assert launches["n"] == (6 if devices else 0)
+        assert not any(wrapping)
         launches["n"] = 0
     monkeypatch.setattr(tu, "TRITON_DEVICE_TYPES", frozenset({"cpu"}))
     # tensorwise with the input's maximum given, as a producing kernel gives it
@@ -174,18 +178,13 @@ def test_reference_formulas():
 def test_launch_skips_the_tracing_wrapper_where_triton_op_bodies_run_eagerly():
     from torch._higher_order_ops.triton_kernel_wrap import TraceableTritonKernelWrapper
     from torch._library.triton import set_wrap_triton_enabled
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Tracing(TorchDispatchMode):  # stands where make_fx / AOT autograd's modes stand
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
 
     kernel = FC._cast_kernel
-    with Tracing():
-        assert isinstance(tu.launch(kernel), TraceableTritonKernelWrapper)  # Inductor sees the kernel
-        with set_wrap_triton_enabled(False):  # what a triton_op body runs under eagerly
-            assert tu.launch(kernel) is kernel
-    assert tu.launch(kernel) is kernel  # plain eager: an op body called through its autograd.Function
+    assert isinstance(tu.launch(kernel), TraceableTritonKernelWrapper)  # tracing: Inductor sees the kernel
+    with set_wrap_triton_enabled(False):  # what a triton_op body runs under eagerly
+        assert tu.launch(kernel) is kernel
+    with tu.eager_launches():  # an op body called through its autograd.Function (plain eager)
+        assert tu.launch(kernel) is kernel
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_* tests itself")

@@ -15,8 +15,8 @@ import importlib
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .conftest import PassThroughMode
 from .triton_interpreter import INTERPRETED, cuda_device
 
 F8 = importlib.import_module("kernel_pytorch.ops.float8_linear")
@@ -176,13 +176,6 @@ def test_training_reduces_loss():
     assert losses[-1] < 0.7 * losses[0], losses
 
 
-class _PassThrough(TorchDispatchMode):
-    """A dispatch mode that only forwards each op: what selective checkpointing or a FLOP counter installs."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 def _autograd_nodes(t: torch.Tensor) -> set[str]:
     """The class names of every node in ``t``'s autograd graph."""
     names, stack = set(), [t.grad_fn]
@@ -208,7 +201,7 @@ def test_plain_eager_calls_skip_the_op_dispatch_with_identical_results(recipe):
     _, fp8 = make(torch.bfloat16, recipe)
     x, dy = torch.randn(3, 24, 256, dtype=torch.bfloat16), torch.randn(3, 24, 128, dtype=torch.bfloat16)
     eager = _forward_backward(fp8, x, dy)
-    with _PassThrough():
+    with PassThroughMode():
         assert not tu.plain_eager(x)
         dispatched = _forward_backward(fp8, x, dy)
     assert "_Float8LinearFunctionBackward" in _autograd_nodes(eager[0])
@@ -224,7 +217,7 @@ def test_plain_eager_conditions():
     seen = []
     torch.vmap(lambda t: seen.append(tu.plain_eager(t)) or t)(x)
     assert seen == [False]
-    with _PassThrough():
+    with PassThroughMode():
         assert not tu.plain_eager(x)
     assert torch.compile(lambda t: t + tu.plain_eager(t), backend="eager", fullgraph=True)(x).equal(x)
 

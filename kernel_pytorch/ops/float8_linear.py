@@ -52,7 +52,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from kernel_pytorch.ops.float8_cast import EPS, FLOAT8_DTYPES, Amax, abs_max, cast
-from kernel_pytorch.ops.triton_utils import plain_eager
+from kernel_pytorch.ops.triton_utils import eager_launches, plain_eager
 
 __all__ = ["Float8Linear", "float8_linear", "float8_eligible", "float8_hardware_reason", "float8_dtypes_for",
            "quantize", "float8_mm_fwd", "float8_mm_bwd",
@@ -270,9 +270,13 @@ def _backward(ctx, grad_out, _grad_x_t, _grad_x_t_inv, _grad_w_t, _grad_w_t_inv,
     grad_out = grad_out.contiguous()
     gi = gw = gb = None
     if need_x or need_w:
-        backward = _float8_linear_backward if plain_eager(grad_out, weight) else _float8_linear_backward_op
-        gi, gw = backward(grad_out, x_t, x_t_inv, w_t, w_t_inv, weight, recipe, emulate, forward_dtype,
-                          backward_dtype, need_x, need_w, grad_out_amax)
+        args = (grad_out, x_t, x_t_inv, w_t, w_t_inv, weight, recipe, emulate, forward_dtype, backward_dtype,
+                need_x, need_w, grad_out_amax)
+        if plain_eager(grad_out, weight):
+            with eager_launches():
+                gi, gw = _float8_linear_backward(*args)
+        else:
+            gi, gw = _float8_linear_backward_op(*args)
         gi, gw = (gi if need_x else None), (gw if need_w else None)
     if need_b:
         gb = grad_out.float().sum(0).to(ctx.bias_dtype)
@@ -293,7 +297,8 @@ class _Float8LinearFunction(torch.autograd.Function):
     def forward(ctx, *inputs):
         # ctx-taking forward, not a setup_context staticmethod: with one, Function.apply binds the arguments
         # through inspect.signature on every call (~100 us of the forward's host time on the development CPU).
-        output = _float8_linear_forward(*inputs)
+        with eager_launches():
+            output = _float8_linear_forward(*inputs)
         _setup_context(ctx, inputs, output)
         return output
 
@@ -318,8 +323,7 @@ def float8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, reci
     grad_amax_slot=slot)``). The slot's gradient carries that maximum to this linear's backward, which then
     does not read the gradient to find it. The consumer must be out's only user: the maximum is that of
     its gradient, which is out's whole gradient only then."""
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown float8 recipe {recipe!r}; expected one of {RECIPES}")
+    _check_recipe(recipe)
     for name, dt in (("forward_dtype", forward_dtype), ("backward_dtype", backward_dtype)):
         if dt not in FLOAT8_DTYPES:
             raise ValueError(f"{name} must be a float8 dtype, got {dt}")
@@ -369,8 +373,7 @@ class Float8Linear(nn.Module):
                  emulate: bool = False, forward_dtype: torch.dtype = torch.float8_e4m3fn,
                  backward_dtype: torch.dtype = torch.float8_e5m2, device=None, dtype=None):
         super().__init__()
-        if recipe not in RECIPES:
-            raise ValueError(f"unknown float8 recipe {recipe!r}; expected one of {RECIPES}")
+        _check_recipe(recipe)
         self.in_features, self.out_features = in_features, out_features
         self.recipe, self.emulate = recipe, emulate
         self.forward_dtype, self.backward_dtype = forward_dtype, backward_dtype
@@ -389,8 +392,7 @@ class Float8Linear(nn.Module):
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
-        if recipe not in RECIPES:
-            raise ValueError(f"unknown float8 recipe {recipe!r}; expected one of {RECIPES}")
+        _check_recipe(recipe)
         new.recipe, new.emulate = recipe, emulate
         new.forward_dtype, new.backward_dtype = forward_dtype, backward_dtype
         new.weight = linear.weight

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._library.triton import is_wrap_triton_enabled
+from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
 from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["row_indices", "load_rows", "grad_row_indices", "load_grad_rows", "store_grad_rows", "HAS_TRITON",
            "MAX_HIDDEN", "TRITON_DEVICE_TYPES", "RowTile", "row_tile", "use_triton", "jit", "launch",
            "next_power_of_2", "unused_pointer", "acc_dtype", "triton_acc_dtype", "reduction_programs", "sum_partials",
-           "device_guard", "as_rows", "plain_eager", "triton", "tl"]
+           "device_guard", "as_rows", "plain_eager", "eager_launches", "triton", "tl"]
 
 try:
     import triton
@@ -42,15 +42,15 @@ def jit(fn):
 
 def launch(kernel):
     """The kernel to index with a grid inside a ``torch.library.triton_op`` body: ``wrap_triton(kernel)``,
-    which lets Inductor call it from generated code. Where a ``triton_op`` body runs eagerly (PyTorch then
-    turns ``wrap_triton`` off) or an op's body is called in :func:`plain_eager` mode, the wrapper would only
-    forward to ``kernel[grid]``: the kernel itself then, since building the wrapper and indexing it cost
-    22.5 us of host time per launch against 0.4 us (measured on the development CPU), 6 launches per FP8
-    linear forward + backward. Under Triton's interpreter (an
+    which lets Inductor call it from generated code. Where wrapping is off (a ``triton_op`` body running
+    eagerly, where PyTorch turns it off, or an op's body called under :func:`eager_launches`), the wrapper
+    would only forward to ``kernel[grid]``: the kernel itself then, since building the wrapper and indexing
+    it cost 22.5 us of host time per launch against 0.4 us (measured on the development CPU), 6 launches per
+    FP8 linear forward + backward. Under Triton's interpreter (an
     ``InterpretedFunction``, which ``wrap_triton`` refuses) the kernel itself, skipped on fake tensors: the
     body's outputs are allocated before the launch, so tracing it for shapes needs no kernel run."""
     if isinstance(kernel, triton.runtime.jit.JITFunction):
-        return torch.library.wrap_triton(kernel) if is_wrap_triton_enabled() and not plain_eager() else kernel
+        return torch.library.wrap_triton(kernel) if is_wrap_triton_enabled() else kernel
     return _InterpretedLaunch(kernel)
 
 
@@ -62,13 +62,20 @@ def plain_eager(*tensors: torch.Tensor | None) -> bool:
     ``torch.library`` op: not under torch.compile's tracing, no ``TorchDispatchMode`` (fake tensors, AOT
     tracing, selective activation checkpointing, FLOP counters), no functorch transform (vmap, grad), and
     only plain tensors (no DTensor or other subclass). There an op module may call its body through an
-    ``autograd.Function`` instead, skipping the op's Python dispatch (custom-op autograd wrapper, redispatch,
+    ``autograd.Function`` instead, under :func:`eager_launches`, skipping the op's Python dispatch (custom-op autograd wrapper, redispatch,
     schema handling): an FP8 linear's forward at 256^3 took 322-362 us of host time that way on the GPU
     machines against 430-756 us through the op (benchmarks/profile_float8_linear.py), host time the GPU
     waits for when a call starts from an idle GPU."""
     return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
             and torch._C._functorch.peek_interpreter_stack() is None
             and all(t is None or type(t) in _PLAIN_TENSOR_TYPES for t in tensors))
+
+
+def eager_launches():
+    """The context an op's body runs in when called outside its op (:func:`plain_eager`): ``wrap_triton``
+    off, as PyTorch sets it for a ``triton_op`` body run eagerly, so :func:`launch` gives the kernels
+    themselves."""
+    return set_wrap_triton_enabled(False)
 
 
 class _InterpretedLaunch:
