@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from kernel_pytorch.ops.float8_cast import EPS, FLOAT8_DTYPES, Amax, abs_max, cast
+from kernel_pytorch.ops.float8_cast import EPS, FLOAT8_DTYPES, Amax, abs_max, abs_max_each, cast, cast_each
 from kernel_pytorch.ops.triton_utils import eager_launches, plain_eager
 
 __all__ = ["Float8Linear", "float8_linear", "float8_eligible", "float8_hardware_reason", "float8_dtypes_for",
@@ -168,12 +168,16 @@ def float8_mm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: str
     if x_amax is not None and not tensorwise:
         raise ValueError("x_amax (the input's maximum, computed by its producer) is for the tensorwise recipe: "
                          "rowwise scales need the maxima of x's rows and columns")
-    x_max = Amax(tensor=x_amax) if x_amax is not None else abs_max(x, tensorwise, rows=True, cols=weight_grad)
-    # scales along K for the forward, along M for grad_weight
-    x_q = cast(x, x_max, forward_dtype, rows=True, cols=weight_grad, cols_multiple=FP8_ALIGNMENT)
-    # scales along K for the forward, along N for grad_input (N is a multiple of 16: float8_eligible)
-    w_q = cast(weight, abs_max(weight, tensorwise, rows=True, cols=input_grad), forward_dtype, rows=True,
-               cols=input_grad)
+    # x's and W's maxima in one launch and their casts in another (float8_cast: launches are host time). The
+    # transposed layouts: x scaled along M for grad_weight (M padded to 16), W along N for grad_input (N is a
+    # multiple of 16: float8_eligible).
+    transposed = (weight_grad, input_grad)
+    if x_amax is None:
+        x_max, w_max = abs_max_each((x, weight), tensorwise, rows=(True, True), cols=transposed)
+    else:
+        x_max, w_max = Amax(tensor=x_amax), abs_max(weight, tensorwise, rows=True, cols=input_grad)
+    x_q, w_q = cast_each((x, weight), (x_max, w_max), forward_dtype, rows=(True, True), cols=transposed,
+                         cols_multiple=(FP8_ALIGNMENT, 1))
     out = _mm(x_q.rows, x_q.rows_inv, w_q.rows, w_q.rows_inv, x.dtype, emulate, bias, fast_accum=True)
     x_t, x_t_inv = (x_q.cols, x_q.cols_inv) if weight_grad else _nothing_saved(x, forward_dtype)
     w_t, w_t_inv = (w_q.cols, w_q.cols_inv) if input_grad else _nothing_saved(x, forward_dtype)
@@ -300,9 +304,14 @@ class _Float8LinearFunction(torch.autograd.Function):
         with eager_launches():
             output = _float8_linear_forward(*inputs)
         _setup_context(ctx, inputs, output)
-        return output
+        # Only the output and the slot leave: the fp8 copies and scales stay in ctx, which the op has to return
+        # as outputs. Autograd wraps each output it is handed, host time per call.
+        out, *_, slot = output
+        return out, slot
 
-    backward = staticmethod(_backward)
+    @staticmethod
+    def backward(ctx, grad_out, grad_out_amax):
+        return _backward(ctx, grad_out, None, None, None, None, grad_out_amax)
 
 
 # ----------------------------------------------------------------------------------- functional/module
@@ -337,7 +346,7 @@ def float8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, reci
     args = (x2, weight, bias, x_amax, recipe, emulate, forward_dtype, backward_dtype, input_grad, weight_grad,
             bool(grad_amax_slot))
     if plain_eager(x2, weight, bias, x_amax):
-        out, *_, slot = _Float8LinearFunction.apply(*args)
+        out, slot = _Float8LinearFunction.apply(*args)
     else:
         out, *_, slot = _float8_linear_op(*args)
     out = out.reshape(*lead, weight.shape[0])
