@@ -20,11 +20,11 @@ program, grid over both dimensions) so that any (R, C) fills the GPU; the maxima
 (R, C) operand cast to both layouts: 2 reads + 2 one-byte writes = 6 bytes per element; the eager
 chain it replaces (abs, amax, float, mul, clamp, to, transpose, contiguous) moved ~30.
 
-Each launch serves one or two tensors (:func:`abs_max_each`, :func:`cast_each`; the grid's third axis picks
-the tensor): a forward quantizes x and W with two launches, not four. Launches are host time, and the
-host is what an FP8 layer called from an idle GPU waits for: on the H100 machines a launch through our
-wrappers took ~48 us of host time per call (benchmarks/profile_float8_linear.py), and the forward's
-~330 us of host time before its matmul was more than the ~290 us of GPU work before it at 8192^3.
+One launch per tensor, though a forward casts two (x and W): a version whose grid's third axis picked the
+tensor (one amax and one cast launch per forward, branching on ``program_id(2)``) saved ~40-60 us of host
+time per forward on an H100 machine, but its quantization took 3% more GPU time at the model's shapes
+(683 against 663 us over five (M, K, N), tensorwise; rowwise 758 against 736), and a single tensor
+through it 6% more: the GPU time is what a compiled model pays every step.
 
 Both launch through :func:`~kernel_pytorch.ops.triton_utils.launch` (``wrap_triton``): they run inside the
 ``triton_op`` bodies of :mod:`kernel_pytorch.ops.float8_linear`, which Inductor traces into direct calls of
@@ -33,7 +33,6 @@ the kernels from its generated code.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,8 +41,8 @@ from torch import Tensor
 
 from kernel_pytorch.ops.triton_utils import device_guard, jit, launch, tl, triton, unused_pointer, use_triton
 
-__all__ = ["Float8Cast", "Amax", "abs_max", "abs_max_each", "tensor_abs_max", "check_grad_amax_slot", "cast",
-           "cast_each", "EPS", "FLOAT8_DTYPES", "padded"]
+__all__ = ["Float8Cast", "Amax", "abs_max", "tensor_abs_max", "check_grad_amax_slot", "cast", "EPS", "FLOAT8_DTYPES",
+           "padded"]
 
 # Lower bound on amax, so scale = fp8_max / amax stays finite for all-zero tensors/rows (the value
 # torchao and PyTorch's own _scaled_mm tests use: fp8_max / 1e-12 ~ 4.5e14 is far inside fp32's range).
@@ -99,67 +98,30 @@ class Float8Cast:
 
 def abs_max(t: Tensor, tensorwise: bool, rows: bool = False, cols: bool = False) -> Amax:
     """The maxima of ``|t|`` a cast needs: the tensor's (``tensorwise``), or those of its rows and/or columns."""
-    return abs_max_each((t,), tensorwise, (rows,), (cols,))[0]
-
-
-def abs_max_each(tensors: Sequence[Tensor], tensorwise: bool, rows: Sequence[bool],
-                 cols: Sequence[bool]) -> list[Amax]:
-    """:func:`abs_max` of each of one or two 2-D tensors (on one device), in one launch: x's and W's maxima
-    in a forward. ``rows`` / ``cols``: per tensor, as in :func:`abs_max`."""
-    _check_operands(tensors, rows, cols)
     if tensorwise:
-        rows = cols = (False,) * len(tensors)
-    if not use_triton(tensors[0]):
-        return [_abs_max_reference(t, tensorwise, r, c) for t, r, c in zip(tensors, rows, cols)]
-    # One zero-filled buffer, per tensor [tensor | rows | columns] for the maxima asked for: one memset launch
-    # for the call, not one per kind or tensor. The kernel gets it as one pointer and offsets, not as views:
-    # no two written kernel arguments may alias (triton_utils.unused_pointer says what Inductor does with
-    # aliased ones).
-    sizes = [(1 if tensorwise else 0, t.shape[0] if r else 0, t.shape[1] if c else 0)
-             for t, r, c in zip(tensors, rows, cols)]
-    starts = [0, sum(sizes[0])]
-    maxima = torch.zeros(sum(map(sum, sizes)), device=tensors[0].device, dtype=torch.float32)
-    tiles = [(triton.cdiv(t.shape[0], _AMAX_BLOCK_R), triton.cdiv(t.shape[1], _AMAX_BLOCK_C)) for t in tensors]
-    steps = [_amax_steps(r * c) for r, c in tiles]
-    strips = [triton.cdiv(r, step) for (r, _), step in zip(tiles, steps)]
-    paired = len(tensors) == 2
-    a, b = tensors[0], tensors[-1]  # single: the second operand's arguments repeat the first's, never used
-    i = 1 if paired else 0
-    with device_guard(a):
-        launch(_abs_max_kernel)[(max(strips), max(c for _, c in tiles), len(tensors))](
-            a, b, maxima, a.shape[0], a.shape[1], a.stride(0), a.stride(1), b.shape[0], b.shape[1], b.stride(0),
-            b.stride(1), sizes[0][0], sizes[0][0] + sizes[0][1], starts[i], starts[i] + sizes[i][0],
-            starts[i] + sizes[i][0] + sizes[i][1],
-            TENSOR=tensorwise, ROWS0=rows[0], COLS0=cols[0], ROWS1=rows[i], COLS1=cols[i], STEPS0=steps[0],
-            STEPS1=steps[i], PAIRED=paired, BLOCK_R=_AMAX_BLOCK_R, BLOCK_C=_AMAX_BLOCK_C, num_warps=_AMAX_NUM_WARPS)
-    return [_split_maxima(maxima, start, size, tensorwise) for start, size in zip(starts, sizes)]
-
-
-def _check_operands(tensors: Sequence[Tensor], *flags: Sequence[bool]) -> None:
-    if len(tensors) not in (1, 2) or any(len(f) != len(tensors) for f in flags):
-        raise ValueError(f"float8 casts take one or two tensors with a flag each, got {len(tensors)} tensors")
-    for t in tensors:
-        if t.dim() != 2:
-            raise ValueError(f"float8 casts take 2-D tensors, got shape {tuple(t.shape)}")
-    if len(tensors) == 2 and tensors[0].device != tensors[1].device:
-        raise ValueError(f"float8 casts of two tensors need one device, got {tensors[0].device} and "
-                         f"{tensors[1].device}")
-
-
-def _abs_max_reference(t: Tensor, tensorwise: bool, rows: bool, cols: bool) -> Amax:
-    a = t.detach().abs().float()
-    return Amax(tensor=a.amax().reshape(1) if tensorwise else None, rows=a.amax(1) if rows else None,
-                cols=a.amax(0) if cols else None)
-
-
-def _split_maxima(maxima: Tensor, start: int, sizes: tuple[int, int, int], tensorwise: bool) -> Amax:
-    """One tensor's maxima, views of the call's buffer at ``start``: [tensor | rows | columns]."""
-    n_tensor, n_rows, n_cols = sizes
-    if tensorwise:
-        return Amax(tensor=maxima[start:start + 1])
-    rows_at = start + n_tensor
-    return Amax(rows=maxima[rows_at:rows_at + n_rows] if n_rows else None,
-                cols=maxima[rows_at + n_rows:rows_at + n_rows + n_cols] if n_cols else None)
+        rows = cols = False
+    if t.dim() != 2:
+        raise ValueError(f"float8 casts take 2-D tensors, got shape {tuple(t.shape)}")
+    if not use_triton(t):
+        a = t.detach().abs().float()
+        return Amax(tensor=a.amax().reshape(1) if tensorwise else None, rows=a.amax(1) if rows else None,
+                    cols=a.amax(0) if cols else None)
+    # One zero-filled buffer, [tensor | rows | columns], for the maxima asked for: one memset launch, not one
+    # per kind (rowwise asks for rows and columns: a layer's forward + backward made 6 fills, now 3). The host
+    # cost per FP8 layer step, ~1 ms on an H100 (benchmarks/results/fp8.json, small shapes), is what FP8
+    # loses on. The kernel gets it as one pointer and offsets, not as views: no two written kernel
+    # arguments may alias (triton_utils.unused_pointer says what Inductor does with aliased ones).
+    sizes = [1 if tensorwise else 0, t.shape[0] if rows else 0, t.shape[1] if cols else 0]
+    maxima = torch.zeros(sum(sizes), device=t.device, dtype=torch.float32)
+    row_tiles, col_tiles = triton.cdiv(t.shape[0], _AMAX_BLOCK_R), triton.cdiv(t.shape[1], _AMAX_BLOCK_C)
+    steps = _amax_steps(row_tiles * col_tiles)
+    with device_guard(t):
+        launch(_abs_max_kernel)[(triton.cdiv(row_tiles, steps), col_tiles)](
+            t, maxima, t.shape[0], t.shape[1], t.stride(0), t.stride(1), sizes[0], sizes[0] + sizes[1],
+            TENSOR=tensorwise, ROWS=rows, COLS=cols, STEPS=steps, BLOCK_R=_AMAX_BLOCK_R, BLOCK_C=_AMAX_BLOCK_C,
+            num_warps=_AMAX_NUM_WARPS)
+    tensor, row_max, col_max = maxima.split(sizes)
+    return Amax(tensor=tensor if tensorwise else None, rows=row_max if rows else None, cols=col_max if cols else None)
 
 
 def check_grad_amax_slot(slot) -> None:
@@ -191,46 +153,27 @@ def cast(t: Tensor, amax: Amax, fp8_dtype: torch.dtype, rows: bool = True, cols:
          cols_multiple: int = 1) -> Float8Cast:
     """``t`` (R, C) scaled and cast to ``fp8_dtype``: ``rows`` in its own layout, ``cols`` transposed to
     (C, R) with R zero-padded to a multiple of ``cols_multiple`` (zeros add nothing to a reduction over R)."""
-    return cast_each((t,), (amax,), fp8_dtype, (rows,), (cols,), (cols_multiple,))[0]
-
-
-def cast_each(tensors: Sequence[Tensor], amaxes: Sequence[Amax], fp8_dtype: torch.dtype, rows: Sequence[bool],
-              cols: Sequence[bool], cols_multiple: Sequence[int]) -> list[Float8Cast]:
-    """:func:`cast` of each of one or two 2-D tensors (one device, one recipe), in one launch: x and W in a
-    forward. ``amaxes``, ``rows``, ``cols``, ``cols_multiple``: per tensor, as in :func:`cast`."""
     fp8_max = _FP8_MAX.get(fp8_dtype)
     if fp8_max is None:
         raise ValueError(f"not a float8 dtype: {fp8_dtype}")
-    _check_operands(tensors, amaxes, rows, cols, cols_multiple)
-    if not use_triton(tensors[0]):
-        return [_cast_reference(*args, fp8_dtype, fp8_max) for args in zip(tensors, amaxes, rows, cols, cols_multiple)]
-    tensorwise = amaxes[0].tensorwise
-    if any(a.tensorwise != tensorwise for a in amaxes):
-        raise ValueError("float8 casts in one launch share a recipe: tensorwise and rowwise maxima were mixed")
-    for amax, r, c in zip(amaxes, rows, cols):
-        if not tensorwise and ((r and amax.rows is None) or (c and amax.cols is None)):
-            raise ValueError("rowwise cast needs the row maxima for `rows` and the column maxima for `cols`")
-    outs = [_cast_outputs(t, fp8_dtype, tensorwise, r, c, padded(t.shape[0], m))
-            for t, r, c, m in zip(tensors, rows, cols, cols_multiple)]
-    args = [_cast_arguments(*operand) for operand in zip(tensors, outs, amaxes)]
-    paired = len(tensors) == 2
-    i = 1 if paired else 0  # single: the second operand's arguments repeat the first's, never used
-    grid = (max(triton.cdiv(t.shape[0], _BLOCK_R) for t in tensors),
-            max(triton.cdiv(t.shape[1], _BLOCK_C) for t in tensors), len(tensors))
-    with device_guard(tensors[0]):
-        launch(_cast_kernel)[grid](
-            *args[0], *args[i], FP8_MAX=fp8_max, EPS=EPS, TENSORWISE=tensorwise, ROWS0=rows[0], COLS0=cols[0],
-            ROWS1=rows[i], COLS1=cols[i], PAIRED=paired, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=8)
-    return outs
-
-
-def _cast_arguments(t: Tensor, out: Float8Cast, amax: Amax) -> tuple:
-    """One operand's arguments of _cast_kernel, in its order."""
-    row_amax = amax.tensor if amax.tensorwise else amax.rows
-    col_amax = amax.tensor if amax.tensorwise else amax.cols
-    return (t, _pointer(out.rows, t), _pointer(out.cols, t), _pointer(row_amax, t), _pointer(col_amax, t),
-            _pointer(out.rows_inv, t), _pointer(out.cols_inv, t), t.shape[0], t.shape[1], t.stride(0), t.stride(1),
-            t.shape[1], out.cols.shape[1] if out.cols is not None else 0)
+    if not use_triton(t):
+        return _cast_reference(t, amax, fp8_dtype, fp8_max, rows, cols, cols_multiple)
+    tensorwise = amax.tensorwise
+    if not tensorwise and ((rows and amax.rows is None) or (cols and amax.cols is None)):
+        raise ValueError("rowwise cast needs the row maxima for `rows` and the column maxima for `cols`")
+    r, c = t.shape
+    r_pad = padded(r, cols_multiple)
+    out = _cast_outputs(t, fp8_dtype, tensorwise, rows, cols, r_pad)
+    row_amax = amax.tensor if tensorwise else amax.rows
+    col_amax = amax.tensor if tensorwise else amax.cols
+    with device_guard(t):
+        launch(_cast_kernel)[_grid(t)](
+            t, _pointer(out.rows, t), _pointer(out.cols, t), _pointer(row_amax, t), _pointer(col_amax, t),
+            _pointer(out.rows_inv, t), _pointer(out.cols_inv, t),
+            r, c, t.stride(0), t.stride(1), c, r_pad,
+            FP8_MAX=fp8_max, EPS=EPS, TENSORWISE=tensorwise, ROWS=rows, COLS=cols,
+            BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=8)
+    return out
 
 
 def _cast_outputs(t: Tensor, fp8_dtype: torch.dtype, tensorwise: bool, rows: bool, cols: bool,
@@ -253,6 +196,10 @@ def _pointer(tensor: Optional[Tensor], like: Tensor) -> Tensor:
     return tensor if tensor is not None else unused_pointer(like)
 
 
+def _grid(t: Tensor) -> tuple[int, int]:
+    return triton.cdiv(t.shape[0], _BLOCK_R), triton.cdiv(t.shape[1], _BLOCK_C)
+
+
 def _scale_of(amax: Tensor, fp8_max: float) -> Tensor:
     # Tensor / tensor: ``fp8_max / amax`` with a Python scalar numerator is computed as
     # ``amax.reciprocal() * fp8_max``, one rounding off from the kernels' correctly rounded division.
@@ -260,8 +207,8 @@ def _scale_of(amax: Tensor, fp8_max: float) -> Tensor:
     return torch.full_like(amax, fp8_max) / amax
 
 
-def _cast_reference(t: Tensor, amax: Amax, rows: bool, cols: bool, cols_multiple: int, fp8_dtype: torch.dtype,
-                    fp8_max: float) -> Float8Cast:
+def _cast_reference(t: Tensor, amax: Amax, fp8_dtype: torch.dtype, fp8_max: float, rows: bool, cols: bool,
+                    cols_multiple: int) -> Float8Cast:
     """The PyTorch path: the same formulas as the kernels, on any device."""
     x = t.detach().float()
 
@@ -287,29 +234,13 @@ def _cast_reference(t: Tensor, amax: Amax, rows: bool, cols: bool, cols_multiple
 
 @jit
 def _abs_max_kernel(
-    X0, X1,  # the operands, (n_rows, n_cols) each: grid axis 2 picks one (only X0 unless PAIRED)
-    AMAX,  # fp32, zeroed: per operand, at tensor_at max |x| (if TENSOR), from rows_at that of each row (if
-           # ROWS), from cols_at that of each column (if COLS)
-    n_rows0, n_cols0, stride_r0, stride_c0, n_rows1, n_cols1, stride_r1, stride_c1,
-    rows_at0, cols_at0, tensor_at1, rows_at1, cols_at1,
-    TENSOR: tl.constexpr, ROWS0: tl.constexpr, COLS0: tl.constexpr, ROWS1: tl.constexpr, COLS1: tl.constexpr,
-    STEPS0: tl.constexpr, STEPS1: tl.constexpr, PAIRED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    X,  # (n_rows, n_cols) input
+    AMAX,  # fp32, zeroed: at 0 max |x| over the tensor (if TENSOR), from rows_at the max |x| of each of the
+           # n_rows rows (if ROWS), from cols_at that of each of the n_cols columns (if COLS)
+    n_rows, n_cols, stride_r, stride_c, rows_at, cols_at,
+    TENSOR: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, STEPS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """The grid spans the larger operand in each dimension; a program outside its operand reads nothing."""
-    operand = tl.program_id(2)
-    if operand == 0:
-        _abs_max_strip(X0, AMAX, 0, rows_at0, cols_at0, n_rows0, n_cols0, stride_r0, stride_c0,
-                       TENSOR, ROWS0, COLS0, STEPS0, BLOCK_R, BLOCK_C)
-    if PAIRED:
-        if operand == 1:
-            _abs_max_strip(X1, AMAX, tensor_at1, rows_at1, cols_at1, n_rows1, n_cols1, stride_r1, stride_c1,
-                           TENSOR, ROWS1, COLS1, STEPS1, BLOCK_R, BLOCK_C)
-
-
-@jit
-def _abs_max_strip(X, AMAX, tensor_at, rows_at, cols_at, n_rows, n_cols, stride_r, stride_c,
-                   TENSOR: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, STEPS: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Each program walks STEPS tiles down one column strip, so the column (and tensor) maxima cost one
     atomic per STEPS tiles; each row's maximum costs one atomic per strip.
 
@@ -317,30 +248,25 @@ def _abs_max_strip(X, AMAX, tensor_at, rows_at, cols_at, n_rows, n_cols, stride_
     once, after the walk: reducing each step's tile over its rows (a cross-warp reduction through shared
     memory per step) made this kernel 3x slower than reading the tensor (H100 profile, forward + backward
     of a tensorwise FP8 linear at (M, K, N) = (8192, 2048, 11264): 114 us per call against ~40 us of memory
-    traffic, a quarter of the layer's time).
-
-    The stores happen here, to AMAX only: Inductor's TTIR analysis follows a helper's writes argument by
-    argument, so X stays read-only to it (tests/test_cudagraph_safety.py)."""
-    first_row = tl.program_id(0) * STEPS * BLOCK_R
+    traffic, a quarter of the layer's time)."""
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < n_cols
-    if (first_row < n_rows) & (tl.program_id(1) * BLOCK_C < n_cols):
-        col_offsets = cols.to(tl.int64)[None, :] * stride_c
-        strip_max = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
-        for step in range(STEPS):
-            rows = first_row + step * BLOCK_R + tl.arange(0, BLOCK_R)
-            row_mask = rows < n_rows
-            mask = row_mask[:, None] & col_mask[None, :]
-            a = tl.abs(tl.load(X + rows.to(tl.int64)[:, None] * stride_r + col_offsets, mask=mask, other=0.0)
-                       .to(tl.float32))
-            if ROWS:
-                tl.atomic_max(AMAX + rows_at + rows, tl.max(a, axis=1), mask=row_mask)
-            strip_max = tl.maximum(strip_max, a)
-        col_max = tl.max(strip_max, axis=0)
-        if TENSOR:
-            tl.atomic_max(AMAX + tensor_at, tl.max(col_max, axis=0))
-        if COLS:
-            tl.atomic_max(AMAX + cols_at + cols, col_max, mask=col_mask)
+    col_offsets = cols.to(tl.int64)[None, :] * stride_c
+    strip_max = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    for step in range(STEPS):
+        rows = (tl.program_id(0) * STEPS + step) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        a = tl.abs(tl.load(X + rows.to(tl.int64)[:, None] * stride_r + col_offsets, mask=mask, other=0.0)
+                   .to(tl.float32))
+        if ROWS:
+            tl.atomic_max(AMAX + rows_at + rows, tl.max(a, axis=1), mask=row_mask)
+        strip_max = tl.maximum(strip_max, a)
+    col_max = tl.max(strip_max, axis=0)
+    if TENSOR:
+        tl.atomic_max(AMAX, tl.max(col_max, axis=0))
+    if COLS:
+        tl.atomic_max(AMAX + cols_at + cols, col_max, mask=col_mask)
 
 
 @jit
@@ -374,30 +300,6 @@ def _quantize_tile(x, AMAX, INV, index, index_mask, writes_inv, AXIS: tl.constex
 
 @jit
 def _cast_kernel(
-    # operand 0, then the same nine pointers and sizes of operand 1 (used only if PAIRED): grid axis 2 picks one
-    X0, OUT0, OUT_T0, ROW_AMAX0, COL_AMAX0, ROW_INV0, COL_INV0,
-    n_rows0, n_cols0, stride_r0, stride_c0, stride_out0, stride_out_t0,
-    X1, OUT1, OUT_T1, ROW_AMAX1, COL_AMAX1, ROW_INV1, COL_INV1,
-    n_rows1, n_cols1, stride_r1, stride_c1, stride_out1, stride_out_t1,
-    FP8_MAX: tl.constexpr, EPS: tl.constexpr, TENSORWISE: tl.constexpr, ROWS0: tl.constexpr, COLS0: tl.constexpr,
-    ROWS1: tl.constexpr, COLS1: tl.constexpr, PAIRED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """The grid spans the larger operand in each dimension; a program outside its operand stores nothing.
-    Without PAIRED operand 1's code is not generated, so its arguments (operand 0's again) are never written
-    as far as Inductor's analysis can see either."""
-    operand = tl.program_id(2)
-    if operand == 0:
-        _cast_tile(X0, OUT0, OUT_T0, ROW_AMAX0, COL_AMAX0, ROW_INV0, COL_INV0, n_rows0, n_cols0, stride_r0,
-                   stride_c0, stride_out0, stride_out_t0, FP8_MAX, EPS, TENSORWISE, ROWS0, COLS0, BLOCK_R, BLOCK_C)
-    if PAIRED:
-        if operand == 1:
-            _cast_tile(X1, OUT1, OUT_T1, ROW_AMAX1, COL_AMAX1, ROW_INV1, COL_INV1, n_rows1, n_cols1, stride_r1,
-                       stride_c1, stride_out1, stride_out_t1, FP8_MAX, EPS, TENSORWISE, ROWS1, COLS1, BLOCK_R,
-                       BLOCK_C)
-
-
-@jit
-def _cast_tile(
     X,  # (n_rows, n_cols) input
     OUT,  # (n_rows, n_cols) float8, row stride stride_out: x scaled per row (if ROWS)
     OUT_T,  # (n_cols, >= n_rows) float8, row stride stride_out_t: x transposed, scaled per column (if COLS)

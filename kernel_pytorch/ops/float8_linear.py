@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from kernel_pytorch.ops.float8_cast import EPS, FLOAT8_DTYPES, Amax, abs_max, abs_max_each, cast, cast_each
+from kernel_pytorch.ops.float8_cast import EPS, FLOAT8_DTYPES, Amax, abs_max, cast
 from kernel_pytorch.ops.triton_utils import eager_launches, plain_eager
 
 __all__ = ["Float8Linear", "float8_linear", "float8_eligible", "float8_hardware_reason", "float8_dtypes_for",
@@ -168,16 +168,12 @@ def float8_mm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: str
     if x_amax is not None and not tensorwise:
         raise ValueError("x_amax (the input's maximum, computed by its producer) is for the tensorwise recipe: "
                          "rowwise scales need the maxima of x's rows and columns")
-    # x's and W's maxima in one launch and their casts in another (float8_cast: launches are host time). The
-    # transposed layouts: x scaled along M for grad_weight (M padded to 16), W along N for grad_input (N is a
-    # multiple of 16: float8_eligible).
-    transposed = (weight_grad, input_grad)
-    if x_amax is None:
-        x_max, w_max = abs_max_each((x, weight), tensorwise, rows=(True, True), cols=transposed)
-    else:
-        x_max, w_max = Amax(tensor=x_amax), abs_max(weight, tensorwise, rows=True, cols=input_grad)
-    x_q, w_q = cast_each((x, weight), (x_max, w_max), forward_dtype, rows=(True, True), cols=transposed,
-                         cols_multiple=(FP8_ALIGNMENT, 1))
+    x_max = Amax(tensor=x_amax) if x_amax is not None else abs_max(x, tensorwise, rows=True, cols=weight_grad)
+    # scales along K for the forward, along M for grad_weight
+    x_q = cast(x, x_max, forward_dtype, rows=True, cols=weight_grad, cols_multiple=FP8_ALIGNMENT)
+    # scales along K for the forward, along N for grad_input (N is a multiple of 16: float8_eligible)
+    w_q = cast(weight, abs_max(weight, tensorwise, rows=True, cols=input_grad), forward_dtype, rows=True,
+               cols=input_grad)
     out = _mm(x_q.rows, x_q.rows_inv, w_q.rows, w_q.rows_inv, x.dtype, emulate, bias, fast_accum=True)
     x_t, x_t_inv = (x_q.cols, x_q.cols_inv) if weight_grad else _nothing_saved(x, forward_dtype)
     w_t, w_t_inv = (w_q.cols, w_q.cols_inv) if input_grad else _nothing_saved(x, forward_dtype)

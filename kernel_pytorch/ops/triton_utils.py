@@ -45,7 +45,7 @@ def launch(kernel):
     which lets Inductor call it from generated code. Where wrapping is off (a ``triton_op`` body running
     eagerly, where PyTorch turns it off, or an op's body called under :func:`eager_launches`), the wrapper
     would only forward to ``kernel[grid]``: the kernel itself then, since building the wrapper and indexing
-    it cost 22.5 us of host time per launch against 0.4 us (measured on the development CPU), 4 launches per
+    it cost 22.5 us of host time per launch against 0.4 us (measured on the development CPU), 6 launches per
     FP8 linear forward + backward. Under Triton's interpreter (an
     ``InterpretedFunction``, which ``wrap_triton`` refuses) the kernel itself, skipped on fake tensors: the
     body's outputs are allocated before the launch, so tracing it for shapes needs no kernel run."""
