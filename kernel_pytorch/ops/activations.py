@@ -251,13 +251,13 @@ def _tiling(n_rows, n_cols, block: int = _BLOCK) -> tuple[int, int, int]:
         # One row (the flat view of contiguous inputs: one compiled tile for every size), or sizes that are
         # symbolic under torch.compile(dynamic=True): full-width tiles, no specialization on the size.
         block_n = block
-    return block // block_n, block_n, tu.triton.cdiv(n_cols, block_n)
+    return block // block_n, block_n, tu.cdiv(n_cols, block_n)
 
 
 def _programs(view: Tensor, block: int = _BLOCK) -> int:
     """Programs (tiles) of a launch over ``view``."""
     rows, _, n_col_blocks = _tiling(*view.shape, block)
-    return tu.triton.cdiv(view.shape[0], rows) * n_col_blocks
+    return tu.cdiv(view.shape[0], rows) * n_col_blocks
 
 
 def _launch(kernel, views: list, kind: str, dtype: torch.dtype, *extra, block: int = _BLOCK,

@@ -157,7 +157,7 @@ def layer_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Te
     r2 = tu.as_rows(residual) if residual is not None else unused(x)
     h2 = h.view(-1, hidden) if h is not None else unused(x)
     with tu.device_guard(x):
-        tu.launch(_layer_norm_fwd_kernel)[(tu.triton.cdiv(n_rows, tile.rows),)](
+        tu.launch(_layer_norm_fwd_kernel)[(tu.cdiv(n_rows, tile.rows),)](
             x2, r2, h2,
             weight.contiguous() if weight is not None else unused(x),
             bias.contiguous() if bias is not None else unused(x),
@@ -185,10 +185,10 @@ def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Option
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return dx, (torch.zeros_like(weight) if weight_grad else None), (torch.zeros_like(bias) if bias_grad else None)
-    n_tiles = tu.triton.cdiv(n_rows, tile.rows)
+    n_tiles = tu.cdiv(n_rows, tile.rows)
     programs = n_programs or tu.reduction_programs(x.device, n_tiles, tile.num_warps)
-    rows_per_program = tu.triton.cdiv(n_tiles, programs) * tile.rows
-    programs = tu.triton.cdiv(n_rows, rows_per_program)
+    rows_per_program = tu.cdiv(n_tiles, programs) * tile.rows
+    programs = tu.cdiv(n_rows, rows_per_program)
     acc = tu.acc_dtype(x.dtype)
     dx2 = dx.view(-1, hidden)
     unused = tu.unused_pointer

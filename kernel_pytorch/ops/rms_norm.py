@@ -153,7 +153,7 @@ def rms_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, residual: Optional[
     rstd = torch.empty(x.shape[:-1], dtype=tu.acc_dtype(x.dtype), device=x.device)
     if n_rows == 0:
         return y, h, rstd, (tensor_abs_max(y) if fp8_amax else None)  # the maximum of nothing: 0
-    programs = tu.triton.cdiv(n_rows, tile.rows)
+    programs = tu.cdiv(n_rows, tile.rows)
     partial = torch.empty(programs, dtype=torch.float32, device=x.device) if fp8_amax else None
     y2 = y.view(-1, hidden)
     r2 = tu.as_rows(residual) if residual is not None else tu.unused_pointer(x)
@@ -191,10 +191,10 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, 
     if n_rows == 0:
         dw = torch.zeros_like(weight) if weight_grad else None
         return (dx, dw, tensor_abs_max(dx)) if fp8_amax else (dx, dw)  # the maximum of nothing: 0
-    n_tiles = tu.triton.cdiv(n_rows, tile.rows)
+    n_tiles = tu.cdiv(n_rows, tile.rows)
     programs = n_programs or tu.reduction_programs(x.device, n_tiles, tile.num_warps)
-    rows_per_program = tu.triton.cdiv(n_tiles, programs) * tile.rows
-    programs = tu.triton.cdiv(n_rows, rows_per_program)
+    rows_per_program = tu.cdiv(n_tiles, programs) * tile.rows
+    programs = tu.cdiv(n_rows, rows_per_program)
     acc = tu.acc_dtype(x.dtype)
     dx2 = dx.view(-1, hidden)
     partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if weight_grad else tu.unused_pointer(rstd)

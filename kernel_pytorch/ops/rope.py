@@ -230,8 +230,8 @@ def _launch(xq: Tensor, xk: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
     _, sk = _as_4d(xk, sin)
     n_q, n_k = q4.shape[0] * q4.shape[1] * q4.shape[2], k4.shape[0] * k4.shape[1] * k4.shape[2]
     tile = _rope_tile(head_dim, rotary_dim, max(n_q, n_k) if isinstance(n_q, int) else None)
-    q_programs = tu.triton.cdiv(n_q, tile.rows)
-    programs = q_programs + tu.triton.cdiv(n_k, tile.rows)
+    q_programs = tu.cdiv(n_q, tile.rows)
+    programs = q_programs + tu.cdiv(n_k, tile.rows)
     if programs == 0:
         return yq, yk
     # cos and sin have one shape and one set of strides (made so above), so their expansions do too.
