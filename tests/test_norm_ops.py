@@ -605,7 +605,7 @@ def test_gpu_opcheck_triton_path(cuda):
     x = torch.randn(64, 1000, device=cuda, requires_grad=True)
     r = torch.randn(64, 1000, device=cuda)
     w, b = (torch.randn(1000, device=cuda, requires_grad=True) for _ in range(2))
-    torch.library.opcheck(torch.ops.kernel_pytorch.rms_norm.default, (x, w, r, 1e-6, True, False))
+    torch.library.opcheck(torch.ops.kernel_pytorch.rms_norm.default, (x, w, r, 1e-6, True, False, None))
     torch.library.opcheck(torch.ops.kernel_pytorch.layer_norm.default, (x, w, b, r, 1e-5))
 
 
