@@ -93,6 +93,8 @@ class HardwareInfo(BaseModel):
     cudnn_attention: bool = Field(False, description="cuDNN fused SDPA usable (cuDNN >= 9, sm_80+).")
     cudnn_version: Optional[int] = None
     flash_attn_version: Optional[str] = None
+    cudnn_frontend_version: Optional[str] = Field(None, description="nvidia-cudnn-frontend, whose torch ops "
+                                                  "run cuDNN's sliding-window attention (kernel 'cudnn_band').")
     transformer_engine_version: Optional[str] = None
     triton_version: Optional[str] = None
     triton_usable: bool = Field(False, description="Triton installed and a GPU backend for it present.")
@@ -483,6 +485,7 @@ def detect_hardware(device: str = "auto") -> HardwareInfo:
     return HardwareInfo(
         **found.fields,
         flash_attn_version=_package_version("flash-attn", "flash_attn"),
+        cudnn_frontend_version=_package_version("nvidia-cudnn-frontend"),
         transformer_engine_version=_package_version("transformer-engine", "transformer_engine"),
         triton_version=triton_version,
         # Triton compiles for NVIDIA, AMD and (with torch's pytorch-triton-xpu) Intel GPUs; on a CPU it

@@ -71,8 +71,10 @@ def test_eligibility_reasons_name_the_limit():
     # FlexAttention's template takes any head dim in [16, 256] (padded to a power of two, masked loads);
     # it is measured on a GPU, never the unmeasured pick (test_flex_is_never_the_unmeasured_pick).
     assert eligible == ["flex", "sdpa"]
-    assert all("multiple of 8" in reason for kernel, reason in rejected.items() if kernel != "flash_attn")
+    assert all("multiple of 8" in reason for kernel, reason in rejected.items()
+               if kernel not in ("flash_attn", "cudnn_band"))
     assert "not installed" in rejected["flash_attn"]
+    assert "causal sliding window" in rejected["cudnn_band"]  # no recognized window: not its problem
 
 
 def test_an_old_gpu_gets_neither_cudnn_nor_flash():
@@ -97,7 +99,8 @@ def _rejections(hardware, *tensors, causal=False, dropout_p=0.0, training=False,
 
 
 def test_preference_order_per_vendor():
-    assert dispatch.PREFERENCE["nvidia"] == ("cudnn", "flash_attn", "flash", "flex", "efficient", "sdpa")
+    assert dispatch.PREFERENCE["nvidia"] == ("cudnn", "flash_attn", "flash", "cudnn_band", "flex", "efficient",
+                                             "sdpa")
     assert dispatch.PREFERENCE["amd"] == ("flash_attn", "flash", "flex", "efficient", "sdpa")
     assert "cudnn" not in dispatch.PREFERENCE["amd"]
     for vendor in ("cpu", "intel", "tpu"):

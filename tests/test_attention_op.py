@@ -230,7 +230,7 @@ def test_unknown_kernel_names_the_valid_ones():
 def test_kernel_device():
     assert {name: kernel_device(name) for name in ATTENTION_KERNELS} == {
         "sdpa": "any", "cudnn": "cuda", "flash": "cuda", "efficient": "cuda", "cpu_flash": "cpu", "flex": "any",
-        "flash_attn": "cuda"}
+        "flash_attn": "cuda", "cudnn_band": "cuda"}
 
 
 def test_mask_requiring_grad_is_refused_by_kernels_without_a_mask_gradient():

@@ -19,7 +19,9 @@ measurement, never as an unmeasured guess.
 
 A block-structured mask the attention pass recognized (a sliding window, a band, documents, a block-sparse
 mask: ``sparsity``) makes FlexAttention eligible with that pattern in place of the mask tensor; the dense
-kernels still get the tensor. Sparse masks are where FlexAttention wins (DESIGN.md: sliding window 1024 at
+kernels still get the tensor. A causal sliding window also makes ``"cudnn_band"`` eligible where the cuDNN
+frontend is installed (:mod:`kernel_pytorch.attention.cudnn_band`: cuDNN's own banded kernel, 1.8x
+FlexAttention's speed at L=16384 on the H100). Sparse masks are where FlexAttention wins (DESIGN.md: sliding window 1024 at
 L=16384, 6.66x dense causal flash), so there it is measured against the fused kernels, from
 :data:`SPARSE_MIN_LENGTH` on; below it, the dense kernels are kept unmeasured against it.
 """
@@ -34,12 +36,13 @@ from typing import Callable, Optional
 
 import torch
 
+from kernel_pytorch.attention.cudnn_band import CUDNN_BAND_MAX_HEAD_DIM, band_window
 from kernel_pytorch.attention.flex import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM
 from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.timing import fastest_cuda_ms
 
 __all__ = ["AttentionProblem", "choose_kernel", "eligible_kernels", "PREFERENCE", "MEASURED_ONLY",
-           "SPARSE_MIN_LENGTH"]
+           "SPARSE_MIN_LENGTH", "PATTERN_KERNELS"]
 
 # Kernels each vendor may use, fastest-first as measured or documented; "sdpa" (PyTorch's own
 # dispatch) is always last, the universal fallback.
@@ -50,9 +53,9 @@ __all__ = ["AttentionProblem", "choose_kernel", "eligible_kernels", "PREFERENCE"
 # forward speed) and before the memory-efficient kernel, which both flash kernels beat. flex's place only
 # orders the measured candidates' listing: it is never the unmeasured pick (MEASURED_ONLY).
 # amd: no cuDNN; flash-attn's ROCm build (CK or Triton backend) and FlexAttention (Triton runs on ROCm)
-# in the same order as on NVIDIA.
+# in the same order as on NVIDIA. cudnn_band (a causal sliding window only) before flex: both are measured.
 PREFERENCE: dict[str, tuple[str, ...]] = {
-    "nvidia": ("cudnn", "flash_attn", "flash", "flex", "efficient", "sdpa"),
+    "nvidia": ("cudnn", "flash_attn", "flash", "cudnn_band", "flex", "efficient", "sdpa"),
     "amd": ("flash_attn", "flash", "flex", "efficient", "sdpa"),
     # PyTorch's CPU dispatch already picks its flash kernel where eligible; going through it keeps
     # mask gradients and dropout available.
@@ -61,10 +64,13 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     "tpu": ("sdpa",),  # XLA lowers SDPA itself
 }
 
+# Kernels that take a recognized mask pattern instead of the mask tensor.
+PATTERN_KERNELS = frozenset({"flex", "cudnn_band"})
 # Kernels taken only when a measurement on the GPU found them fastest, never as the unmeasured first
 # eligible kernel: FlexAttention is fused only inside a compiled graph, and whether it beats the
 # hand-written kernels depends on the shapes (and, eagerly, it is the unfused reference).
-MEASURED_ONLY = frozenset({"flex"})
+# cudnn_band computes only the windows the pass recognized, whose dense kernels it must beat by measurement.
+MEASURED_ONLY = frozenset({"flex", "cudnn_band"})
 # Fused kernels that make measuring FlexAttention not worth it. Its measurement compiles it, and inside
 # optimize's own compile that took over 3 minutes per problem on an H100 (a 2-layer Llama-style model
 # never finished optimizing); on dense and causal masks it was also the slower kernel (DESIGN.md, hd128
@@ -89,6 +95,8 @@ _HALF = (torch.float16, torch.bfloat16)
 # (Dao-AILab/flash-attention PR #1139, merged after 2.6.3): older ones call their CUDA extension directly,
 # which torch.compile cannot trace (a graph break; an error with fullgraph=True or under AOTAutograd).
 _FLASH_ATTN_MIN_VERSION = (2, 7)
+# nvidia-cudnn-frontend 1.32 is the first release whose wheel registers torch.ops.cudnn.sdpa_fwd / sdpa_bwd.
+_CUDNN_FRONTEND_MIN_VERSION = (1, 32)
 # flash-attn's README: head dim > 192 backward with dropout needs A100/H100-class shared memory (sm80/sm90).
 _FLASH_ATTN_BIG_HEAD_BWD_CC = ((8, 0), (9, 0))
 # Relative error (norm) a fused kernel may show against the math kernel on the same bf16/fp16 inputs;
@@ -146,6 +154,8 @@ def _why_not(kernel: str, p: AttentionProblem, hardware: HardwareInfo) -> str | 
         return _why_not_flex(p, hardware)
     if kernel == "flash_attn":
         return _why_not_flash_attn(p, hardware)
+    if kernel == "cudnn_band":
+        return _why_not_cudnn_band(p, hardware)
     if kernel in ("cudnn", "flash") and p.dtype not in _HALF:
         return f"{kernel} needs fp16/bf16, not {p.dtype}"
     if kernel == "efficient" and p.dtype not in (*_HALF, torch.float32):
@@ -227,6 +237,32 @@ def _why_not_flash_attn(p: AttentionProblem, hardware: HardwareInfo) -> str | No
             return "flash_attn needs compute capability >= 8.0 (FlashAttention-2)"
         if p.training and p.dropout and p.head_dim > 192 and cc not in _FLASH_ATTN_BIG_HEAD_BWD_CC:
             return "flash_attn's backward for head dim > 192 with dropout needs an sm80/sm90 GPU"
+    return None
+
+
+def _why_not_cudnn_band(p: AttentionProblem, hardware: HardwareInfo) -> str | None:
+    """The cuDNN frontend's banded attention: a causal sliding window, equal lengths, cuDNN's dtypes and head
+    dims (what :mod:`kernel_pytorch.attention.cudnn_band` was checked on)."""
+    cc = hardware.compute_capability
+    pattern = None if p.sparsity is None else p.sparsity[:3]
+    if band_window(pattern, p.q_shape[-2], p.k_shape[-2]) is None:
+        return "cudnn_band computes a causal sliding window (a recognized band 0 <= i - j <= w, Lq == Lk) only"
+    if hardware.cudnn_frontend_version is None:
+        return "cudnn_band: the nvidia-cudnn-frontend package is not installed (extra 'cudnn')"
+    if _version_tuple(hardware.cudnn_frontend_version) < _CUDNN_FRONTEND_MIN_VERSION:
+        return (f"cudnn_band: nvidia-cudnn-frontend {hardware.cudnn_frontend_version} is older than 1.32, the first "
+                "with the torch ops it calls")
+    if p.dropout:
+        return "cudnn_band has no dropout"
+    if p.mask_requires_grad:
+        return "cudnn_band returns no gradient for the mask"
+    if p.dtype not in _HALF:
+        return f"cudnn_band needs fp16/bf16, not {p.dtype}"
+    if p.head_dim > CUDNN_BAND_MAX_HEAD_DIM or p.head_dim % 8 or p.value_dim != p.head_dim:
+        return (f"cudnn_band needs equal q/k and v head dims, multiples of 8, <= {CUDNN_BAND_MAX_HEAD_DIM} "
+                f"(got {p.head_dim} and {p.value_dim})")
+    if hardware.vendor != "nvidia" or not hardware.cudnn_attention or cc is None or cc < (8, 0):
+        return "cudnn_band needs cuDNN attention on an NVIDIA GPU of compute capability >= 8.0"
     return None
 
 
@@ -399,7 +435,7 @@ def _sparse_mask(p: AttentionProblem) -> dict:
 
 def _run(attention, inputs, kernel: str, p: AttentionProblem, *, with_dropout: bool) -> torch.Tensor:
     pattern = {"pattern": inputs["pattern"], "pattern_tensor": inputs["pattern_tensor"]} \
-        if kernel == "flex" and "pattern" in inputs else {}
+        if kernel in PATTERN_KERNELS and "pattern" in inputs else {}
     out = attention(inputs["q"], inputs["k"], inputs["v"], None if pattern else inputs["mask"],
                     dropout_p=0.1 if (p.dropout and with_dropout) else 0.0, is_causal=p.is_causal,
                     enable_gqa=p.enable_gqa, kernel=kernel, **pattern)

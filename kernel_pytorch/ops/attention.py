@@ -37,7 +37,7 @@ Head-dim and sequence-length limits are the dispatcher's business: the aten kern
 2.11, E % 8 != 0 in fp16/bf16 for cudnn and efficient; flash gets E padded to a multiple of 8, as SDPA
 does it).
 
-Two kernels do not go through the custom ops, because they already trace and differentiate under
+Three kernels do not go through the custom ops, because they already trace and differentiate under
 torch.compile on their own:
 
 * ``flex``: PyTorch's FlexAttention (:mod:`kernel_pytorch.attention.flex`), with a top-left causal
@@ -48,6 +48,10 @@ torch.compile on their own:
 * ``flash_attn``: the flash-attn package's ``flash_attn_func`` (:mod:`kernel_pytorch.attention.flash_attn`),
   imported on first use. CUDA/ROCm, fp16/bf16, native GQA, dropout; no ``attn_mask``, and no
   ``is_causal`` with Lq != Lk (flash-attn aligns it to the bottom right), both ``ValueError``.
+* ``cudnn_band``: cuDNN's causal sliding-window attention through the cuDNN frontend's torch ops
+  (:mod:`kernel_pytorch.attention.cudnn_band`), given the window as the mask pattern ``("band", 0, w - 1)``
+  and nothing else: CUDA, fp16/bf16, native GQA, Lq == Lk; no ``attn_mask``, no ``is_causal`` (the band is
+  causal), no dropout, all ``ValueError``.
 """
 
 from __future__ import annotations
@@ -59,19 +63,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernel_pytorch.attention.cudnn_band import band_window, cudnn_band_forward
 from kernel_pytorch.attention.flash_attn import flash_attn_forward
 from kernel_pytorch.attention.flex import flex_attention_forward
 
 __all__ = ["attention", "ATTENTION_KERNELS", "kernel_device", "to_4d"]
 
-ATTENTION_KERNELS = ("sdpa", "cudnn", "flash", "efficient", "cpu_flash", "flex", "flash_attn")
+ATTENTION_KERNELS = ("sdpa", "cudnn", "flash", "efficient", "cpu_flash", "flex", "flash_attn", "cudnn_band")
 
 # "flex" is "any": FlexAttention runs where PyTorch has it (CUDA/ROCm fused when compiled; CPU forward only).
 _DEVICE = {"sdpa": "any", "cudnn": "cuda", "flash": "cuda", "efficient": "cuda", "cpu_flash": "cpu", "flex": "any",
-           "flash_attn": "cuda"}
+           "flash_attn": "cuda", "cudnn_band": "cuda"}
 # Kernels called directly by attention(), not through the custom ops: each traces under torch.compile and
-# has its own autograd (FlexAttention's higher-order op; flash-attn's own custom ops).
-_DIRECT = frozenset({"flex", "flash_attn"})
+# has its own autograd (FlexAttention's higher-order op; flash-attn's and the cuDNN frontend's custom ops).
+_DIRECT = frozenset({"flex", "flash_attn", "cudnn_band"})
+# Kernels given a recognized mask pattern instead of a mask tensor.
+_PATTERN_KERNELS = frozenset({"flex", "cudnn_band"})
+_HALF = (torch.float16, torch.bfloat16)
 _FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_ATTN_MAX_HEAD_DIM = 256
 
@@ -342,9 +350,9 @@ def attention(
         out = attention(q, k, v, is_causal=True, enable_gqa=True, kernel="cpu_flash")  # (2, 8, 128, 64)
     """
     _check_kernel_name(kernel)
-    if (pattern is not None or pattern_tensor is not None) and kernel != "flex":
-        raise ValueError(f"a mask pattern is computed by kernel 'flex' only (got kernel={kernel!r}); pass the mask "
-                         "as attn_mask to the other kernels")
+    if (pattern is not None or pattern_tensor is not None) and kernel not in _PATTERN_KERNELS:
+        raise ValueError(f"a mask pattern is computed by kernels 'flex' and 'cudnn_band' only (got kernel={kernel!r}); "
+                         "pass the mask as attn_mask to the other kernels")
     if kernel == "sdpa":
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
@@ -378,8 +386,9 @@ def _direct_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
         # FlexAttention could read a mask tensor in a score_mod, but slower than the kernels taking a bias.
         raise ValueError(f"attention kernel {kernel!r} takes no attn_mask; use one of "
                          f"{', '.join(sorted(_TAKES_MASK))} or 'sdpa'")
-    if kernel == "flex" and dropout_p != 0.0:
-        raise ValueError(f"attention kernel 'flex' has no dropout (got dropout_p={dropout_p}); use another kernel")
+    if kernel in ("flex", "cudnn_band") and dropout_p != 0.0:
+        raise ValueError(f"attention kernel {kernel!r} has no dropout (got dropout_p={dropout_p}); use another kernel")
+    window = _cudnn_band_window(q, k, is_causal, pattern, pattern_tensor) if kernel == "cudnn_band" else None
     if kernel == "flash_attn":
         if is_causal and q.shape[-2] != k.shape[-2]:
             raise ValueError("attention kernel 'flash_attn' aligns is_causal to the bottom right when Lq != Lk, SDPA "
@@ -396,9 +405,26 @@ def _direct_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
     if kernel == "flex":
         out = flex_attention_forward(q, k, v, is_causal=is_causal, scale=scale, pattern=pattern,
                                      pattern_tensor=pattern_tensor)
+    elif kernel == "cudnn_band":
+        out = cudnn_band_forward(q, k, v, window=window, scale=scale)
     else:
         out = flash_attn_forward(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
     return out.reshape(out_shape)
+
+
+def _cudnn_band_window(q: Tensor, k: Tensor, is_causal: bool, pattern: Optional[tuple],
+                       pattern_tensor: Optional[Tensor]) -> int:
+    """The window of a ``cudnn_band`` call, refusing what it does not compute (see the module docstring)."""
+    window = band_window(pattern, q.shape[-2], k.shape[-2])
+    if window is None or is_causal or pattern_tensor is not None:
+        raise ValueError("attention kernel 'cudnn_band' computes a causal sliding window given as the pattern "
+                         f"('band', 0, w - 1) with Lq == Lk and no is_causal (got pattern={pattern!r}, "
+                         f"is_causal={is_causal}, Lq={q.shape[-2]}, Lk={k.shape[-2]})")
+    if q.dtype not in _HALF:
+        raise ValueError(f"attention kernel 'cudnn_band' supports float16 and bfloat16, got {q.dtype}")
+    if q.device.type not in ("cuda", "meta"):
+        raise ValueError(f"attention kernel 'cudnn_band' runs on cuda tensors, got {q.device.type}")
+    return window
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None:

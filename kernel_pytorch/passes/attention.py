@@ -45,9 +45,10 @@ What is matched, and how each part is decided:
 * **Block-structured masks** (:mod:`kernel_pytorch.passes.mask_pattern`): a single mask term that is not
   causal is classified the same way (evaluated, or for document masks checked on probe document ids) as a
   band / sliding window, a document mask, or a block-sparse mask. The dispatcher then chooses between the
-  dense kernels (the mask tensor, as before) and FlexAttention with the pattern (``kernel="flex",
-  pattern=..., pattern_tensor=...``, no mask tensor, the BlockMask built once per shape and pattern); only
-  the latter relies on the pattern, so only then does a pattern from sizes or buffers carry its guard.
+  dense kernels (the mask tensor, as before) and the kernels that take the pattern instead
+  (``kernel="flex"`` or, for a causal sliding window with the cuDNN frontend installed, ``"cudnn_band"``;
+  ``pattern=..., pattern_tensor=...``, no mask tensor, FlexAttention's BlockMask built once per shape and
+  pattern); only those rely on the pattern, so only then does a pattern from sizes or buffers carry its guard.
   The report line names what was recognized either way.
 * **Softmax**: over the last axis only (``-1`` or ``ndim - 1``), computed in float32 (``dtype=`` or an
   upcast) and cast back: fused kernels accumulate in float32.
@@ -85,6 +86,7 @@ import torch
 import torch.fx
 from torch.fx import Node
 
+from kernel_pytorch.attention.dispatch import PATTERN_KERNELS
 from kernel_pytorch.attention.flex import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM
 from kernel_pytorch.attention.topk_sparse import TOPK_ERROR_QUERY_BLOCKS, sparse_or_dense_attention, topk_relative_error
 from kernel_pytorch.ops.attention import attention, to_4d
@@ -350,7 +352,7 @@ class AttentionPass(GraphPass):
                                      sparsity=None if pattern is None else pattern.sparsity)
         kwargs = {"dropout_p": match.dropout_p, "is_causal": plan.is_causal, "scale": match.scale,
                   "enable_gqa": match.enable_gqa, "kernel": kernel}
-        if pattern is not None and kernel == "flex":
+        if pattern is not None and kernel in PATTERN_KERNELS:
             kwargs.update(_pattern_arguments(plan.pattern, mask, builder))
             plan.dead_when_causal += [*plan.pattern.dead, *(set(graph.nodes) - before_mask)]
             plan.guard, plan.description, mask = plan.pattern.guard, f"mask {pattern.describe()}", None
