@@ -211,6 +211,16 @@ def _cpu_problem(**kwargs):
                                          training=False, **kwargs)
 
 
+def test_a_training_problem_is_measured_with_gradients_even_when_they_are_off(monkeypatch):
+    monkeypatch.setattr(dispatch, "fastest_cuda_ms", lambda fns: {k: (fn(), 1.0)[1] for k, fn in fns.items()})
+    problem = AttentionProblem.from_tensors(torch.empty(2, 8, 64, 32), torch.empty(2, 2, 64, 32),
+                                            torch.empty(2, 2, 64, 32), None, is_causal=True, dropout_p=0.0,
+                                            enable_gqa=True, training=True)
+    with torch.no_grad():
+        timings, failures = dispatch._measure(problem, ["cpu_flash", "sdpa"])
+    assert not failures and set(timings) == {"cpu_flash", "sdpa"}, failures
+
+
 def test_measurement_compiles_flex_and_times_it(monkeypatch):
     timed = []
     monkeypatch.setattr(dispatch, "fastest_cuda_ms", lambda fns: {k: (fn(), timed.append(1), float(len(timed)))[2]

@@ -139,11 +139,12 @@ def test_gpu_forward_and_gradients_match_the_masked_reference(dtype, kv_heads, t
     same_dtype = [t.detach().requires_grad_() for t in (q, k, v)]
     sdpa = F.scaled_dot_product_attention(*same_dtype, attn_mask=mask, enable_gqa=gqa)
     baseline = (sdpa, *torch.autograd.grad(sdpa, same_dtype, grad))
+    scale = want[-1].double().norm()  # dv's: never zero
     for name, g, w, base in zip(("out", "dq", "dk", "dv"), got, want, baseline):
-        if w.abs().max() == 0:  # window 1: softmax over one key, dq = dk = 0
-            assert g.abs().max() == 0, name
-            continue
-        assert _rel(g, w) <= 1.1 * _rel(base, w) + 1e-4, (name, _rel(g, w), _rel(base, w))
+        # Absolute norms, so window 1 (softmax over one key: dq = dk = 0 exactly, rounding residue ~1e-6 in
+        # both kernels) is judged on the same footing.
+        error, base_error = (g.double() - w).norm(), (base.double() - w).norm()
+        assert error <= 1.1 * base_error + 1e-4 * scale, (name, float(error), float(base_error))
 
 
 class _SlidingWindowAttention(nn.Module):
@@ -170,9 +171,9 @@ def test_gpu_the_pass_measures_it_for_a_long_window_and_the_model_matches():
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 8, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    module = _SlidingWindowAttention(1024).cuda()
-    model = optimize(_SlidingWindowAttention(1024).cuda(), example_inputs=(q, k, v), compile=False)
-    lines = [r.detail for r in report_of(model).rewrites if r.pass_name == "attention"]
-    assert lines and "cudnn_band " in lines[0], lines  # measured, with its time in the reason
+    module = _SlidingWindowAttention(1024).cuda().eval()
+    model = optimize(_SlidingWindowAttention(1024).cuda().eval(), example_inputs=(q, k, v), compile=False)
+    lines = [r.replacement for r in report_of(model).rewrites if r.pass_name == "attention"]
+    assert lines and lines[0].startswith("attention[cudnn_band]") and "cudnn_band " in lines[0], lines
     with torch.no_grad():
         assert _rel(model(q, k, v), module(q, k, v)) < 2e-2

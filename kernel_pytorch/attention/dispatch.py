@@ -338,7 +338,11 @@ def _measure(problem: AttentionProblem, kernels: list[str]) -> tuple[dict[str, f
 
     # The problem's device is "cuda" whenever this runs from _choose; tests run it on the CPU.
     rng_devices = [torch.cuda.current_device()] if problem.device_type == "cuda" else []
-    with unset_fake_temporarily(), torch.random.fork_rng(devices=rng_devices):
+    # A training problem is timed forward + backward, also when the capture runs with gradients off (a
+    # module in train mode given inputs that need none): every kernel failed there with "element 0 of
+    # tensors does not require grad", and the pass fell back to SDPA's dispatch.
+    with unset_fake_temporarily(), torch.random.fork_rng(devices=rng_devices), \
+            torch.set_grad_enabled(problem.training):
         inputs = _random_inputs(problem)
         reference = _run(_attention_fn("sdpa"), inputs, "sdpa", problem, with_dropout=False)
         runnable, failures = {}, []
