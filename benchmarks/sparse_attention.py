@@ -15,9 +15,10 @@ Providers: ``kernel_pytorch.optimize`` of the hand-written module (default compi
 dense causal SDPA kernel (min over cuDNN, flash, efficient with ``is_causal=True``: what a model pays
 without the sparsity), dense SDPA with the mask tensor (efficient/cuDNN take it), FlexAttention directly
 (``torch.compile(flex_attention)`` with the BlockMask of the same mask), and for the window, where the
-cuDNN frontend is installed, cuDNN's banded kernel directly (``attention(..., kernel="cudnn_band")``). Each row records the speedup of
-``optimize`` over the best dense causal kernel and whether it is never slower (issue 7 targets: window 1024
-at L=16384 >= 6.5x, 90% block sparsity >= 7x, never slower than dense at any length).
+cuDNN frontend is installed, cuDNN's banded kernel directly (``attention(..., kernel="cudnn_band")``).
+Each row records the speedup of ``optimize`` over the best dense causal kernel and whether it is never
+slower (issue 7 targets: window 1024 at L=16384 >= 6.5x, 90% block sparsity >= 7x, never slower than
+dense at any length).
 Writes sparse_attention.json and sparse_attention.png.
 
 * **topk** (``--parts topk``; its own files, sparse_attention_topk.json / .png): content-aware top-k

@@ -19,11 +19,12 @@ measurement, never as an unmeasured guess.
 
 A block-structured mask the attention pass recognized (a sliding window, a band, documents, a block-sparse
 mask: ``sparsity``) makes FlexAttention eligible with that pattern in place of the mask tensor; the dense
-kernels still get the tensor. A causal sliding window also makes ``"cudnn_band"`` eligible where the cuDNN
-frontend is installed (:mod:`kernel_pytorch.attention.cudnn_band`: cuDNN's own banded kernel, 1.8x
-FlexAttention's speed at L=16384 on the H100). Sparse masks are where FlexAttention wins (DESIGN.md: sliding window 1024 at
+kernels still get the tensor. Sparse masks are where FlexAttention wins (DESIGN.md: sliding window 1024 at
 L=16384, 6.66x dense causal flash), so there it is measured against the fused kernels, from
-:data:`SPARSE_MIN_LENGTH` on; below it, the dense kernels are kept unmeasured against it.
+:data:`SPARSE_MIN_LENGTH` on; below it, the dense kernels are kept unmeasured against it. A causal sliding
+window also makes ``"cudnn_band"`` eligible where the cuDNN frontend is installed
+(:mod:`kernel_pytorch.attention.cudnn_band`: cuDNN's own banded kernel, 1.8x FlexAttention's speed at
+L=16384 on the H100), measured at every length.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ class NvidiaBackend(Backend):
         Kernel("fp8-scaled-mm", "FP8 matmuls through torch._scaled_mm", _needs_capability(8, 9, "FP8")),
         flash_attn_kernel,
         Kernel("cudnn-band-attention", "cuDNN's causal sliding-window attention (the cuDNN frontend's torch ops)",
-               lambda hw: None if hw.cudnn_frontend_version else "nvidia-cudnn-frontend is not installed (extra 'cudnn')"),
+               lambda hw: None if hw.cudnn_frontend_version
+               else "nvidia-cudnn-frontend is not installed (extra 'cudnn')"),
         Kernel("transformer-engine", "transformer-engine FP8 modules and recipes",
                lambda hw: None if hw.transformer_engine_version else "transformer-engine is not installed (extra 'te')"),
     )
