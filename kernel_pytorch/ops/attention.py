@@ -79,7 +79,6 @@ _DEVICE = {"sdpa": "any", "cudnn": "cuda", "flash": "cuda", "efficient": "cuda",
 _DIRECT = frozenset({"flex", "flash_attn", "cudnn_band"})
 # Kernels given a recognized mask pattern instead of a mask tensor.
 _PATTERN_KERNELS = frozenset({"flex", "cudnn_band"})
-_HALF = (torch.float16, torch.bfloat16)
 _FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_ATTN_MAX_HEAD_DIM = 256
 
@@ -420,7 +419,7 @@ def _cudnn_band_window(q: Tensor, k: Tensor, is_causal: bool, pattern: Optional[
         raise ValueError("attention kernel 'cudnn_band' computes a causal sliding window given as the pattern "
                          f"('band', 0, w - 1) with Lq == Lk and no is_causal (got pattern={pattern!r}, "
                          f"is_causal={is_causal}, Lq={q.shape[-2]}, Lk={k.shape[-2]})")
-    if q.dtype not in _HALF:
+    if q.dtype not in _CUDNN_DTYPES:
         raise ValueError(f"attention kernel 'cudnn_band' supports float16 and bfloat16, got {q.dtype}")
     if q.device.type not in ("cuda", "meta"):
         raise ValueError(f"attention kernel 'cudnn_band' runs on cuda tensors, got {q.device.type}")
