@@ -43,7 +43,7 @@ from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.timing import fastest_cuda_ms
 
 __all__ = ["AttentionProblem", "choose_kernel", "eligible_kernels", "PREFERENCE", "MEASURED_ONLY",
-           "SPARSE_MIN_LENGTH", "PATTERN_KERNELS"]
+           "SPARSE_MIN_LENGTH"]
 
 # Kernels each vendor may use, fastest-first as measured or documented; "sdpa" (PyTorch's own
 # dispatch) is always last, the universal fallback.
@@ -65,8 +65,6 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     "tpu": ("sdpa",),  # XLA lowers SDPA itself
 }
 
-# Kernels that take a recognized mask pattern instead of the mask tensor.
-PATTERN_KERNELS = frozenset({"flex", "cudnn_band"})
 # Kernels taken only when a measurement on the GPU found them fastest, never as the unmeasured first
 # eligible kernel: FlexAttention is fused only inside a compiled graph, and whether it beats the
 # hand-written kernels depends on the shapes (and, eagerly, it is the unfused reference).
@@ -439,6 +437,8 @@ def _sparse_mask(p: AttentionProblem) -> dict:
 
 
 def _run(attention, inputs, kernel: str, p: AttentionProblem, *, with_dropout: bool) -> torch.Tensor:
+    from kernel_pytorch.ops.attention import PATTERN_KERNELS  # ops.attention imports this package
+
     pattern = {"pattern": inputs["pattern"], "pattern_tensor": inputs["pattern_tensor"]} \
         if kernel in PATTERN_KERNELS and "pattern" in inputs else {}
     out = attention(inputs["q"], inputs["k"], inputs["v"], None if pattern else inputs["mask"],

@@ -67,7 +67,7 @@ from kernel_pytorch.attention.cudnn_band import band_window, cudnn_band_forward
 from kernel_pytorch.attention.flash_attn import flash_attn_forward
 from kernel_pytorch.attention.flex import flex_attention_forward
 
-__all__ = ["attention", "ATTENTION_KERNELS", "kernel_device", "to_4d"]
+__all__ = ["attention", "ATTENTION_KERNELS", "PATTERN_KERNELS", "kernel_device", "to_4d"]
 
 ATTENTION_KERNELS = ("sdpa", "cudnn", "flash", "efficient", "cpu_flash", "flex", "flash_attn", "cudnn_band")
 
@@ -77,9 +77,8 @@ _DEVICE = {"sdpa": "any", "cudnn": "cuda", "flash": "cuda", "efficient": "cuda",
 # Kernels called directly by attention(), not through the custom ops: each traces under torch.compile and
 # has its own autograd (FlexAttention's higher-order op; flash-attn's and the cuDNN frontend's custom ops).
 _DIRECT = frozenset({"flex", "flash_attn", "cudnn_band"})
-# Kernels given a recognized mask pattern instead of a mask tensor.
-_PATTERN_KERNELS = frozenset({"flex", "cudnn_band"})
-_FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+# Kernels given a recognized mask pattern instead of a mask tensor (the dispatcher and the pass ask here).
+PATTERN_KERNELS = frozenset({"flex", "cudnn_band"})
 _FLASH_ATTN_MAX_HEAD_DIM = 256
 
 # Kernels whose aten forward and backward take Hk != Hq (K/V head h serving query heads h*G .. h*G+G-1),
@@ -89,8 +88,10 @@ _NATIVE_GQA = frozenset({"flash", "cudnn", "cpu_flash"})
 _TAKES_MASK = frozenset({"cudnn", "efficient", "cpu_flash"})
 # Only the efficient backward returns a gradient for the additive mask (grad_input_mask[3]).
 _MASK_GRAD = frozenset({"efficient"})
-# cuDNN's aten kernel accepts float32 but returns wrong numbers for it (rel. error ~1 on torch 2.11, H100).
-_CUDNN_DTYPES = (torch.float16, torch.bfloat16)
+# Kernels that compute in fp16/bf16 only. cuDNN's aten kernel accepts float32 but returns wrong numbers for
+# it (rel. error ~1 on torch 2.11, H100); flash-attn and the cuDNN frontend's band refuse it themselves.
+_HALF_ONLY = frozenset({"cudnn", "flash_attn", "cudnn_band"})
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def kernel_device(kernel: str) -> str:
@@ -125,10 +126,18 @@ def _check_supported(kernel: str, q: Tensor, k: Tensor, attn_mask: Optional[Tens
     if kernel == "flash" and is_causal and q.shape[-2] != k.shape[-2]:
         raise ValueError("attention kernel 'flash' aligns is_causal to the bottom right when Lq != Lk, SDPA to "
                          f"the top left (got Lq={q.shape[-2]}, Lk={k.shape[-2]}); use another kernel")
-    if kernel == "cudnn" and q.dtype not in _CUDNN_DTYPES:
-        raise ValueError(f"attention kernel 'cudnn' supports float16 and bfloat16, got {q.dtype}")
-    # Last, so the refusals above also show on CPU tensors. "meta" tensors (shape propagation) reach the
-    # fake implementation, which aten's meta kernels answer for any kernel.
+    _check_dtype(kernel, q)
+    # Last, so the refusals above also show on CPU tensors.
+    _check_device(kernel, q)
+
+
+def _check_dtype(kernel: str, q: Tensor) -> None:
+    if kernel in _HALF_ONLY and q.dtype not in _HALF:
+        raise ValueError(f"attention kernel {kernel!r} supports float16 and bfloat16, got {q.dtype}")
+
+
+def _check_device(kernel: str, q: Tensor) -> None:
+    """``"meta"`` tensors (shape propagation) pass: they reach fake implementations, which answer for any kernel."""
     if q.device.type not in (_DEVICE[kernel], "meta"):
         raise ValueError(f"attention kernel {kernel!r} runs on {_DEVICE[kernel]} tensors, got {q.device.type}")
 
@@ -349,7 +358,7 @@ def attention(
         out = attention(q, k, v, is_causal=True, enable_gqa=True, kernel="cpu_flash")  # (2, 8, 128, 64)
     """
     _check_kernel_name(kernel)
-    if (pattern is not None or pattern_tensor is not None) and kernel not in _PATTERN_KERNELS:
+    if (pattern is not None or pattern_tensor is not None) and kernel not in PATTERN_KERNELS:
         raise ValueError(f"a mask pattern is computed by kernels 'flex' and 'cudnn_band' only (got kernel={kernel!r}); "
                          "pass the mask as attn_mask to the other kernels")
     if kernel == "sdpa":
@@ -392,8 +401,7 @@ def _direct_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
         if is_causal and q.shape[-2] != k.shape[-2]:
             raise ValueError("attention kernel 'flash_attn' aligns is_causal to the bottom right when Lq != Lk, SDPA "
                              f"to the top left (got Lq={q.shape[-2]}, Lk={k.shape[-2]}); use another kernel")
-        if q.dtype not in _FLASH_ATTN_DTYPES:
-            raise ValueError(f"attention kernel 'flash_attn' supports float16 and bfloat16, got {q.dtype}")
+        _check_dtype(kernel, q)
         if q.shape[-1] > _FLASH_ATTN_MAX_HEAD_DIM or v.shape[-1] != q.shape[-1]:
             raise ValueError(f"attention kernel 'flash_attn' needs head dims <= {_FLASH_ATTN_MAX_HEAD_DIM}, equal for "
                              f"q/k and v (got {q.shape[-1]} and {v.shape[-1]})")
@@ -419,10 +427,8 @@ def _cudnn_band_window(q: Tensor, k: Tensor, is_causal: bool, pattern: Optional[
         raise ValueError("attention kernel 'cudnn_band' computes a causal sliding window given as the pattern "
                          f"('band', 0, w - 1) with Lq == Lk and no is_causal (got pattern={pattern!r}, "
                          f"is_causal={is_causal}, Lq={q.shape[-2]}, Lk={k.shape[-2]})")
-    if q.dtype not in _CUDNN_DTYPES:
-        raise ValueError(f"attention kernel 'cudnn_band' supports float16 and bfloat16, got {q.dtype}")
-    if q.device.type not in ("cuda", "meta"):
-        raise ValueError(f"attention kernel 'cudnn_band' runs on cuda tensors, got {q.device.type}")
+    _check_dtype("cudnn_band", q)
+    _check_device("cudnn_band", q)
     return window
 
 

@@ -62,10 +62,10 @@ def plain_eager(*tensors: torch.Tensor | None) -> bool:
     ``torch.library`` op: not under torch.compile's tracing, no ``TorchDispatchMode`` (fake tensors, AOT
     tracing, selective activation checkpointing, FLOP counters), no functorch transform (vmap, grad), and
     only plain tensors (no DTensor or other subclass). There an op module may call its body through an
-    ``autograd.Function`` instead, under :func:`eager_launches`, skipping the op's Python dispatch (custom-op autograd wrapper, redispatch,
-    schema handling): an FP8 linear's forward at 256^3 took 322-362 us of host time that way on the GPU
-    machines against 430-756 us through the op (benchmarks/profile_float8_linear.py), host time the GPU
-    waits for when a call starts from an idle GPU."""
+    ``autograd.Function`` instead, under :func:`eager_launches`, skipping the op's Python dispatch (custom-op
+    autograd wrapper, redispatch, schema handling): an FP8 linear's forward at 256^3 took 322-362 us of host
+    time that way on the GPU machines against 430-756 us through the op (benchmarks/profile_float8_linear.py),
+    host time the GPU waits for when a call starts from an idle GPU."""
     return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
             and torch._C._functorch.peek_interpreter_stack() is None
             and all(t is None or type(t) in _PLAIN_TENSOR_TYPES for t in tensors))

@@ -86,10 +86,9 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from kernel_pytorch.attention.dispatch import PATTERN_KERNELS
 from kernel_pytorch.attention.flex import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM
 from kernel_pytorch.attention.topk_sparse import TOPK_ERROR_QUERY_BLOCKS, sparse_or_dense_attention, topk_relative_error
-from kernel_pytorch.ops.attention import attention, to_4d
+from kernel_pytorch.ops.attention import PATTERN_KERNELS, attention, to_4d
 from kernel_pytorch.passes.attention_match import AttentionMatch, NotAttention, Operand, match_attention
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, Rewrite
 from kernel_pytorch.passes.causal_mask import CausalMaskGuard, decide_causal
