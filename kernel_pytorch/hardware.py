@@ -93,8 +93,8 @@ class HardwareInfo(BaseModel):
     cudnn_attention: bool = Field(False, description="cuDNN fused SDPA usable (cuDNN >= 9, sm_80+).")
     cudnn_version: Optional[int] = None
     flash_attn_version: Optional[str] = None
-    cudnn_frontend_version: Optional[str] = Field(None, description="nvidia-cudnn-frontend, whose torch ops "
-                                                  "run cuDNN's sliding-window attention (kernel 'cudnn_band').")
+    cudnn_frontend_version: Optional[str] = Field(None, description="nvidia-cudnn-frontend, whose graph API "
+                                                  "builds cuDNN's sliding-window attention (kernel 'cudnn_band').")
     transformer_engine_version: Optional[str] = None
     triton_version: Optional[str] = None
     triton_usable: bool = Field(False, description="Triton installed and a GPU backend for it present.")

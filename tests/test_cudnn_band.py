@@ -1,6 +1,7 @@
-"""The ``"cudnn_band"`` attention kernel (cuDNN's causal sliding window through the cuDNN frontend's torch
-ops): which problems the dispatcher sends it, what ``attention`` refuses, and on a GPU with the package,
-forward and gradients against the masked float64 reference and the attention pass choosing it."""
+"""The ``"cudnn_band"`` attention kernel (cuDNN's causal sliding window, a graph built with the cuDNN
+frontend): which problems the dispatcher sends it, what ``attention`` refuses, and on a GPU with the
+package, forward and gradients against the masked float64 reference, the custom ops under opcheck and
+Inductor, and the attention pass choosing it."""
 
 from __future__ import annotations
 
@@ -178,3 +179,62 @@ def test_gpu_the_pass_measures_it_for_a_long_window_and_the_model_matches():
     assert lines and lines[0].startswith("attention[cudnn_band]") and "cudnn_band " in lines[0], lines
     with torch.no_grad():
         assert _rel(model(q, k, v), module(q, k, v)) < 2e-2
+
+
+def _gqa_inputs(dtype=torch.bfloat16, length=512):
+    """(B, L, H, E) projections viewed as (B, H, L, E), 8 query heads over 2 K/V heads."""
+    def make(heads):
+        return torch.randn(2, length, heads, 64, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+    return make(8), make(2), make(2)
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck_of_the_two_ops():
+    """Schema, fake tensors (shapes and strides of the real outputs) and AOTAutograd with dynamic shapes, for
+    the forward and the backward op (their autograd is the autograd.Function around them)."""
+    _needs_cuda_and_frontend()
+    torch.manual_seed(1)
+    q, k, v = (t.detach() for t in _gqa_inputs())
+    checks = {"test_utils": ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")}
+    torch.library.opcheck(torch.ops.kernel_pytorch.cudnn_band_fwd.default, (q, k, v, 100, 0.125), **checks)
+    out, stats = torch.ops.kernel_pytorch.cudnn_band_fwd(q, k, v, 100, 0.125)
+    assert out.stride() == q.stride() and stats.shape == (2, 8, 512, 1) and stats.dtype == torch.float32
+    grad = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.kernel_pytorch.cudnn_band_bwd.default, (grad, q, k, v, out, stats, 100, 0.125),
+                          **checks)
+
+
+@pytest.mark.gpu
+def test_gpu_inductor_fullgraph_matches_eager():
+    """Compiled with fullgraph=True (the custom ops trace, no graph break), forward and gradients equal the
+    eager call's: the same cuDNN graphs run in both."""
+    _needs_cuda_and_frontend()
+    torch.manual_seed(2)
+    q, k, v = _gqa_inputs()
+
+    def step(q, k, v):
+        out = attention(q, k, v, enable_gqa=True, kernel="cudnn_band", pattern=("band", 0, 127))
+        return out, out.float().square().sum()
+
+    results = []
+    for fn in (torch.compile(step, fullgraph=True), step):
+        out, loss = fn(q, k, v)
+        results.append((out.detach(), *torch.autograd.grad(loss, (q, k, v))))
+    for name, compiled, eager in zip(("out", "dq", "dk", "dv"), *results):
+        assert _rel(compiled, eager) < 1e-3, (name, _rel(compiled, eager))
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_and_strided_inputs_are_copied_not_misread():
+    """A base pointer off the 16-byte alignment cuDNN's descriptors need (an odd storage offset) and a
+    strided innermost dim are copied before the graph runs: same results as the aligned inputs."""
+    _needs_cuda_and_frontend()
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    want = attention(q, k, v, kernel="cudnn_band", pattern=("band", 0, 31))
+    shifted = torch.empty(q.numel() + 1, device="cuda", dtype=torch.bfloat16)[1:].view(q.shape).copy_(q)
+    assert shifted.data_ptr() % 16
+    wide = torch.zeros(1, 4, 256, 128, device="cuda", dtype=torch.bfloat16)
+    wide[..., ::2] = k
+    got = attention(shifted, wide[..., ::2], v, kernel="cudnn_band", pattern=("band", 0, 31))
+    assert torch.equal(got, want)

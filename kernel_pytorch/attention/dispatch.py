@@ -94,7 +94,8 @@ _HALF = (torch.float16, torch.bfloat16)
 # (Dao-AILab/flash-attention PR #1139, merged after 2.6.3): older ones call their CUDA extension directly,
 # which torch.compile cannot trace (a graph break; an error with fullgraph=True or under AOTAutograd).
 _FLASH_ATTN_MIN_VERSION = (2, 7)
-# nvidia-cudnn-frontend 1.32 is the first release whose wheel registers torch.ops.cudnn.sdpa_fwd / sdpa_bwd.
+# nvidia-cudnn-frontend 1.32: the release cudnn_band's graphs are built and tested with (pygraph.sdpa's diagonal
+# band bounds, execute with ordered tensor_uids).
 _CUDNN_FRONTEND_MIN_VERSION = (1, 32)
 # flash-attn's README: head dim > 192 backward with dropout needs A100/H100-class shared memory (sm80/sm90).
 _FLASH_ATTN_BIG_HEAD_BWD_CC = ((8, 0), (9, 0))
@@ -249,8 +250,8 @@ def _why_not_cudnn_band(p: AttentionProblem, hardware: HardwareInfo) -> str | No
     if hardware.cudnn_frontend_version is None:
         return "cudnn_band: the nvidia-cudnn-frontend package is not installed (extra 'cudnn')"
     if _version_tuple(hardware.cudnn_frontend_version) < _CUDNN_FRONTEND_MIN_VERSION:
-        return (f"cudnn_band: nvidia-cudnn-frontend {hardware.cudnn_frontend_version} is older than 1.32, the first "
-                "with the torch ops it calls")
+        return (f"cudnn_band: nvidia-cudnn-frontend {hardware.cudnn_frontend_version} is older than 1.32, the release "
+                "its cuDNN graphs are built and tested with")
     if p.dropout:
         return "cudnn_band has no dropout"
     if p.mask_requires_grad:

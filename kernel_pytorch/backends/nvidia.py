@@ -32,7 +32,7 @@ class NvidiaBackend(Backend):
                lambda hw: None if hw.triton_usable else "needs Triton"),
         Kernel("fp8-scaled-mm", "FP8 matmuls through torch._scaled_mm", _needs_capability(8, 9, "FP8")),
         flash_attn_kernel,
-        Kernel("cudnn-band-attention", "cuDNN's causal sliding-window attention (the cuDNN frontend's torch ops)",
+        Kernel("cudnn-band-attention", "cuDNN's causal sliding-window attention (a graph of the cuDNN frontend)",
                lambda hw: None if hw.cudnn_frontend_version
                else "nvidia-cudnn-frontend is not installed (extra 'cudnn')"),
         Kernel("transformer-engine", "transformer-engine FP8 modules and recipes",

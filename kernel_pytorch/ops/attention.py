@@ -48,7 +48,7 @@ torch.compile on their own:
 * ``flash_attn``: the flash-attn package's ``flash_attn_func`` (:mod:`kernel_pytorch.attention.flash_attn`),
   imported on first use. CUDA/ROCm, fp16/bf16, native GQA, dropout; no ``attn_mask``, and no
   ``is_causal`` with Lq != Lk (flash-attn aligns it to the bottom right), both ``ValueError``.
-* ``cudnn_band``: cuDNN's causal sliding-window attention through the cuDNN frontend's torch ops
+* ``cudnn_band``: cuDNN's causal sliding-window attention, a cuDNN graph built with the cuDNN frontend
   (:mod:`kernel_pytorch.attention.cudnn_band`), given the window as the mask pattern ``("band", 0, w - 1)``
   and nothing else: CUDA, fp16/bf16, native GQA, Lq == Lk; no ``attn_mask``, no ``is_causal`` (the band is
   causal), no dropout, all ``ValueError``.
