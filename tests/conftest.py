@@ -9,6 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernel_pytorch.testing import LlamaStyleConfig, LlamaStyleLM
 
+from .triton_interpreter import InterpretedRun
+
 
 class PassThroughMode(TorchDispatchMode):
     """A dispatch mode that only forwards each op: where selective checkpointing, a FLOP counter or
@@ -25,6 +27,15 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session")
+def interpreted_tests(request, tmp_path_factory) -> InterpretedRun:
+    """One child pytest under Triton's interpreter for the ``test_interp_*`` tests of every module in this
+    session with a test that asks for this fixture (tests/triton_interpreter.py): started once, not once
+    per module."""
+    files = {str(item.path) for item in request.session.items if "interpreted_tests" in item.fixturenames}
+    return InterpretedRun(files, tmp_path_factory.mktemp("interpreted"))
 
 
 @pytest.fixture

@@ -318,8 +318,8 @@ def test_interp_opcheck_triton_path(triton_on_cpu):
 
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_* tests itself")
 @pytest.mark.skipif(not tu.HAS_TRITON, reason="Triton is not installed: no kernels to interpret")
-def test_triton_kernels_in_a_subprocess():
-    run_interpreted_tests(__file__)
+def test_triton_kernels_in_a_subprocess(interpreted_tests):
+    run_interpreted_tests(__file__, interpreted_tests)
 
 
 # --------------------------------------------------------------------------------- the native path

@@ -189,8 +189,8 @@ def test_launch_skips_the_tracing_wrapper_where_triton_op_bodies_run_eagerly():
 
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_* tests itself")
 @pytest.mark.skipif(not tu.HAS_TRITON, reason="Triton is not installed: no kernels to interpret")
-def test_triton_kernels_in_a_subprocess():
-    run_interpreted_tests(__file__)
+def test_triton_kernels_in_a_subprocess(interpreted_tests):
+    run_interpreted_tests(__file__, interpreted_tests)
 
 
 @pytest.mark.gpu
