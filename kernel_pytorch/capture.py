@@ -222,7 +222,8 @@ class GraphOptimizer:
         placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         ctx = PassContext(hardware=self.hardware, config=self.config, training=self.training, graph_name=name,
                           example_inputs=dict(zip(placeholders, example_inputs)),
-                          compiled=self.compiler.name != "eager", fp8_targets=self.fp8_targets)
+                          compiled=self.compiler.name != "eager", cuda_graphs=self.compiler.uses_cuda_graphs,
+                          fp8_targets=self.fp8_targets)
         started = time.perf_counter()
         candidate, results = self._apply(gm, self.passes, ctx)
         self.report.add_time("passes", time.perf_counter() - started)

@@ -24,12 +24,12 @@ WINDOW = ("band", 0, 255, 0.3)  # MaskPattern.sparsity of a causal sliding windo
 
 
 def _problem(sparsity=WINDOW, dtype=torch.bfloat16, head_dim=128, kv_heads=16, kv_len=1024, dropout=0.0,
-             training=False):
+             training=False, cuda_graphs=False):
     q = torch.empty(1, 16, 1024, head_dim, dtype=dtype, device="meta")
     k = v = torch.empty(1, kv_heads, kv_len, head_dim, dtype=dtype, device="meta")
     mask = torch.empty(1024, kv_len, dtype=torch.bool, device="meta")
     return AttentionProblem.from_tensors(q, k, v, mask, is_causal=False, dropout_p=dropout, enable_gqa=kv_heads != 16,
-                                         training=training, sparsity=sparsity)
+                                         training=training, sparsity=sparsity, cuda_graphs=cuda_graphs)
 
 
 def test_band_window_takes_causal_windows_with_equal_lengths_only():
@@ -46,6 +46,8 @@ def test_a_causal_window_makes_it_eligible_beside_flex_and_the_dense_kernels():
     assert eligible == ["cudnn", "cudnn_band", "flex", "efficient", "sdpa"], rejected
     eligible, _ = eligible_kernels(_problem(kv_heads=4, training=True), H100)  # GQA, training
     assert "cudnn_band" in eligible
+    eligible, _ = eligible_kernels(_problem(cuda_graphs=True), H100)  # inference through CUDA graphs
+    assert "cudnn_band" in eligible
 
 
 @pytest.mark.parametrize("case, hardware, limit", [
@@ -56,6 +58,7 @@ def test_a_causal_window_makes_it_eligible_beside_flex_and_the_dense_kernels():
     (dict(), H100.model_copy(update={"cudnn_frontend_version": None}), "not installed"),
     (dict(), H100.model_copy(update={"cudnn_frontend_version": "1.16.0"}), "older than 1.32"),
     (dict(dropout=0.1), H100, "no dropout"),
+    (dict(training=True, cuda_graphs=True), H100, "without CUDA graphs"),
     (dict(dtype=torch.float32), H100, "fp16/bf16"),
     (dict(head_dim=256), H100, "head dims"),
     (dict(), H100.model_copy(update={"compute_capability": (7, 5), "cudnn_attention": False}), "compute capability"),
@@ -238,3 +241,29 @@ def test_gpu_misaligned_and_strided_inputs_are_copied_not_misread():
     wide[..., ::2] = k
     got = attention(shifted, wide[..., ::2], v, kernel="cudnn_band", pattern=("band", 0, 31))
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_gpu_forward_captures_into_a_cuda_graph():
+    """Inference under ``compile="reduce-overhead"`` replays CUDA graphs: the band's forward captures (no
+    host sync, the workspace from the graph's pool) and a replay gives the eager output. (Training through
+    CUDA graphs is not offered: the dispatcher refuses it, see test_rejections_name_the_limit.)"""
+    _needs_cuda_and_frontend()
+    torch.manual_seed(4)
+    q, k, v = (t.detach() for t in _gqa_inputs())
+
+    def step():
+        return attention(q, k, v, enable_gqa=True, kernel="cudnn_band", pattern=("band", 0, 127))
+
+    eager = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture, as capture requires
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    captured.zero_()
+    graph.replay()
+    assert torch.equal(captured, eager)

@@ -18,13 +18,13 @@ against a masked float32 SDPA (a bound of ``w`` matched the band ``0 <= i - j <=
 of :mod:`kernel_pytorch.attention.flex` with ``window = hi + 1``. The dispatcher sends nothing else here.
 
 Why our own graphs rather than the frontend's ``torch.ops.cudnn.sdpa_fwd``: that op covers every SDPA
-variant (sinks, padding, varlen) and checks and normalizes its arguments on each call; its host time was
-59 us per forward before the cuDNN launch on the H100 machine, and 79 us through the dispatcher, against a
-GPU time of 0.22 ms at L=2048. This module builds one forward and one backward graph per (shapes, strides,
-dtype, window, scale), keeps them, and each call only allocates the outputs and executes (see
-``_execute``). Two ops in PyTorch's dispatcher make it traceable by torch.compile; the autograd formula
-is SDPA's (forward saves the log-sum-exp, backward is cuDNN's). The frontend is imported
-on first use only: it is optional and loads cuDNN.
+variant (sinks, padding, varlen) and checks and normalizes its arguments on each call. On the H100 machine
+its host time per forward before the cuDNN launch was 59 us, 79 us through the dispatcher, against a GPU
+time of 0.22 ms at L=2048; ours is 35 us through the dispatcher. This module builds one forward and one
+backward graph per (shapes, strides, dtype, window, scale), keeps them, and each call only allocates the
+outputs and executes (``_execute``). Two ops in PyTorch's dispatcher make it traceable by torch.compile;
+the autograd formula is SDPA's (forward saves the log-sum-exp, backward is cuDNN's). The frontend is
+imported on first use only: it is optional and loads cuDNN.
 """
 
 from __future__ import annotations
@@ -43,10 +43,14 @@ __all__ = ["cudnn_band_forward", "band_window", "load_cudnn_frontend", "CUDNN_BA
 # PyTorch's cuDNN SDPA, which the dispatcher applies to "cudnn" too).
 CUDNN_BAND_MAX_HEAD_DIM = 128
 
-# Operand ids inside our graphs (any distinct integers; one numbering for both directions).
-_Q, _K, _V, _O, _STATS, _DO, _DQ, _DK, _DV = range(1, 10)
-_FORWARD_UIDS = (_Q, _K, _V, _O, _STATS)
-_BACKWARD_UIDS = (_Q, _K, _V, _O, _DO, _STATS, _DQ, _DK, _DV)
+# Operand ids inside our graphs, by operand name (any distinct integers; one numbering for both directions).
+# The names, of the operands and of the two nodes ("sdpa_fwd", "sdpa_bwd"), and the explicit no-padding
+# arguments in ``_build`` are those of the frontend's own torch ops. With others ("do", "band_bwd", the
+# padding arguments left to their defaults), a forward + backward warmed up eagerly and then captured into
+# a CUDA graph failed the capture on the H100 ("operation would make the legacy stream depend on a
+# capturing blocking stream") in every one of 20-odd tries at (2, 8, 512, 64), while the frontend's op
+# captured; with these names it captured in 7 of 7, two shapes (the ids made no difference).
+_UIDS = {name: uid for uid, name in enumerate(("q", "k", "v", "o", "stats", "dO", "dq", "dk", "dv"), start=1)}
 _MAX_GRAPHS = 256  # built graphs kept; one per distinct problem, oldest dropped past this
 
 
@@ -106,12 +110,12 @@ def _handle(cudnn: Any, device: torch.device) -> Any:
     return handle
 
 
-def _declare(g: Any, name: str, uid: int, t: Tensor, data_type: Any) -> Any:
-    return g.tensor(name=name, dim=list(t.shape), stride=list(t.stride()), data_type=data_type, uid=uid)
+def _declare(g: Any, name: str, t: Tensor, data_type: Any) -> Any:
+    return g.tensor(name=name, dim=list(t.shape), stride=list(t.stride()), data_type=data_type, uid=_UIDS[name])
 
 
-def _set_output(cudnn_tensor: Any, uid: int, like: Tensor, data_type: Any) -> None:
-    cudnn_tensor.set_uid(uid).set_output(True).set_dim(list(like.shape)).set_stride(list(like.stride()))
+def _set_output(cudnn_tensor: Any, name: str, t: Tensor, data_type: Any) -> None:
+    cudnn_tensor.set_uid(_UIDS[name]).set_output(True).set_dim(list(t.shape)).set_stride(list(t.stride()))
     cudnn_tensor.set_data_type(data_type)
 
 
@@ -122,21 +126,22 @@ def _build(cudnn: Any, handle: Any, backward: bool, tensors: dict[str, Tensor], 
     io_type = {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16}[tensors["q"].dtype]
     fp32 = cudnn.data_type.FLOAT
     g = cudnn.pygraph(handle=handle, io_data_type=io_type, intermediate_data_type=fp32, compute_data_type=fp32)
-    q, k, v = (_declare(g, name, uid, tensors[name], io_type) for name, uid in (("q", _Q), ("k", _K), ("v", _V)))
-    band = dict(attn_scale=scale, diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT,
-                diagonal_band_left_bound=window, diagonal_band_right_bound=0)
+    q, k, v = (_declare(g, name, tensors[name], io_type) for name in ("q", "k", "v"))
+    # No padding and no sequence lengths, said explicitly (see _UIDS: CUDA-graph capture).
+    band = dict(attn_scale=scale, use_padding_mask=False, seq_len_q=None, seq_len_kv=None,
+                diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT, diagonal_band_left_bound=window,
+                diagonal_band_right_bound=0)
     if backward:
-        o = _declare(g, "o", _O, tensors["o"], io_type)
-        do = _declare(g, "do", _DO, tensors["do"], io_type)
-        stats = _declare(g, "stats", _STATS, tensors["stats"], fp32)
-        dq, dk, dv = g.sdpa_backward(name="band_bwd", q=q, k=k, v=v, o=o, dO=do, stats=stats,
+        o, do = (_declare(g, name, tensors[name], io_type) for name in ("o", "dO"))
+        stats = _declare(g, "stats", tensors["stats"], fp32)
+        dq, dk, dv = g.sdpa_backward(name="sdpa_bwd", q=q, k=k, v=v, o=o, dO=do, stats=stats,
                                      use_deterministic_algorithm=deterministic, **band)
-        for out, uid, name in ((dq, _DQ, "dq"), (dk, _DK, "dk"), (dv, _DV, "dv")):
-            _set_output(out, uid, tensors[name], io_type)
+        for out, name in ((dq, "dq"), (dk, "dk"), (dv, "dv")):
+            _set_output(out, name, tensors[name], io_type)
     else:
-        o, stats = g.sdpa(name="band_fwd", q=q, k=k, v=v, generate_stats=True, **band)
-        _set_output(o, _O, tensors["o"], io_type)
-        _set_output(stats, _STATS, tensors["stats"], fp32)
+        o, stats = g.sdpa(name="sdpa_fwd", q=q, k=k, v=v, generate_stats=True, sink_token=None, **band)
+        _set_output(o, "o", tensors["o"], io_type)
+        _set_output(stats, "stats", tensors["stats"], fp32)
     g.validate()
     g.build_operation_graph()
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
@@ -146,8 +151,8 @@ def _build(cudnn: Any, handle: Any, backward: bool, tensors: dict[str, Tensor], 
 
 
 def _execute(backward: bool, tensors: dict[str, Tensor], window: int, scale: float) -> None:
-    """Run the band graph on ``tensors`` (outputs written in place), building it on the first call for
-    this problem."""
+    """Run the band graph on ``tensors``, operand name -> tensor (outputs written in place), building it on
+    the first call for this problem."""
     cudnn = load_cudnn_frontend()
     q = tensors["q"]
     deterministic = backward and torch.are_deterministic_algorithms_enabled()
@@ -163,7 +168,7 @@ def _execute(backward: bool, tensors: dict[str, Tensor], window: int, scale: flo
                 _graphs.pop(next(iter(_graphs)))
     workspace = torch.empty(max(built.workspace_bytes, 1), dtype=torch.uint8, device=q.device)
     built.graph.execute(list(tensors.values()), workspace, handle=handle,
-                        tensor_uids=_BACKWARD_UIDS if backward else _FORWARD_UIDS)
+                        tensor_uids=tuple(_UIDS[name] for name in tensors))
 
 
 def _descriptor_ready(t: Tensor) -> Tensor:
@@ -213,7 +218,7 @@ def _band_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, st
     q, k, v, out = (_descriptor_ready(t) for t in (q, k, v, out))
     if grad_out.stride() != out.stride() or grad_out.data_ptr() % 16:  # the graph reads dO in O's layout
         grad_out = torch.empty_like(out).copy_(grad_out)
-    _execute(True, {"q": q, "k": k, "v": v, "o": out, "do": grad_out, "stats": stats, "dq": dq, "dk": dk,
+    _execute(True, {"q": q, "k": k, "v": v, "o": out, "dO": grad_out, "stats": stats, "dq": dq, "dk": dk,
                     "dv": dv}, window, scale)
     return dq, dk, dv
 

@@ -122,18 +122,21 @@ class AttentionProblem:
     training: bool
     # Whether the rewritten graph will be compiled (Inductor): FlexAttention is fused only then.
     compiled: bool = True
+    # Whether that compiled graph runs as CUDA graphs (compile="reduce-overhead"): cudnn_band trains without them.
+    cuda_graphs: bool = False
     # A block-structured mask the pass recognized: MaskPattern.sparsity, e.g. ("band", 0, 1023, 0.12) (the
     # pattern of kernel_pytorch.attention.flex and the 128x128 tile density, None when data-dependent).
     sparsity: Optional[tuple] = None
 
     @classmethod
     def from_tensors(cls, q, k, v, attn_mask, *, is_causal, dropout_p, enable_gqa, training,
-                     compiled: bool = True, sparsity: Optional[tuple] = None) -> AttentionProblem:
+                     compiled: bool = True, sparsity: Optional[tuple] = None,
+                     cuda_graphs: bool = False) -> AttentionProblem:
         mask_kind = None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "additive")
         return cls(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device.type, mask_kind,
                    None if attn_mask is None else tuple(attn_mask.shape),
                    bool(attn_mask is not None and attn_mask.requires_grad and training), bool(is_causal),
-                   bool(dropout_p > 0), bool(enable_gqa), bool(training), bool(compiled),
+                   bool(dropout_p > 0), bool(enable_gqa), bool(training), bool(compiled), bool(cuda_graphs),
                    None if sparsity is None else tuple(sparsity))
 
     @property
@@ -254,6 +257,11 @@ def _why_not_cudnn_band(p: AttentionProblem, hardware: HardwareInfo) -> str | No
                 "its cuDNN graphs are built and tested with")
     if p.dropout:
         return "cudnn_band has no dropout"
+    if p.training and p.cuda_graphs:
+        # H100: its backward, warmed up and then captured, failed the capture in a pytest session
+        # ("operation would make the legacy stream depend on a capturing blocking stream") while the same
+        # steps alone captured; the forward captured every time. Not offered until that is understood.
+        return "cudnn_band trains without CUDA graphs only (its backward failed CUDA-graph capture on the H100)"
     if p.mask_requires_grad:
         return "cudnn_band returns no gradient for the mask"
     if p.dtype not in _HALF:
@@ -280,15 +288,16 @@ def eligible_kernels(problem: AttentionProblem, hardware: HardwareInfo) -> tuple
 
 def choose_kernel(q, k, v, attn_mask, *, is_causal: bool, dropout_p: float, enable_gqa: bool,
                   hardware: HardwareInfo, training: bool, compiled: bool = True,
-                  sparsity: Optional[tuple] = None) -> tuple[str, str]:
+                  sparsity: Optional[tuple] = None, cuda_graphs: bool = False) -> tuple[str, str]:
     """The kernel for this call and the reason, from example tensors (real or fake) of its inputs.
 
     ``compiled``: whether the graph the call lands in will be compiled (Inductor); ``False`` rules out
     ``"flex"``, which is fused only when compiled. ``sparsity``: the block structure of ``attn_mask`` the
-    pass recognized (``MaskPattern.sparsity``); ``"flex"`` then computes the pattern, not the tensor."""
+    pass recognized (``MaskPattern.sparsity``); ``"flex"`` then computes the pattern, not the tensor.
+    ``cuda_graphs``: whether that compiled graph runs as CUDA graphs (``compile="reduce-overhead"``)."""
     problem = AttentionProblem.from_tensors(q, k, v, attn_mask, is_causal=is_causal, dropout_p=dropout_p,
                                             enable_gqa=enable_gqa, training=training, compiled=compiled,
-                                            sparsity=sparsity)
+                                            sparsity=sparsity, cuda_graphs=cuda_graphs)
     key = (problem, hardware.model_dump_json())
     if key not in _CHOICES:
         _CHOICES[key] = _choose(problem, hardware)

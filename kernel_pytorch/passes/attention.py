@@ -115,7 +115,8 @@ def _choose_kernel(q, k, v, mask, *, is_causal, dropout_p, enable_gqa, ctx: Pass
         return "sdpa", "PyTorch's SDPA dispatch (symbolic or unknown shapes: no kernel measured)"
     try:
         return choose_kernel(q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
-                             hardware=ctx.hardware, training=ctx.training, compiled=ctx.compiled, sparsity=sparsity)
+                             hardware=ctx.hardware, training=ctx.training, compiled=ctx.compiled, sparsity=sparsity,
+                             cuda_graphs=ctx.cuda_graphs)
     except Exception as error:  # the rewrite stands on its own; SDPA's dispatch is always correct
         return "sdpa", f"the kernel dispatcher failed ({type(error).__name__}: {error}); PyTorch's SDPA dispatch"
 

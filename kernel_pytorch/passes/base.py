@@ -92,6 +92,8 @@ class PassContext:
     # Whether the rewritten graph goes to a compiler (Inductor, XLA) or runs eagerly: some kernels
     # (FlexAttention) are fast only compiled.
     compiled: bool = True
+    # Whether the compiled graph runs as CUDA graphs (compile="reduce-overhead"): not every kernel captures.
+    cuda_graphs: bool = False
     # The model's nn.Linear paths, each with None (an FP8 candidate) or why not (float8_conversion.linear_targets);
     # empty unless fp8 is on.
     fp8_targets: Mapping[str, str | None] = field(default_factory=dict)
