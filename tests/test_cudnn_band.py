@@ -97,6 +97,32 @@ def test_attention_refuses_cpu_tensors():
         attention(q, q, q, kernel="cudnn_band", pattern=("band", 0, 7))
 
 
+class _CausalAttention(nn.Module):
+    def forward(self, q, k, v):
+        n = q.shape[-2]
+        mask = torch.triu(torch.full((n, n), float("-inf"), device=q.device), diagonal=1)
+        return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + mask, -1) @ v
+
+
+def test_the_pass_tells_the_dispatcher_whether_the_graph_runs_as_cuda_graphs(monkeypatch):
+    """``compile="reduce-overhead"`` reaches the kernel choice (where cudnn_band is refused for training)."""
+    import kernel_pytorch.passes.attention as attention_pass
+    from kernel_pytorch import optimize
+
+    seen = []
+    choose = attention_pass._choose_kernel
+
+    def spy(*args, ctx, **kwargs):
+        seen.append(ctx.cuda_graphs)
+        return choose(*args, ctx=ctx, **kwargs)
+
+    monkeypatch.setattr(attention_pass, "_choose_kernel", spy)
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    for mode in ("reduce-overhead", "default"):
+        optimize(_CausalAttention().train(), example_inputs=(q, q, q), compile=mode)(q, q, q)
+    assert seen == [True, False]
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 def _needs_cuda_and_frontend():

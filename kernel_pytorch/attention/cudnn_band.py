@@ -180,7 +180,7 @@ def _descriptor_ready(t: Tensor) -> Tensor:
     return t
 
 
-# ------------------------------------------------------------------------------------------ custom ops
+# -------------------------------------------------------------------------------------- the two ops
 #
 # Two ops in the dispatcher (so torch.compile traces them, with the fake implementations below) and an
 # autograd.Function over them, not ``torch.library.custom_op``: the latter's Python layers cost 46.6 us per
@@ -246,7 +246,9 @@ class _CudnnBandAttention(torch.autograd.Function):
 
 def cudnn_band_forward(q: Tensor, k: Tensor, v: Tensor, *, window: int, scale: Optional[float]) -> Tensor:
     """Causal sliding-window attention of 4-D (B, H, L, E) inputs: query i sees keys ``i - window + 1 .. i``.
-    K/V may have fewer heads (Hq % Hk == 0); ``scale=None`` is 1/sqrt(E)."""
+    K/V may have fewer heads (Hq % Hk == 0); ``scale=None`` is 1/sqrt(E). The forward captures into CUDA
+    graphs; the backward failed capture in one setting on the H100 (see ``_UIDS``), so the dispatcher does
+    not offer this kernel for training through CUDA graphs."""
     if window < 1:
         raise ValueError(f"the sliding window must hold at least one key, got {window}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
