@@ -49,7 +49,8 @@ CUDNN_BAND_MAX_HEAD_DIM = 128
 # padding arguments left to their defaults), a forward + backward warmed up eagerly and then captured into
 # a CUDA graph failed the capture on the H100 ("operation would make the legacy stream depend on a
 # capturing blocking stream") in every one of 20-odd tries at (2, 8, 512, 64), while the frontend's op
-# captured; with these names it captured in 7 of 7, two shapes (the ids made no difference).
+# captured; with these names it captured in 7 of 7, two shapes (the ids made no difference). Once another
+# band problem has run in the process, the backward's capture fails with either (the dispatcher's rule).
 _UIDS = {name: uid for uid, name in enumerate(("q", "k", "v", "o", "stats", "dO", "dq", "dk", "dv"), start=1)}
 _MAX_GRAPHS = 256  # built graphs kept; one per distinct problem, oldest dropped past this
 
@@ -247,8 +248,8 @@ class _CudnnBandAttention(torch.autograd.Function):
 def cudnn_band_forward(q: Tensor, k: Tensor, v: Tensor, *, window: int, scale: Optional[float]) -> Tensor:
     """Causal sliding-window attention of 4-D (B, H, L, E) inputs: query i sees keys ``i - window + 1 .. i``.
     K/V may have fewer heads (Hq % Hk == 0); ``scale=None`` is 1/sqrt(E). The forward captures into CUDA
-    graphs; the backward failed capture in one setting on the H100 (see ``_UIDS``), so the dispatcher does
-    not offer this kernel for training through CUDA graphs."""
+    graphs; the backward's capture fails once another band problem has run in the process (see ``_UIDS``),
+    so the dispatcher does not offer this kernel for training through CUDA graphs."""
     if window < 1:
         raise ValueError(f"the sliding window must hold at least one key, got {window}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

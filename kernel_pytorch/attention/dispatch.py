@@ -258,9 +258,10 @@ def _why_not_cudnn_band(p: AttentionProblem, hardware: HardwareInfo) -> str | No
     if p.dropout:
         return "cudnn_band has no dropout"
     if p.training and p.cuda_graphs:
-        # H100: its backward, warmed up and then captured, failed the capture in a pytest session
-        # ("operation would make the legacy stream depend on a capturing blocking stream") while the same
-        # steps alone captured; the forward captured every time. Not offered until that is understood.
+        # H100: its backward, warmed up and then captured, fails the capture ("operation would make the
+        # legacy stream depend on a capturing blocking stream") once another band problem has run in the
+        # process, and so does the cuDNN frontend's own torch.ops.cudnn.sdpa_bwd; alone, both capture. The
+        # forward captured every time.
         return "cudnn_band trains without CUDA graphs only (its backward failed CUDA-graph capture on the H100)"
     if p.mask_requires_grad:
         return "cudnn_band returns no gradient for the mask"
