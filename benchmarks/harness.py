@@ -21,7 +21,8 @@ import torch
 
 from kernel_pytorch.timing import captured_calls
 
-__all__ = ["Timing", "measure", "measure_gpu_time", "environment", "write_result", "timing_dict", "RESULTS_DIR"]
+__all__ = ["Timing", "measure", "measure_gpu_time", "host_us_per_call", "environment", "write_result", "timing_dict",
+           "RESULTS_DIR"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _L2_FLUSH_BYTES = 256 * 2**20
@@ -60,6 +61,20 @@ def measure_gpu_time(fn: Callable[[], Any], *, calls: int = 20, replays: int = 7
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
+
+
+def host_us_per_call(fn: Callable[[], Any], calls: int = 200, rounds: int = 5) -> float:
+    """Best of ``rounds`` of ``calls`` back-to-back calls, in us per call, synchronized at the end: the
+    host's time per call where the kernels are shorter than their launches."""
+    best = float("inf")
+    for _ in range(rounds + 1):  # the first round warms up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
 
 
 def _time_host(fn: Callable[[], Any]) -> float:

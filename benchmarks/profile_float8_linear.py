@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.harness import host_us_per_call  # noqa: E402
 from kernel_pytorch.ops.float8_linear import Float8Linear  # noqa: E402
 
 F8 = importlib.import_module("kernel_pytorch.ops.float8_linear")
@@ -40,19 +40,6 @@ def kernel_table(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, steps: int
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70)
 
 
-def _host_us(fn, calls: int = 200, rounds: int = 5) -> float:
-    """Best of ``rounds`` of ``calls`` back-to-back calls, in us per call, synchronized at the end."""
-    best = float("inf")
-    for _ in range(rounds + 1):  # the first round warms up
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
-
-
 def host_table(size: int) -> str:
     linear = nn.Linear(size, size, bias=False, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -64,8 +51,8 @@ def host_table(size: int) -> str:
             t, linear.weight, None, None, recipe, False, torch.float8_e4m3fn, torch.float8_e5m2, True, True, False)[0]
     lines = [f"== host time per call, M = K = N = {size} (us)", f"{'':<48}{'forward':>10}{'fwd + bwd':>12}"]
     for name, layer in layers.items():
-        forward = _host_us(lambda: layer(x))
-        step = _host_us(lambda: torch.autograd.grad(layer(x), (x, linear.weight), dy))
+        forward = host_us_per_call(lambda: layer(x))
+        step = host_us_per_call(lambda: torch.autograd.grad(layer(x), (x, linear.weight), dy))
         lines.append(f"{name:<48}{forward:>10.1f}{step:>12.1f}")
     return "\n".join(lines)
 
