@@ -281,8 +281,6 @@ def run_topk_case(length: int, budget_name: str, budget: dict, runs: int) -> dic
                  "block choice only": lambda q, k, v: select_blocks(
                      q, k, is_causal=True, scale=None, topk=topk, keep_ratio=keep_ratio,
                      local_blocks=config.local_blocks, sink_blocks=config.sink_blocks, block=config.block)}
-    if kind == "window" and importlib.util.find_spec("cudnn") is not None:
-        providers["cudnn band (direct)"] = _cudnn_band()
     providers.update({f"sdpa-{name} causal (dense)": _dense(b, causal=True) for name, b in DENSE_CAUSAL.items()})
     with torch.no_grad():
         for name, fn in providers.items():

@@ -60,8 +60,10 @@ def test_a_causal_window_makes_it_eligible_beside_flex_and_the_dense_kernels():
     (dict(dropout=0.1), H100, "no dropout"),
     (dict(training=True, cuda_graphs=True), H100, "without CUDA graphs"),
     (dict(dtype=torch.float32), H100, "fp16/bf16"),
-    (dict(head_dim=256), H100, "head dims"),
-    (dict(), H100.model_copy(update={"compute_capability": (7, 5), "cudnn_attention": False}), "compute capability"),
+    (dict(head_dim=256), H100, "limited to head dim 128"),
+    (dict(), H100.model_copy(update={"compute_capability": (7, 5), "cudnn_attention": False}),
+     "cuDNN attention unavailable"),
+    (dict(), H100.model_copy(update={"compute_capability": (7, 5)}), "compute capability >= 8.0"),
 ])
 def test_rejections_name_the_limit(case, hardware, limit):
     eligible, rejected = eligible_kernels(_problem(**case), hardware)

@@ -37,11 +37,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["cudnn_band_forward", "band_window", "load_cudnn_frontend", "CUDNN_BAND_MAX_HEAD_DIM"]
-
-# The head dims the dispatcher sends here: what cuDNN's fused attention takes on sm80/sm90 (the limit of
-# PyTorch's cuDNN SDPA, which the dispatcher applies to "cudnn" too).
-CUDNN_BAND_MAX_HEAD_DIM = 128
+__all__ = ["cudnn_band_forward", "band_window", "load_cudnn_frontend"]
 
 # Operand ids inside our graphs, by operand name (any distinct integers; one numbering for both directions).
 # The names, of the operands and of the two nodes ("sdpa_fwd", "sdpa_bwd"), and the explicit no-padding

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kernel_pytorch.attention.cudnn_band import CUDNN_BAND_MAX_HEAD_DIM, band_window
+from kernel_pytorch.attention.cudnn_band import band_window
 from kernel_pytorch.attention.flex import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM
 from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.timing import fastest_cuda_ms
@@ -97,6 +97,8 @@ _FLASH_ATTN_MIN_VERSION = (2, 7)
 # nvidia-cudnn-frontend 1.32: the release cudnn_band's graphs are built and tested with (pygraph.sdpa's diagonal
 # band bounds, execute with ordered tensor_uids).
 _CUDNN_FRONTEND_MIN_VERSION = (1, 32)
+# The head dims cuDNN's fused attention takes here (sm80/sm90), through SDPA ("cudnn") and the band graphs.
+_CUDNN_MAX_HEAD_DIM = 128
 # flash-attn's README: head dim > 192 backward with dropout needs A100/H100-class shared memory (sm80/sm90).
 _FLASH_ATTN_BIG_HEAD_BWD_CC = ((8, 0), (9, 0))
 # Relative error (norm) a fused kernel may show against the math kernel on the same bf16/fp16 inputs;
@@ -176,8 +178,8 @@ def _why_not(kernel: str, p: AttentionProblem, hardware: HardwareInfo) -> str | 
     if kernel == "cudnn":
         if not hardware.cudnn_attention:
             return "cuDNN attention unavailable on this GPU"
-        if p.head_dim > 128:
-            return f"cuDNN attention here is limited to head dim 128 (got {p.head_dim})"
+        if p.head_dim > _CUDNN_MAX_HEAD_DIM:
+            return f"cuDNN attention here is limited to head dim {_CUDNN_MAX_HEAD_DIM} (got {p.head_dim})"
         if p.mask_requires_grad:
             return "cuDNN attention returns no gradient for the mask"
     if kernel in ("cudnn", "flash") and hardware.vendor == "nvidia" and (cc is None or cc < (8, 0)):
@@ -244,17 +246,17 @@ def _why_not_flash_attn(p: AttentionProblem, hardware: HardwareInfo) -> str | No
 
 
 def _why_not_cudnn_band(p: AttentionProblem, hardware: HardwareInfo) -> str | None:
-    """The cuDNN frontend's banded attention: a causal sliding window, equal lengths, cuDNN's dtypes and head
-    dims (what :mod:`kernel_pytorch.attention.cudnn_band` was checked on)."""
-    cc = hardware.compute_capability
+    """The cuDNN frontend's banded attention: a causal sliding window with equal lengths, then the limits of
+    cuDNN's fused attention itself (dtypes, head dims, GPU), which are the ``"cudnn"`` kernel's."""
     pattern = None if p.sparsity is None else p.sparsity[:3]
     if band_window(pattern, p.q_shape[-2], p.k_shape[-2]) is None:
         return "cudnn_band computes a causal sliding window (a recognized band 0 <= i - j <= w, Lq == Lk) only"
     if hardware.cudnn_frontend_version is None:
         return "cudnn_band: the nvidia-cudnn-frontend package is not installed (extra 'cudnn')"
     if _version_tuple(hardware.cudnn_frontend_version) < _CUDNN_FRONTEND_MIN_VERSION:
-        return (f"cudnn_band: nvidia-cudnn-frontend {hardware.cudnn_frontend_version} is older than 1.32, the release "
-                "its cuDNN graphs are built and tested with")
+        minimum = ".".join(map(str, _CUDNN_FRONTEND_MIN_VERSION))
+        return (f"cudnn_band: nvidia-cudnn-frontend {hardware.cudnn_frontend_version} is older than {minimum}, the "
+                "release its cuDNN graphs are built and tested with")
     if p.dropout:
         return "cudnn_band has no dropout"
     if p.training and p.cuda_graphs:
@@ -263,16 +265,10 @@ def _why_not_cudnn_band(p: AttentionProblem, hardware: HardwareInfo) -> str | No
         # process, and so does the cuDNN frontend's own torch.ops.cudnn.sdpa_bwd; alone, both capture. The
         # forward captured every time.
         return "cudnn_band trains without CUDA graphs only (its backward failed CUDA-graph capture on the H100)"
-    if p.mask_requires_grad:
-        return "cudnn_band returns no gradient for the mask"
-    if p.dtype not in _HALF:
-        return f"cudnn_band needs fp16/bf16, not {p.dtype}"
-    if p.head_dim > CUDNN_BAND_MAX_HEAD_DIM or p.head_dim % 8 or p.value_dim != p.head_dim:
-        return (f"cudnn_band needs equal q/k and v head dims, multiples of 8, <= {CUDNN_BAND_MAX_HEAD_DIM} "
-                f"(got {p.head_dim} and {p.value_dim})")
-    if hardware.vendor != "nvidia" or not hardware.cudnn_attention or cc is None or cc < (8, 0):
-        return "cudnn_band needs cuDNN attention on an NVIDIA GPU of compute capability >= 8.0"
-    return None
+    if p.value_dim != p.head_dim:
+        return f"cudnn_band needs equal q/k and v head dims (got {p.head_dim} and {p.value_dim})"
+    reason = _why_not("cudnn", p, hardware)
+    return None if reason is None else f"cudnn_band runs cuDNN's fused attention: {reason}"
 
 
 def eligible_kernels(problem: AttentionProblem, hardware: HardwareInfo) -> tuple[list[str], dict[str, str]]:

@@ -75,7 +75,7 @@ ATTENTION_KERNELS = ("sdpa", "cudnn", "flash", "efficient", "cpu_flash", "flex",
 _DEVICE = {"sdpa": "any", "cudnn": "cuda", "flash": "cuda", "efficient": "cuda", "cpu_flash": "cpu", "flex": "any",
            "flash_attn": "cuda", "cudnn_band": "cuda"}
 # Kernels called directly by attention(), not through the custom ops: each traces under torch.compile and
-# has its own autograd (FlexAttention's higher-order op; flash-attn's and the cuDNN frontend's custom ops).
+# has its own autograd (FlexAttention's higher-order op; flash-attn's custom ops; cudnn_band's Function).
 _DIRECT = frozenset({"flex", "flash_attn", "cudnn_band"})
 # Kernels given a recognized mask pattern instead of a mask tensor (the dispatcher and the pass ask here).
 PATTERN_KERNELS = frozenset({"flex", "cudnn_band"})
@@ -359,8 +359,8 @@ def attention(
     """
     _check_kernel_name(kernel)
     if (pattern is not None or pattern_tensor is not None) and kernel not in PATTERN_KERNELS:
-        raise ValueError(f"a mask pattern is computed by kernels 'flex' and 'cudnn_band' only (got kernel={kernel!r}); "
-                         "pass the mask as attn_mask to the other kernels")
+        raise ValueError(f"a mask pattern is computed by kernels {' and '.join(map(repr, sorted(PATTERN_KERNELS)))} "
+                         f"only (got kernel={kernel!r}); pass the mask as attn_mask to the other kernels")
     if kernel == "sdpa":
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)

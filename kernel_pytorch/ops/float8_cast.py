@@ -67,7 +67,7 @@ _FP8_MAX = {dtype: torch.finfo(dtype).max for dtype in FLOAT8_DTYPES}
 
 def padded(n: int, multiple: int) -> int:
     """``n`` rounded up to a multiple (``_scaled_mm`` wants its reduction dimension a multiple of 16)."""
-    return (n + multiple - 1) // multiple * multiple
+    return cdiv(n, multiple) * multiple
 
 
 @dataclass(frozen=True)
