@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import Any, Optional
 
 from pydantic import BaseModel, Field
@@ -9,9 +11,13 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from kernel_pytorch.hardware import HardwareInfo
+from kernel_pytorch.verify import NOTHING_COMPARED
 
 __all__ = ["BlockRecord", "MemoryRecord", "OptimizationReport", "RewriteRecord", "RollbackRecord", "SkipRecord",
-           "VerificationRecord"]
+           "VerificationRecord", "natural_order"]
+
+# A graph dynamo captured, as capture.py names it; other records say "modules" (module passes) or "" (the model).
+_CAPTURED_GRAPH = re.compile(r"graph (\d+)")
 
 
 class RewriteRecord(BaseModel):
@@ -41,7 +47,12 @@ class VerificationRecord(BaseModel):
     worst: str = Field(description="the output or gradient with the largest error relative to its tolerance")
     error: float
     tolerance: float
-    compared_gradients: bool
+    compared_gradients: bool = Field(description="gradients were compared (gradients_compared > 0)")
+    outputs_compared: int = Field(0, description="output tensors compared")
+    gradients_compared: int = Field(0, description="gradients compared (a tensor on either side)")
+    identical: bool = Field(False, description="every compared tensor and value was bit-identical to the original")
+    not_compared: str = Field("", description="why gradients were not compared, e.g. 'optimize ran under "
+                              "torch.inference_mode()'; empty when they were or none were expected")
     rule: str = Field("tolerance", description="'tolerance': against the original; 'float32 referee': a "
                       "low-precision model judged against a float32 run of the original, within the larger of the "
                       "tolerance and NOISE_FACTOR x the original's own error against it")
@@ -126,34 +137,112 @@ class OptimizationReport(BaseModel):
         head.add_row("compiler", self.compiler or "-")
         head.add_row("graphs captured", str(self.graphs))
         if self.verification is not None:
-            v = self.verification
-            verdict = "passed" if v.passed else "FAILED"
-            if v.rule == "tolerance":
-                head.add_row("verification", f"{verdict}: worst {v.worst} error {v.error:.2e} (tolerance {v.tolerance:.0e})")
-            else:
-                head.add_row("verification", f"{verdict} ({v.rule}): {v.detail}")
+            head.add_row("verification", _verification_line(self.verification, rewritten=bool(self.rewrites)))
         for note in self.notes:
             head.add_row("note", note)
         for record in self.memory:
             head.add_row("memory", record.description)
         tables = [head]
-        tables += _records_table("rewrites", ("pass", "location", "replacement"),
-                                 [(r.pass_name, r.location, r.replacement) for r in self.rewrites])
-        tables += _records_table("skipped", ("pass", "location", "reason"),
-                                 [(s.pass_name, s.location, s.reason) for s in self.skipped])
-        tables += _records_table("rolled back", ("pass", "graph", "reason"),
-                                 [(r.pass_name, r.graph, r.reason) for r in self.rollbacks])
-        tables += _records_table("per block", ("block", "graph", "rewrites", "graph ops before -> after"),
+        tables += _grouped_table("rewrites", ("pass", "location", "replacement"),
+                                 [((r.pass_name, r.location, r.replacement), r.graph) for r in self.rewrites])
+        tables += _grouped_table("skipped", ("pass", "location", "reason"),
+                                 [((s.pass_name, s.location, s.reason), s.graph) for s in self.skipped])
+        tables += _grouped_table("rolled back", ("pass", "reason"),
+                                 [((r.pass_name, r.reason), r.graph) for r in self.rollbacks])
+        tables += _records_table(f"per block ({len(self.blocks)})",
+                                 ("block", "graph", "rewrites", "graph ops before -> after"),
                                  [(b.block or "(outside blocks)", b.graph,
                                    ", ".join(f"{name} {n}" for name, n in b.rewrites.items()) or "-",
                                    f"{b.ops_before} -> {b.ops_after}") for b in self.blocks])
         return tables
 
 
+def natural_order(text: str) -> tuple:
+    """Sort key that orders the numbers inside ``text`` by value: ``layers.2`` before ``layers.10``; ``""`` first."""
+    # re.split with a group alternates text and digit runs, so equal positions hold equal types.
+    return tuple(int(part) if index % 2 else part for index, part in enumerate(re.split(r"(\d+)", text)))
+
+
+def _graph_list(graphs: Iterable[str]) -> str:
+    """Graph names compacted: ``graph 0-3, 7``; other names (``modules``) as they are; ``-`` for none."""
+    names = set(graphs) - {""}
+    numbers = sorted(int(match[1]) for match in map(_CAPTURED_GRAPH.fullmatch, names) if match)
+    others = sorted((g for g in names if not _CAPTURED_GRAPH.fullmatch(g)), key=natural_order)
+    spans = [f"{first}-{last}" if last > first else str(first) for first, last in _runs(numbers)]
+    return ", ".join(others + ([f"graph {', '.join(spans)}"] if spans else [])) or "-"
+
+
+def _runs(numbers: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ``numbers`` as (first, last) runs of consecutive values."""
+    runs: list[tuple[int, int]] = []
+    for n in numbers:
+        if runs and runs[-1][1] == n - 1:
+            runs[-1] = (runs[-1][0], n)
+        else:
+            runs.append((n, n))
+    return runs
+
+
+def _grouped_table(title: str, columns: tuple[str, ...], records: list[tuple[tuple[str, ...], str]]) -> list[Table]:
+    """One row per distinct ``columns`` values of ``records`` (values, graph): how many records and which graphs.
+    Rows follow the order their pass first appears in (the pipeline's), then the location in natural order
+    (where there is one), then the order of first appearance (a stable sort)."""
+    graphs: dict[tuple[str, ...], list[str]] = {}
+    for values, graph in records:
+        graphs.setdefault(values, []).append(graph)
+    pass_order: dict[str, int] = {}
+    for values in graphs:
+        pass_order.setdefault(values[0], len(pass_order))
+    location = columns.index("location") if "location" in columns else None
+    keys = sorted(graphs, key=lambda values: (pass_order[values[0]],
+                                              natural_order(values[location]) if location is not None else ()))
+    rows = [(*values, str(len(graphs[values])), _graph_list(graphs[values])) for values in keys]
+    title = f"{title} ({len(rows)} in {len(records)} records{_scope(g for _, g in records)})"
+    return _records_table(title, (*columns, "count", "graphs"), rows)
+
+
+def _scope(graphs: Iterable[str]) -> str:
+    """`` over 3 graphs``, `` over 3 graphs and the modules``, `` over the modules``, `` over the model``."""
+    names = set(graphs)
+    captured = sum(bool(_CAPTURED_GRAPH.fullmatch(g)) for g in names)
+    parts = [f"{captured} graph{'s' if captured != 1 else ''}"] if captured else []
+    parts += [f"the {what}" for what, present in (("modules", "modules" in names), ("model", "" in names)) if present]
+    return " over " + " and ".join(parts) if parts else ""
+
+
+def _verification_line(v: VerificationRecord, rewritten: bool) -> str:
+    """``passed: all 3 outputs and 12 gradients bit-identical to the original``, and the like."""
+    verdict = "passed" if v.passed else "FAILED"
+    if v.rule != "tolerance":
+        verdict += f" ({v.rule})"
+    parts = ([] if rewritten else ["nothing was rewritten"]) + [_comparison_text(v)]
+    if v.not_compared:
+        parts.append(f"gradients not compared: {v.not_compared}")
+    return f"{verdict}: " + "; ".join(parts)
+
+
+def _comparison_text(v: VerificationRecord) -> str:
+    counts = [f"{n} {noun}{'s' if n != 1 else ''}"
+              for n, noun in ((v.outputs_compared, "output"), (v.gradients_compared, "gradient")) if n]
+    if v.passed and not counts and v.worst == NOTHING_COMPARED:
+        return "no tensor outputs to compare"
+    if v.passed and v.identical and counts:
+        every = "all " if v.outputs_compared + v.gradients_compared > 1 else ""
+        return f"{every}{' and '.join(counts)} bit-identical to the original"
+    if v.rule != "tolerance":
+        error = v.detail
+    elif v.worst == NOTHING_COMPARED:  # every error 0 without bit-identity: NaN in the same places, -0.0, a dtype
+        error = "every error 0 (equal values, not bit-identical)"
+    else:
+        error = f"worst {v.worst} error {v.error:.2e} (tolerance {v.tolerance:.0e})"
+    # A record without counts (built before they existed) says only what it knows.
+    return f"{error}; {', '.join(counts)} compared" if counts else error
+
+
 def _records_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[Table]:
     if not rows:
         return []
-    table = Table(title=f"{title} ({len(rows)})", title_justify="left")
+    table = Table(title=title, title_justify="left")
     for column in columns:
         table.add_column(column, overflow="fold")
     for row in rows:

@@ -25,9 +25,9 @@ from torch.utils import _pytree as pytree
 
 from kernel_pytorch.config import OptimizeConfig
 
-__all__ = ["Comparison", "Run", "relative_error", "compare", "compare_against_float32", "NoiseAwareCheck",
-           "NOISE_FACTOR", "LOW_PRECISION", "is_low_precision", "to_float32", "float32_fits",
-           "run_reference", "flatten_tensors", "call_arguments"]
+__all__ = ["Comparison", "Run", "relative_error", "compare", "compare_against_float32", "compared_counts",
+           "NoiseAwareCheck", "NOISE_FACTOR", "NOTHING_COMPARED", "LOW_PRECISION", "is_low_precision", "to_float32",
+           "float32_fits", "run_reference", "flatten_tensors", "call_arguments"]
 
 # Below this RMS the reference counts as zero: errors are then measured against it, as absolute
 # errors, so that noise on an all-zero gradient (e.g. 1e-12 after reordering) does not fail.
@@ -44,6 +44,11 @@ _RELATIVE_FLOOR = 1e-2
 # wrong rewrite (an O(1) change of some value) stays orders of magnitude above.
 NOISE_FACTOR = 1.5
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+# ``Comparison.worst`` when no leaf had a nonzero error: nothing was compared, or every error was 0. Not an
+# output's name: text for users says which (``Comparison.describe``, the report's verification line).
+NOTHING_COMPARED = "nothing compared"
+# Plain values that ``compare`` checks for equality; other non-tensor leaves are not compared.
+_PLAIN_VALUES = (int, float, bool, str, type(None))
 
 
 def call_arguments(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -77,7 +82,9 @@ class Comparison:
     def describe(self) -> str:
         verdict = "within" if self.ok else "exceeds"
         if self.noise is None:
-            text = f"{self.worst}: relative error {self.error:.2e} {verdict} tolerance {self.tolerance:.0e}"
+            text = ("no output or gradient differs (every error 0, or nothing to compare)"
+                    if self.worst == NOTHING_COMPARED else
+                    f"{self.worst}: relative error {self.error:.2e} {verdict} tolerance {self.tolerance:.0e}")
             return text + (f" (against float32; against the original, {self.plain.describe()})" if self.plain else "")
         text = (f"{self.worst}: relative error against float32 {self.error:.2e} {verdict} {self.tolerance:.2e}, "
                 f"the larger of the tolerance and {NOISE_FACTOR:g}x the {self.dtype} original's own error "
@@ -128,7 +135,7 @@ def flatten_tensors(tree: Any) -> dict[str, Any]:
 
 def compare(actual: Run, expected: Run, config: OptimizeConfig) -> Comparison:
     """The worst output or gradient, by error over its dtype's tolerance."""
-    worst = Comparison(True, "nothing compared", 0.0, 1.0)
+    worst = Comparison(True, NOTHING_COMPARED, 0.0, 1.0)
     pairs: list[tuple[str, Any, Any, Literal["outputs", "gradients"]]] = []
     if actual.outputs.keys() != expected.outputs.keys():
         return Comparison(False, f"output structure {sorted(actual.outputs)} vs {sorted(expected.outputs)}",
@@ -144,6 +151,36 @@ def compare(actual: Run, expected: Run, config: OptimizeConfig) -> Comparison:
         if _badness(comparison) > _badness(worst):
             worst = comparison
     return worst
+
+
+def compared_counts(actual: Run, expected: Run) -> tuple[int, int, bool]:
+    """``(outputs, gradients, identical)`` for what :func:`compare` compares: the output tensors and the
+    gradients (a leaf counts when it is a tensor on either side; gradients only when both runs have them),
+    and whether every compared tensor (same shape and dtype, ``torch.equal``) and plain value (same type,
+    ``==``) is bit-identical. Outputs of different structures compare nothing: ``(0, 0, False)``."""
+    if actual.outputs.keys() != expected.outputs.keys():
+        return 0, 0, False
+    outputs = [(actual.outputs[k], expected.outputs[k]) for k in expected.outputs]
+    gradients = []
+    if expected.gradients is not None and actual.gradients is not None:
+        gradients = [(actual.gradients.get(k), expected.gradients[k]) for k in expected.gradients]
+    identical = all(_bit_identical(a, e) for a, e in outputs + gradients)
+    return _tensor_pairs(outputs), _tensor_pairs(gradients), identical
+
+
+def _tensor_pairs(pairs: list[tuple[Any, Any]]) -> int:
+    return sum(isinstance(a, torch.Tensor) or isinstance(e, torch.Tensor) for a, e in pairs)
+
+
+def _bit_identical(a: Any, e: Any) -> bool:
+    """``torch.equal``: NaN is never identical, though ``compare`` accepts NaN against NaN (error 0)."""
+    if isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor):
+        return a.shape == e.shape and a.dtype == e.dtype and torch.equal(a.detach(), e.detach().to(a.device))
+    if isinstance(a, torch.Tensor) or isinstance(e, torch.Tensor):
+        return False  # a tensor against None (an unused input's gradient) or a plain value
+    if isinstance(e, _PLAIN_VALUES):
+        return type(a) is type(e) and bool(a == e)
+    return True  # other leaves are not compared (compare's _compare_leaf)
 
 
 def is_low_precision(run: Run) -> bool:
@@ -185,7 +222,7 @@ def compare_against_float32(actual: Run, original: Run, float32: Run, config: Op
         pairs += [(f"gradient of {k}", actual.gradients.get(k), original.gradients.get(k), float32.gradients[k],
                    "gradients") for k in float32.gradients]
     scale = {kind: max((_rms(r) for *_, r, k in pairs if k == kind), default=0.0) for kind in ("outputs", "gradients")}
-    worst = Comparison(True, "nothing compared", 0.0, 1.0)
+    worst = Comparison(True, NOTHING_COMPARED, 0.0, 1.0)
     for name, a, o, r, kind in pairs:
         floor = _RELATIVE_FLOOR * scale[kind]
         if not (isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and o.is_floating_point()):
@@ -251,7 +288,7 @@ def _compare_leaf(name: str, a: Any, e: Any, kind: str, config: OptimizeConfig, 
         limit = getattr(tolerance, kind) if tolerance is not None else 0.0
         error = relative_error(a, e, rms_floor)
         return Comparison(error <= limit, name, error, limit)
-    equal = bool(a == e) if isinstance(e, (int, float, bool, str, type(None))) else True
+    equal = bool(a == e) if isinstance(e, _PLAIN_VALUES) else True
     return Comparison(equal, name, 0.0 if equal else math.inf, 0.0)
 
 
