@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-__all__ = ["KernelPytorchError", "HardwareUnavailableError", "PassError", "UnknownPassError"]
+__all__ = ["KernelPytorchError", "ConfigError", "HardwareUnavailableError", "PassError", "UnknownPassError"]
 
 
 class KernelPytorchError(Exception):
     """Base class of the errors this library raises on purpose."""
+
+
+class ConfigError(KernelPytorchError, ValueError):
+    """An option of a config (``OptimizeConfig``, or one inside it) has a value it does not take.
+
+    One line per wrong option, naming the option, the value given and what it takes; raised in place of
+    pydantic's ``ValidationError``, which lists one entry per member of a Union in pydantic's type names.
+    """
+
+    def __init__(self, *problems: str):
+        self.problems = problems
+        super().__init__("\n".join(problems))
 
 
 class HardwareUnavailableError(KernelPytorchError, RuntimeError):

@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple, Optional, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kernel_pytorch.config import DEVICE_ALIASES, Vendor
+from kernel_pytorch.config import DEVICE_ALIASES, DeviceName, Vendor
 from kernel_pytorch.errors import HardwareUnavailableError
 
 __all__ = ["HardwareInfo", "detect_hardware"]
@@ -429,19 +429,29 @@ def _run_probe(probe: Callable[[], _Device]) -> tuple[_Device | None, str]:
     return device, f"ok: {device.detail}"
 
 
-def _requested_device(device: str) -> tuple[str, str]:
-    """The vendor (or "auto") asked for, and who asked: the argument or the environment variable."""
-    source = f"device={device!r}"
+class _Request(NamedTuple):
+    """The vendor (or "auto") asked for, the name as the user wrote it ('cuda'), and where: the argument or
+    the environment variable (e.g. "KERNEL_PYTORCH_DEVICE='cuda'")."""
+
+    vendor: str
+    written: str
+    source: str
+
+
+def _requested_device(device: str) -> _Request:
+    # An OptimizeConfig's device is already the vendor ('cuda' -> 'nvidia'); messages echo what was written.
+    written = device.written if isinstance(device, DeviceName) else device
+    source = f"device={written!r}"
     requested = device.strip().lower()
     if requested == "auto":
-        env_value = os.environ.get(ENV_DEVICE, "").strip().lower()
-        if env_value:
-            requested, source = env_value, f"{ENV_DEVICE}={os.environ[ENV_DEVICE]!r}"
+        env_value = os.environ.get(ENV_DEVICE, "")
+        if env_value.strip():
+            requested, written, source = env_value.strip().lower(), env_value, f"{ENV_DEVICE}={env_value!r}"
     requested = DEVICE_ALIASES.get(requested, requested)
     if requested != "auto" and requested not in _VENDORS:
         valid = ["auto", *_VENDORS, *DEVICE_ALIASES]
-        raise ValueError(f"unknown device {requested!r} (from {source}); valid names: {valid}")
-    return requested, source
+        raise ValueError(f"unknown device {written!r} (from {source}); valid names: {valid}")
+    return _Request(requested, written, source)
 
 
 def detect_hardware(device: str = "auto") -> HardwareInfo:
@@ -462,7 +472,7 @@ def detect_hardware(device: str = "auto") -> HardwareInfo:
         >>> info.probes["rocm"]
         'unavailable: torch.version.hip is None (not a ROCm build of torch)'
     """
-    requested, source = _requested_device(device)
+    requested, written, source = _requested_device(device)
     probes: dict[str, str] = {}
     found: _Device | None = None
     for name, probe, vendor, label in _PROBES:
@@ -473,7 +483,7 @@ def detect_hardware(device: str = "auto") -> HardwareInfo:
             break
         if requested == vendor != "cpu":
             raise HardwareUnavailableError(
-                f"device={vendor!r} was requested (by {source}) but the {label} probe failed: "
+                f"device={written!r} was requested (by {source}) but the {label} probe failed: "
                 f"{probes[name]}. To fix: {_FIX_HINTS[vendor]}; or use device='auto' to fall back."
             )
     if found is None:

@@ -303,7 +303,7 @@ def test_forced_cuda_on_this_cpu_machine_raises_with_the_reason():
     with pytest.raises(HardwareUnavailableError) as excinfo:
         detect_hardware("cuda")
     message = str(excinfo.value)
-    assert "device='nvidia' was requested (by device='cuda')" in message
+    assert "device='cuda' was requested (by device='cuda')" in message  # as written, not the vendor
     assert "CUDA probe failed: unavailable: torch.version.cuda is None (CPU build of torch)" in message
     assert "install a CUDA build of torch" in message
 

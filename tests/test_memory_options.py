@@ -15,10 +15,10 @@ import types
 
 import pytest
 import torch
-from pydantic import ValidationError
 from torch import nn
 
 from kernel_pytorch import HardwareUnavailableError, OptimizeConfig, optimize, report_of
+from kernel_pytorch.errors import ConfigError
 from kernel_pytorch.memory import (
     OffloadedOptimizer,
     activation_offload_stats,
@@ -90,7 +90,7 @@ def test_config_fields_default_off_and_take_bool_or_auto():
     ({"memory_budget_gb": 1.0, "offload_activations": True}, "offload_activations='auto'"),
 ])
 def test_config_rejects_bad_memory_options_by_name(fields, message):
-    with pytest.raises(ValidationError, match=message):
+    with pytest.raises(ConfigError, match=message):
         OptimizeConfig(**fields)
 
 
