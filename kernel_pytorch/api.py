@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import difflib
 import time
@@ -10,16 +9,16 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from kernel_pytorch import float8_conversion
 from kernel_pytorch.backends import OptimizationState, get_backend
 from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.distributed import context_parallel
-from kernel_pytorch.errors import KernelPytorchError
 from kernel_pytorch.hardware import detect_hardware
 from kernel_pytorch.report import OptimizationReport, VerificationRecord
-from kernel_pytorch.verify import (LOW_PRECISION, NoiseAwareCheck, Run, call_arguments, float32_fits, is_low_precision,
-                                   run_reference, to_float32)
+from kernel_pytorch.verify import (LOW_PRECISION, NoiseAwareCheck, Run, call_arguments, compared_counts, float32_fits,
+                                   is_low_precision, run_reference, to_float32)
 
 __all__ = ["optimize", "report_of"]
 
@@ -48,9 +47,12 @@ def optimize(
         raise TypeError(f"optimize() takes a torch.nn.Module, got {type(model).__name__}")
     config = _config_with(config, overrides)
     state = getattr(model, "_kernel_pytorch", None)
-    if isinstance(state, OptimizationState):
+    if isinstance(state, OptimizationState) and (state.still_installed() or not state.unoptimized_because):
         state.report.notes.append("optimize() called again on an optimized model: left as it was")
         return model
+    meta = _on_meta_device(model, example_inputs)
+    if meta and config.verify is not False:
+        config = config.model_copy(update={"verify": False})
     # Memory wrappers (kernel_pytorch/memory/options.py): checked and checkpointed before capture,
     # activation offload installed around the compiled call after it.
     from kernel_pytorch.memory import options as memory
@@ -61,9 +63,10 @@ def optimize(
     args, kwargs = call_arguments(example_inputs)
     verify = config.verify is True or (config.verify == "auto" and example_inputs is not None)
     training = config.mode == "training" or (config.mode == "auto" and model.training)
-    wrt = _gradient_targets(model, args, kwargs) if training else None
+    no_gradients = "the model is on the meta device" if meta else _why_no_gradients(training)
+    wrt = None if no_gradients else _gradient_targets(model, args, kwargs)
     plan = memory.checkpoint_for_config(model, config, example_inputs)
-    reference, original, unverified = None, None, ""
+    reference, original, unverified = None, None, meta
     if verify and example_inputs is not None:
         try:
             with _preserved_buffers(model):
@@ -84,14 +87,14 @@ def optimize(
     context_parallel.install(model, config, report)  # around the compiled call: shard in, gather out
     if example_inputs is not None:
         started = time.perf_counter()
-        with _preserved_buffers(model), _our_errors_unwrapped():
+        with _preserved_buffers(model):
             optimized = run_reference(model, args, kwargs, wrt)
         report.add_time("first call (capture, passes, compile)", time.perf_counter() - started)
         if reference is not None:
             # With linears in FP8 the end-to-end check takes fp8_tolerance (judging_config: why).
             checked = float8_conversion.judging_config(config, (r.pass_name for r in report.rewrites))
-            check = NoiseAwareCheck(reference, lambda: _float32_run(original, args, kwargs, training), checked)
-            _check_end_to_end(model, optimized, check)
+            check = NoiseAwareCheck(reference, lambda: _float32_run(original, args, kwargs, wrt is not None), checked)
+            _check_end_to_end(model, optimized, check, no_gradients)
             memory.sync_memory_report(model, report)
     return model
 
@@ -101,6 +104,7 @@ def report_of(model: nn.Module) -> OptimizationReport:
     state = getattr(model, "_kernel_pytorch", None)
     if not isinstance(state, OptimizationState):
         raise ValueError(f"{type(model).__name__} was not optimized by kernel_pytorch.optimize()")
+    state.still_installed()
     return state.report
 
 
@@ -110,11 +114,20 @@ def _config_with(config: OptimizeConfig | None, overrides: dict[str, Any]) -> Op
     fields = OptimizeConfig.model_fields
     for name in overrides:
         if name not in fields:
-            close = difflib.get_close_matches(name, fields, n=1)
+            close = difflib.get_close_matches(name, [*fields, "example_inputs"], n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise TypeError(f"optimize() got an unknown option '{name}'{hint} (options: {', '.join(fields)})")
     base = config.model_dump() if config is not None else {}
     return OptimizeConfig.model_validate({**base, **overrides}) if overrides or config is None else config
+
+
+def _why_no_gradients(training: bool) -> str:
+    """Why the checks compare outputs only ("" when they compare gradients too)."""
+    if not training:
+        return "the model was optimized for inference"
+    if torch.is_inference_mode_enabled():
+        return "optimize ran under torch.inference_mode(), where no gradients exist"
+    return ""
 
 
 def _gradient_targets(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
@@ -125,16 +138,12 @@ def _gradient_targets(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, 
     return targets
 
 
-@contextlib.contextmanager
-def _our_errors_unwrapped():
-    """Dynamo wraps what a backend raises in ``BackendCompilerFailed``; ours are re-raised as they are."""
-    try:
-        yield
-    except torch._dynamo.exc.BackendCompilerFailed as error:
-        inner = getattr(error, "inner_exception", None)
-        if isinstance(inner, KernelPytorchError):
-            raise inner from None
-        raise
+def _on_meta_device(model: nn.Module, example_inputs: Any) -> str:
+    """Why nothing can be verified when the model or its example inputs hold meta tensors ("" otherwise)."""
+    tensors = [*model.parameters(), *model.buffers(), *pytree.tree_leaves(example_inputs)]
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors):
+        return "not verified: the model or its example inputs are on the meta device, which holds no values to compare"
+    return ""
 
 
 class _preserved_buffers:
@@ -165,14 +174,14 @@ def _structure_copy(model: nn.Module) -> nn.Module | str:
         return f"the model could not be copied: {type(error).__name__}: {error}"
 
 
-def _float32_run(original: nn.Module | str | None, args: tuple, kwargs: dict, training: bool) -> Run | str:
+def _float32_run(original: nn.Module | str | None, args: tuple, kwargs: dict, gradients: bool) -> Run | str:
     """The original model, with its bfloat16/float16 parameters, buffers and inputs upcast to float32, run
     as the reference runs were; or why not."""
     if not isinstance(original, nn.Module):
         return original or "no copy of the original model was kept"
     tensors = [*original.parameters(), *original.buffers(), *(a for a in (*args, *kwargs.values())
                                                               if isinstance(a, torch.Tensor))]
-    reason = float32_fits(tensors, training)
+    reason = float32_fits(tensors, gradients)
     if reason:
         return reason
     memo: dict[int, Any] = {}
@@ -186,7 +195,7 @@ def _float32_run(original: nn.Module | str | None, args: tuple, kwargs: dict, tr
         fp32 = copy.deepcopy(original, memo=memo)
         args32 = tuple(to_float32(a) for a in args)
         kwargs32 = {k: to_float32(v) for k, v in kwargs.items()}
-        wrt = _gradient_targets(fp32, args32, kwargs32) if training else None
+        wrt = _gradient_targets(fp32, args32, kwargs32) if gradients else None
         return run_reference(fp32, args32, kwargs32, wrt)
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
@@ -195,7 +204,7 @@ def _float32_run(original: nn.Module | str | None, args: tuple, kwargs: dict, tr
         return f"it failed: {type(error).__name__}: {error}"
 
 
-def _check_end_to_end(model: nn.Module, optimized: Run, check: NoiseAwareCheck) -> None:
+def _check_end_to_end(model: nn.Module, optimized: Run, check: NoiseAwareCheck, no_gradients: str) -> None:
     state: OptimizationState = model._kernel_pytorch
     report = state.report
     if state.graph_optimizer.draws_random_numbers:
@@ -203,10 +212,14 @@ def _check_end_to_end(model: nn.Module, optimized: Run, check: NoiseAwareCheck) 
                             "training), which the compiler samples differently; each graph was verified instead")
         return
     comparison = check(optimized)
+    outputs, gradients, identical = compared_counts(optimized, check.reference)
+    if not gradients and not no_gradients:
+        no_gradients = "no output depends on a parameter or input that requires grad"
     report.verification = VerificationRecord(passed=comparison.ok, worst=comparison.worst, error=comparison.error,
-                                             tolerance=comparison.tolerance,
-                                             compared_gradients=check.reference.gradients is not None,
-                                             rule=comparison.rule, detail=comparison.describe())
+                                             tolerance=comparison.tolerance, compared_gradients=gradients > 0,
+                                             outputs_compared=outputs, gradients_compared=gradients,
+                                             identical=identical, not_compared=no_gradients, rule=comparison.rule,
+                                             detail=comparison.describe())
     if check.unavailable:
         report.notes.append(f"end-to-end check judged by tolerance only, no float32 referee ({check.unavailable})")
     elif comparison.ok and comparison.rule != "tolerance":

@@ -1,8 +1,8 @@
 """How graphs are obtained and optimized: a TorchDynamo backend of ours.
 
-``optimize`` routes the model's ``__call__`` through TorchDynamo in place (:func:`install`, which keeps
-``state_dict`` keys) with a :class:`GraphOptimizer` as the dynamo backend. Dynamo hands it each captured torch-level graph (one per
-graph break, and again for new shapes or modes) with real example inputs; it runs the passes, checks
+``optimize`` routes the model's ``__call__`` through TorchDynamo in place (``compiled_call.install``, which
+keeps ``state_dict`` keys) with a :class:`GraphOptimizer` as the dynamo backend. Dynamo hands it each
+captured torch-level graph (one per graph break, and again for new shapes or modes) with real example inputs; it runs the passes, checks
 each rewritten graph against the captured one on those inputs, rolls back the passes that break
 tolerance, and hands the result to the hardware's compiler (or runs it eagerly).
 
@@ -12,11 +12,8 @@ and BERT; dynamo captures them.
 
 from __future__ import annotations
 
-import functools
-import itertools
-import sys
+import copy
 import time
-import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,10 +31,11 @@ from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
 from kernel_pytorch.passes.graph_utils import (block_of, calls_per_block, checkpointed_subgraphs, clone_graph_module,
                                                 is_checkpointed_region)
 from kernel_pytorch.passes.manager import PassManager
-from kernel_pytorch.report import BlockRecord, OptimizationReport, RewriteRecord, RollbackRecord, SkipRecord
+from kernel_pytorch.report import (BlockRecord, OptimizationReport, RewriteRecord, RollbackRecord, SkipRecord,
+                                   natural_order)
 from kernel_pytorch.verify import LOW_PRECISION, NoiseAwareCheck, Run, float32_fits, run_reference, to_float32
 
-__all__ = ["GraphOptimizer", "GuardedGraph", "CompilerChoice", "draws_random_numbers", "install", "without_dropout"]
+__all__ = ["GraphOptimizer", "GuardedGraph", "CompilerChoice", "draws_random_numbers", "without_dropout"]
 
 # Ops whose results depend on the RNG stream: an end-to-end comparison cannot match them when the
 # compiler draws random numbers differently from eager PyTorch (Inductor does).
@@ -46,33 +44,6 @@ _RANDOM_OPS = frozenset({
     "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm",
     "bernoulli", "multinomial", "normal", "poisson", "uniform_", "normal_", "bernoulli_",
 })
-
-
-_entry_numbers = itertools.count()
-
-
-def _call_module(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return module._call_impl(*args, **kwargs)
-
-
-def install(model: torch.nn.Module, backend: Callable[..., Any], dynamic: bool | None) -> None:
-    """Make ``model(...)`` run through TorchDynamo with ``backend``, in place.
-
-    Not ``model.compile()``: that compiles ``Module._call_impl``, a frame in torch's own files, which
-    dynamo skips when it is the top frame, so a model made only of ``torch.nn`` modules (an
-    ``nn.Sequential``, an ``nn.TransformerEncoderLayer``) was never captured (measured: zero graphs on
-    torch 2.13). The entry here is a function of ours, and each model gets its own copy of its code
-    object: dynamo keeps its cache per code object, and a shared one would hit the recompile limit (8)
-    after eight optimized models. The copy's name is unique too: dynamo remembers which sizes changed
-    per (file, line, name) of the code, and with a shared name a second model of another size was
-    captured with symbolic sizes at once (measured: no causal mask proven, no kernel measured).
-    """
-    name = f"kernel_pytorch_call_{type(model).__name__}_{next(_entry_numbers)}"
-    names = {"co_name": name, **({"co_qualname": name} if sys.version_info >= (3, 11) else {})}
-    code = _call_module.__code__.replace(**names)
-    entry = types.FunctionType(code, _call_module.__globals__, name)
-    compiled = torch.compile(entry, backend=backend, dynamic=dynamic)
-    model._compiled_call_impl = functools.partial(compiled, model)
 
 
 @dataclass(frozen=True)
@@ -207,6 +178,12 @@ class GraphOptimizer:
     def __repr__(self) -> str:
         return f"kernel_pytorch.GraphOptimizer({self.hardware.vendor}, compiler={self.compiler.name})"
 
+    def for_report(self, report: OptimizationReport) -> GraphOptimizer:
+        """The same backend for a copy of the model: the copy's own report, nothing captured yet."""
+        twin = copy.copy(self)
+        twin.report, twin.draws_random_numbers = report, False
+        return twin
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         # The checks and kernel measurements below run forwards and backwards of their own, inside the model's
         # call that triggered the capture: saved-tensor hooks around that call are not theirs. Identity hooks
@@ -220,7 +197,8 @@ class GraphOptimizer:
         self.report.graphs += 1
         self.draws_random_numbers |= draws_random_numbers(gm)
         placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        ctx = PassContext(hardware=self.hardware, config=self.config, training=self.training, graph_name=name,
+        ctx = PassContext(hardware=self.hardware, config=self.config, training=self._training(example_inputs, name),
+                          graph_name=name,
                           example_inputs=dict(zip(placeholders, example_inputs)),
                           compiled=self.compiler.name != "eager", cuda_graphs=self.compiler.uses_cuda_graphs,
                           fp8_targets=self.fp8_targets)
@@ -234,7 +212,7 @@ class GraphOptimizer:
         self._record(results, name)
         self._record_blocks(gm, candidate, results, name)
         started = time.perf_counter()
-        compiled = self._compile(candidate, example_inputs, name)
+        compiled = self._compile(candidate, example_inputs, name, ctx.training)
         self.report.add_time("compile", time.perf_counter() - started)
         guards = [guard for _, result in results for guard in result.guards]
         if guards:
@@ -242,6 +220,18 @@ class GraphOptimizer:
                 guard.bind(candidate.graph)
             return GuardedGraph(compiled, gm, guards, self.report, name)
         return compiled
+
+    def _training(self, example_inputs: Sequence[Any], name: str) -> bool:
+        """Whether this graph is rewritten for training: the model's mode at optimize time, or gradients
+        flowing in this capture (a model optimized in eval mode, then trained: kernels need a backward)."""
+        if self.training:
+            return True
+        flowing = torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad
+                                                  for v in example_inputs)
+        if flowing:
+            self.report.notes.append(f"{name}: captured with gradients flowing, on a model optimized for inference: "
+                                     "rewritten and verified as for training")
+        return flowing
 
     def _apply(
         self, gm: torch.fx.GraphModule, passes: Sequence[GraphPass], ctx: PassContext
@@ -266,7 +256,7 @@ class GraphOptimizer:
     def _verified(self, gm, candidate, results, example_inputs, ctx):
         """``candidate`` if it matches ``gm`` on the example inputs; else the passes re-applied one at a
         time, each kept only if the graph still matches."""
-        inputs = _VerificationInputs(gm, example_inputs, self.training)
+        inputs = _VerificationInputs(gm, example_inputs, ctx.training)
         if inputs.unusable_reason:
             self.report.notes.append(f"{ctx.graph_name}: not verified ({inputs.unusable_reason})")
             return candidate, results
@@ -332,13 +322,14 @@ class GraphOptimizer:
             for record in result.rewrites:
                 per_pass = rewrites.setdefault(block_of(record.location), {})
                 per_pass[graph_pass.name] = per_pass.get(graph_pass.name, 0) + 1
-        for block in sorted(before.keys() | after.keys(), key=_natural_order):
+        for block in sorted(before.keys() | after.keys(), key=natural_order):
             self.report.blocks.append(BlockRecord(block=block, graph=graph, rewrites=rewrites.get(block, {}),
                                                   ops_before=before.get(block, 0), ops_after=after.get(block, 0)))
 
-    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str) -> Callable[..., Any]:
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str,
+                 training: bool) -> Callable[..., Any]:
         without_graphs = self.compiler.name == "inductor" and not self.compiler.uses_cuda_graphs
-        note = cuda_graphs_note(gm, self.training, without_graphs)
+        note = cuda_graphs_note(gm, training, without_graphs)
         if note is not None and note not in self.report.notes:
             self.report.notes.append(note)
         if without_graphs and attention_only(gm):
@@ -357,11 +348,6 @@ class GraphOptimizer:
 
 def _as_is(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
-
-
-def _natural_order(block: str) -> tuple:
-    """``layers.2`` before ``layers.10``; the part outside the blocks (``""``) first."""
-    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in block.split(".")) if block else ()
 
 
 class GuardedGraph:

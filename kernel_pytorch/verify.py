@@ -316,10 +316,11 @@ def run_reference(
     devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
+        # The loss is built inside the grad-mode block too: a caller under torch.no_grad() has no graph otherwise.
         with torch.enable_grad() if wrt else torch.no_grad():
             out = fn(*args, **kwargs)
-        outputs = flatten_tensors(out)
-        gradients = _gradients(outputs, wrt, seed) if wrt else None
+            outputs = flatten_tensors(out)
+            gradients = _gradients(outputs, wrt, seed) if wrt else None
     return Run({k: _detached(v) for k, v in outputs.items()}, gradients)
 
 

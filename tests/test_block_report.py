@@ -33,10 +33,10 @@ def test_each_block_lists_its_rewrites_and_fewer_ops(options):
 
 
 def test_blocks_order_naturally_whatever_their_names():
-    from kernel_pytorch.capture import _natural_order
+    from kernel_pytorch.report import natural_order
 
     names = ["layers.10", "", "0", "layers.2", "h.1", "layers.2.x"]
-    assert sorted(names, key=_natural_order) == ["", "0", "h.1", "layers.2", "layers.2.x", "layers.10"]
+    assert sorted(names, key=natural_order) == ["", "0", "h.1", "layers.2", "layers.2.x", "layers.10"]
 
 
 def test_block_of_paths():

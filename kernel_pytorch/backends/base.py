@@ -16,10 +16,11 @@ from typing import Any, ClassVar
 import torch.nn as nn
 
 from kernel_pytorch import float8_conversion
-from kernel_pytorch.capture import CompilerChoice, GraphOptimizer, install
+from kernel_pytorch.capture import CompilerChoice, GraphOptimizer
 from kernel_pytorch.config import OptimizeConfig, Vendor
 from kernel_pytorch.errors import PassError
 from kernel_pytorch.hardware import HardwareInfo
+from kernel_pytorch.optimization_state import OptimizationState
 from kernel_pytorch.passes.base import GraphPass, ModulePass, PassContext
 from kernel_pytorch.passes.registry import get_pass
 from kernel_pytorch.report import OptimizationReport, RewriteRecord, SkipRecord
@@ -44,24 +45,6 @@ class PlanItem:
     name: str
     applies: bool
     reason: str
-
-
-@dataclass
-class OptimizationState:
-    """What ``optimize`` leaves on the model (``model._kernel_pytorch``): the live report, and how to undo."""
-
-    report: OptimizationReport
-    graph_optimizer: GraphOptimizer
-    module_undo: list[Callable[[], None]]
-    active: bool = True
-
-    def roll_back_everything(self, model: nn.Module, reason: str) -> None:
-        model._compiled_call_impl = None
-        for undo in reversed(self.module_undo):
-            undo()
-        self.module_undo.clear()
-        self.active = False
-        self.report.notes.append(f"all optimizations rolled back: {reason}")
 
 
 class Backend:
@@ -174,8 +157,10 @@ class Backend:
         optimizer = GraphOptimizer(passes=[p for p in passes if isinstance(p, GraphPass)], hardware=self.hardware,
                                    config=config, training=training, compiler=compiler, verify=verify, report=report,
                                    fp8_targets=fp8_targets)
-        install(model, optimizer, config.dynamic)
-        model._kernel_pytorch = OptimizationState(report=report, graph_optimizer=optimizer, module_undo=undo)
+        state = OptimizationState(report=report, graph_optimizer=optimizer, module_undo=undo, model=model,
+                                  dynamic=config.dynamic)
+        model._kernel_pytorch = state
+        state.install()
         return model, report
 
     def _run_module_passes(self, passes, model, ctx, report) -> list[Callable[[], None]]:

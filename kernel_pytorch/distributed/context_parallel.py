@@ -25,6 +25,7 @@ averages again, which changes nothing.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch.distributed as dist
@@ -64,9 +65,13 @@ def backend_config(config):
 
 
 def install(model: nn.Module, config, report) -> None:
-    """Wrap the compiled call of ``model`` (see the module docstring) and hook its parameters' gradients."""
-    if config.context_parallel is None:
-        return
+    """Wrap the compiled call of ``model`` (see the module docstring) and hook its parameters' gradients, on
+    the model and on its copies (``OptimizationState.add_around``)."""
+    if config.context_parallel is not None:
+        model._kernel_pytorch.add_around(functools.partial(_wrap_compiled_call, config=config))
+
+
+def _wrap_compiled_call(model: nn.Module, report, *, config) -> None:
     ranks = RankGroup.of(config.context_parallel)
     call = ContextParallelCall(model, model._compiled_call_impl, ranks)
     model._compiled_call_impl = call

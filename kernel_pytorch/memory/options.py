@@ -134,7 +134,7 @@ def checkpoint_for_config(model: nn.Module, config: OptimizeConfig, example_inpu
 def install_memory_options(model: nn.Module, config: OptimizeConfig, report: OptimizationReport,
                            plan: CheckpointPlan | None, training: bool) -> None:
     """Record the checkpointing plan and the optimizer choice in ``report``, and install activation
-    offload around the model's (compiled) call."""
+    offload around the model's (compiled) call, on it and on its copies (``OptimizationState.add_around``)."""
     if plan is not None:
         report.set_memory(_checkpointing_record(plan))
     fraction = _optimizer_fraction(config.offload_optimizer)
@@ -142,7 +142,19 @@ def install_memory_options(model: nn.Module, config: OptimizeConfig, report: Opt
     if config.offload_optimizer is not False:
         report.set_memory(_optimizer_record(_trainable(model), fraction))
     if config.offload_activations is not False:
-        _install_activation_offload(model, config, report, training)
+        model._kernel_pytorch.add_around(ActivationOffloadOption(config, training))
+
+
+@dataclass(frozen=True)
+class ActivationOffloadOption:
+    """Installs ``config.offload_activations`` around a model's compiled call (a picklable callable, so that
+    copies of the model get it too)."""
+
+    config: OptimizeConfig
+    training: bool
+
+    def __call__(self, model: nn.Module, report: OptimizationReport) -> None:
+        _install_activation_offload(model, self.config, report, self.training)
 
 
 def sync_memory_report(model: nn.Module, report: OptimizationReport) -> None:

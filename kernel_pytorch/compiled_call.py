@@ -1,0 +1,248 @@
+"""The call ``optimize`` puts in ``model._compiled_call_impl``: the model through TorchDynamo and our backend,
+kept true to what users do with the model afterwards.
+
+* **Module hooks** added, removed or replaced after ``optimize`` (forward, pre-forward, backward, on the top
+  module or a submodule) take effect at the next call: while one of our frames compiles, Dynamo's guards on
+  the modules' hook dictionaries are on (Dynamo skips them by default, ``skip_nnmodule_hook_guards``, and a
+  hook registered later then silently never ran).
+* **Global module hooks** (``torch.nn.modules.module.register_module_forward_hook`` and the like) are not
+  guarded by Dynamo at all: each set of them gets a compiled entry of its own (a fresh capture), looked up
+  by the hooks' handle ids at every call.
+* **TorchDynamo's recompile limit**: reaching it makes Dynamo run the frame unoptimized with a log line
+  only; here it is a warning and a report note naming the cause and the fix.
+* **Inputs the model rejects** (a wrong dtype or feature size): Dynamo's tracing wraps eager PyTorch's error
+  in ``TorchRuntimeError`` / ``BackendCompilerFailed`` with fake-tensor logs; the call is run eagerly
+  instead, so the user gets the model's own error, with one added line naming the optimized model and
+  its arguments. A call that fails to compile but runs eagerly returns the eager result, with a warning.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import itertools
+import logging
+import re
+import sys
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.modules.module as module_globals
+from torch._dynamo.exc import TorchDynamoException
+
+from kernel_pytorch.errors import KernelPytorchError
+
+__all__ = ["CompiledCall", "RecompileLimitWarning", "UnoptimizedCallWarning", "install"]
+
+# TorchDynamo's default limit (8) is for one function; a model's call contract needs more variants: a
+# transformers generate() alone is captured with and without a cache, for prefill and decode, and at
+# batch size 1 and >= 2 (0/1 specialization). 32 per model bounds the recaptures all the same.
+RECOMPILE_LIMIT = 32
+
+# The global hook dictionaries of torch.nn.Module (mutated in place, never rebound), which TorchDynamo does not
+# guard on.
+_GLOBAL_HOOK_DICTS = tuple(getattr(module_globals, name) for name in (
+    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"))
+
+# The optimized call running in this thread or task (None outside one): Dynamo's compile callbacks and
+# log records are attributed to it.
+_ACTIVE: contextvars.ContextVar[CompiledCall | None] = contextvars.ContextVar("kernel_pytorch_call", default=None)
+
+_entry_numbers = itertools.count()
+
+
+class RecompileLimitWarning(UserWarning):
+    """TorchDynamo reached its recompile limit inside an optimized model: new variants run unoptimized."""
+
+
+class UnoptimizedCallWarning(UserWarning):
+    """A call of an optimized model could not be compiled and ran eagerly (correct, not optimized)."""
+
+
+def install(model: nn.Module, backend: Callable[..., Any], dynamic: bool | None, report: Any) -> CompiledCall:
+    """Make ``model(...)`` run through TorchDynamo with ``backend``, in place; ``report`` gets the notes."""
+    call = CompiledCall(model, backend, dynamic, report)
+    model._compiled_call_impl = call
+    return call
+
+
+def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module._call_impl(*args, **kwargs)
+
+
+def _compiled_entry(model: nn.Module, backend: Callable[..., Any], dynamic: bool | None) -> Callable[..., Any]:
+    """``torch.compile`` of a copy of :func:`_call_module` with a code object of its own.
+
+    Not ``model.compile()``: that compiles ``Module._call_impl``, a frame in torch's own files, which dynamo
+    skips when it is the top frame, so a model made only of ``torch.nn`` modules (an ``nn.Sequential``) was
+    never captured (measured: zero graphs on torch 2.13). Dynamo keeps its cache per code object, so each
+    entry gets its own (a shared one would hit the recompile limit after a few optimized models), with a
+    unique name too: dynamo remembers which sizes changed per (file, line, name) of the code, and with a
+    shared name a second model of another size was captured with symbolic sizes at once.
+    """
+    name = f"kernel_pytorch_call_{type(model).__name__}_{next(_entry_numbers)}"
+    names = {"co_name": name, **({"co_qualname": name} if sys.version_info >= (3, 11) else {})}
+    entry = types.FunctionType(_call_module.__code__.replace(**names), _call_module.__globals__, name)
+    limit = {"recompile_limit": RECOMPILE_LIMIT} if _compile_takes_recompile_limit() else {}
+    return torch.compile(entry, backend=backend, dynamic=dynamic, **limit)
+
+
+@functools.cache
+def _compile_takes_recompile_limit() -> bool:
+    return "recompile_limit" in inspect.signature(torch.compile).parameters  # torch >= 2.13
+
+
+class CompiledCall:
+    """``model._compiled_call_impl`` after ``optimize``: ``call(*args, **kwargs)`` runs the model compiled.
+
+    One compiled entry per set of global module hooks (usually one: none); see the module docstring.
+    """
+
+    def __init__(self, model: nn.Module, backend: Callable[..., Any], dynamic: bool | None, report: Any):
+        self.model, self.backend, self.dynamic, self.report = model, backend, dynamic, report
+        self.entries: dict[tuple[tuple[int, ...], ...], Callable[..., Any]] = {}
+        self.limits_reached: set[str] = set()
+        self.eager_calls = 0
+
+    # Opaque to an outer torch.compile(model): it would trace through the entry with its own backend, and the
+    # model would run without the rewrites; disabled here, the outer compile calls the optimized model as it is.
+    @torch._dynamo.disable
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hooks = _global_hook_ids()
+        entry = self.entries.get(hooks)
+        if entry is None:
+            entry = self.entries[hooks] = _compiled_entry(self.model, self.backend, self.dynamic)
+            if len(self.entries) > 1:
+                self._note("global module hooks changed: the model is captured again for them")
+        _register_compile_callbacks()
+        token = _ACTIVE.set(self)
+        try:
+            return entry(self.model, *args, **kwargs)
+        except TorchDynamoException as error:
+            failure = error
+        finally:
+            _ACTIVE.reset(token)
+        return self._after_compile_failure(failure, args, kwargs)
+
+    def recompile_limit_reached(self, function: str, reason: str) -> None:
+        """Dynamo logged that it reached its limit for ``function``: report and warn once per function."""
+        if function in self.limits_reached:
+            return
+        self.limits_reached.add(function)
+        message = (f"TorchDynamo reached its recompile limit for {function} inside the optimized "
+                   f"{type(self.model).__name__}: calls unlike the variants already captured now run that code "
+                   f"unoptimized (last change: {reason}). Fix: fewer distinct call variants (shapes, batch sizes, "
+                   "cache types), optimize(..., dynamic=True), or a higher torch._dynamo.config.recompile_limit; "
+                   "TORCH_LOGS=recompiles lists each change")
+        self._note(message)
+        warnings.warn(message, RecompileLimitWarning, stacklevel=2)
+
+    def _after_compile_failure(self, failure: TorchDynamoException, args: tuple, kwargs: dict) -> Any:
+        """The model's own error for inputs it rejects; else the eager result, said once."""
+        inner = getattr(failure, "inner_exception", None)
+        if isinstance(inner, KernelPytorchError):
+            raise inner from None
+        try:
+            out = self.model._call_impl(*args, **kwargs)
+        except Exception as error:
+            if hasattr(error, "add_note"):
+                error.add_note(f"(raised by the model optimized by kernel_pytorch, {type(self.model).__name__}, "
+                               f"called with {describe_arguments(args, kwargs)}; it raises the same unoptimized)")
+            raise error from None
+        if getattr(getattr(self.backend, "config", None), "strict", False):
+            raise failure
+        self.eager_calls += 1
+        if self.eager_calls == 1:
+            message = (f"a call of the optimized {type(self.model).__name__} with {describe_arguments(args, kwargs)} "
+                       f"could not be compiled and ran unoptimized (eager): {_first_line(failure)}")
+            self._note(message + "; such calls keep running eagerly")
+            warnings.warn(message, UnoptimizedCallWarning, stacklevel=3)
+        return out
+
+    def _note(self, text: str) -> None:
+        if text not in self.report.notes:
+            self.report.notes.append(text)
+
+
+def describe_arguments(args: tuple, kwargs: dict) -> str:
+    """``(Tensor[2, 5] float32, mask=Tensor[2, 5] bool)``: what a call passed, for error messages."""
+    parts = [_describe(a) for a in args] + [f"{k}={_describe(v)}" for k, v in kwargs.items()]
+    return f"({', '.join(parts)})"
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{list(value.shape)} {str(value.dtype).removeprefix('torch.')} on {value.device}"
+    return type(value).__name__
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _global_hook_ids() -> tuple[tuple[int, ...], ...]:
+    """The handle ids of the global module hooks; () for none, the common case, read without building tuples."""
+    if not any(_GLOBAL_HOOK_DICTS):
+        return ()
+    return tuple(tuple(hooks) for hooks in _GLOBAL_HOOK_DICTS)
+
+
+# -- Dynamo's compile callbacks and logs, attributed to the optimized call in progress -------------------------
+
+_hook_guard_patches: list[Any] = []
+
+
+def _guard_hooks_while_compiling(*_: Any) -> None:
+    """Dynamo's compile-start callback: guard on module hooks while a frame of an optimized call compiles."""
+    patch = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False) if _ACTIVE.get() is not None else None
+    if patch is not None:
+        patch.__enter__()
+    _hook_guard_patches.append(patch)
+
+
+def _end_of_compile(*_: Any) -> None:
+    patch = _hook_guard_patches.pop() if _hook_guard_patches else None
+    if patch is not None:
+        patch.__exit__(None, None, None)
+
+
+_LIMIT_MESSAGE = re.compile(r"function: (?P<function>.*)\n\s*last reason: (?P<reason>.*)")
+
+
+class _RecompileLimitRecords(logging.Filter):
+    """Takes Dynamo's "hit config.recompile_limit" record inside an optimized call (the call warns instead)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        call = _ACTIVE.get()
+        if call is None or not str(record.msg).startswith("torch._dynamo hit config."):
+            return True
+        found = _LIMIT_MESSAGE.search(record.getMessage())
+        function, reason = (found["function"], found["reason"].strip()) if found else ("a frame", "unknown")
+        call.recompile_limit_reached(function, reason)
+        return False
+
+
+class _FakeTensorErrorRecords(logging.Filter):
+    """Drops fake-tensor "failed while attempting to run meta" tracebacks inside an optimized call: the
+    call re-raises eager PyTorch's own error for such inputs (CompiledCall._after_compile_failure)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _ACTIVE.get() is None or not str(record.msg).startswith("failed while attempting to run meta")
+
+
+def _register_compile_callbacks() -> None:
+    """Once, and again after ``torch._dynamo.reset()``, which clears every compile callback."""
+    handler = torch._dynamo.callback_handler
+    if _guard_hooks_while_compiling not in handler.start_callbacks:
+        handler.register_start_callback(_guard_hooks_while_compiling)
+        handler.register_end_callback(_end_of_compile)
+
+
+logging.getLogger("torch._dynamo.convert_frame").addFilter(_RecompileLimitRecords())
+logging.getLogger("torch._subclasses.fake_tensor").addFilter(_FakeTensorErrorRecords())

@@ -1,0 +1,281 @@
+"""What users do with a model after ``optimize``: hooks, copies, other call variants, grad modes, bad inputs,
+``model.compile()`` / ``torch.compile`` on top, new modules and weights. Each test failed before its fix."""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernel_pytorch
+from kernel_pytorch import compiled_call, report_of
+from kernel_pytorch.compiled_call import CompiledCall, RecompileLimitWarning
+
+from . import hf_models
+from .conftest import rel_err, twin
+
+
+class TwoLayers(nn.Module):
+    """A model of the user's own class: Dynamo skipped hook guards on it (torch.nn containers were luckier)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(F.gelu(self.norm(self.a(x))))
+
+
+def _optimized(train: bool = False, **options):
+    torch.manual_seed(0)
+    model = TwoLayers().train(train)
+    reference = twin(model)
+    x = torch.randn(3, 8)
+    return kernel_pytorch.optimize(model, example_inputs=(x,), **options), reference, x
+
+
+# -- hooks ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_forward_hooks_added_after_optimize_run_and_edit_outputs(train):
+    model, reference, x = _optimized(train)
+    expected = reference(x).detach()
+    handle = model.register_forward_hook(lambda module, args, out: out * 2)
+    assert rel_err(model(x), 2 * expected) < 1e-5
+    handle.remove()
+    assert rel_err(model(x), expected) < 1e-5
+    seen = []
+    handle = model.a.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape) or (args[0] * 0,))
+    assert rel_err(model(x), reference.b(F.gelu(reference.norm(reference.a(x * 0))))) < 1e-5
+    assert seen == [x.shape]
+    handle.remove()
+    handle = model.norm.register_forward_hook(lambda module, args, kwargs, out: out + 1, with_kwargs=True)
+    assert rel_err(model(x), reference.b(F.gelu(reference.norm(reference.a(x)) + 1))) < 1e-5
+    handle.remove()
+
+
+def test_backward_hooks_added_after_optimize_run():
+    model, _, x = _optimized(train=True)
+    seen = []
+    handles = [model.a.register_full_backward_hook(lambda module, grad_in, grad_out: seen.append("backward")),
+               model.b.register_full_backward_pre_hook(lambda module, grad_out: seen.append("pre"))]
+    model(x).sum().backward()
+    assert sorted(seen) == ["backward", "pre"]
+    for handle in handles:
+        handle.remove()
+    seen.clear()
+    model(x).sum().backward()
+    assert seen == []
+
+
+def test_global_module_hooks_added_after_optimize_run():
+    model, reference, x = _optimized()
+    seen = []
+    handle = nn.modules.module.register_module_forward_hook(lambda module, args, out: seen.append(type(module).__name__))
+    try:
+        model(x)
+    finally:
+        handle.remove()
+    assert sorted(seen) == ["LayerNorm", "Linear", "Linear", "TwoLayers"]
+    assert any("global module hooks changed" in note for note in report_of(model).notes)
+    seen.clear()
+    assert rel_err(model(x), reference(x)) < 1e-5 and seen == []
+
+
+def test_hooks_on_a_transformers_submodule_after_optimize():
+    model, inputs, key = hf_models.llama()
+    model.eval()
+    expected = model(**inputs)[key].detach()
+    model = kernel_pytorch.optimize(model, example_inputs=inputs)
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out * 0)
+    changed = model(**inputs)[key]
+    handle.remove()
+    assert rel_err(changed, expected) > 1e-3
+    assert rel_err(model(**inputs)[key], expected) < 1e-5
+
+
+# -- copies ---------------------------------------------------------------------------------------------------
+
+
+def _saved_and_loaded(model: nn.Module) -> nn.Module:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("make_copy", [copy.deepcopy, _saved_and_loaded], ids=["deepcopy", "torch.save"])
+def test_a_copy_stays_optimized_with_a_report_of_its_own(make_copy):
+    model, reference, x = _optimized()
+    graphs = report_of(model).graphs
+    copied = make_copy(model)
+    assert report_of(copied).graphs == 0 and report_of(copied) is not report_of(model)
+    assert any("captured, rewritten and verified again at its first call" in n for n in report_of(copied).notes)
+    assert rel_err(copied(x), reference(x)) < 1e-5
+    assert isinstance(copied._compiled_call_impl, CompiledCall)
+    assert report_of(copied).graphs == 1 and report_of(copied).rewrites
+    assert report_of(model).graphs == graphs  # the copy's captures are its own
+    with torch.no_grad():  # an EMA-style update of the copy leaves the original alone
+        copied.b.bias.add_(1.0)
+    assert rel_err(model(x), reference(x)) < 1e-5
+    assert rel_err(copied(x), reference(x) + 1.0) < 1e-5
+
+
+def test_a_copy_that_cannot_carry_the_optimization_is_plain_and_says_so():
+    model, reference, x = _optimized(fp8_filter=lambda module, name: True)  # a lambda: pickle refuses it
+    loaded = _saved_and_loaded(model)
+    assert loaded._compiled_call_impl is None
+    assert any("runs unoptimized" in note and "optimize(copy)" in note for note in report_of(loaded).notes)
+    assert not report_of(loaded).rewrites
+    loaded = kernel_pytorch.optimize(loaded, example_inputs=(x,))
+    assert isinstance(loaded._compiled_call_impl, CompiledCall) and report_of(loaded).rewrites
+    assert rel_err(loaded(x), reference(x)) < 1e-5
+
+
+def test_a_copy_of_a_rolled_back_model_is_plain():
+    model, reference, x = _optimized()
+    model._kernel_pytorch.roll_back_everything(model, "for the test")
+    copied = copy.deepcopy(model)
+    assert copied._compiled_call_impl is None and not copied._kernel_pytorch.active
+    assert any("rolled back" in note for note in report_of(copied).notes)
+    assert rel_err(copied(x), reference(x)) < 1e-6
+
+
+# -- compile on top, new modules, weights, dtypes ------------------------------------------------------------------
+
+
+def test_model_compile_after_optimize_is_reported_and_optimize_installs_again():
+    model, reference, x = _optimized()
+    model.compile(backend="eager")
+    notes = report_of(model).notes
+    assert any("model.compile()" in note and "without kernel_pytorch's rewrites" in note for note in notes)
+    model = kernel_pytorch.optimize(model)
+    assert isinstance(model._compiled_call_impl, CompiledCall)
+    assert rel_err(model(x), reference(x)) < 1e-5
+
+
+def test_torch_compile_on_top_keeps_the_rewrites():
+    model, reference, x = _optimized()
+    graphs = report_of(model).graphs
+    outer = torch.compile(model, backend="eager")
+    bigger = torch.randn(5, 8)
+    assert rel_err(outer(bigger), reference(bigger)) < 1e-5
+    assert report_of(model).graphs == graphs + 1  # the new shape went through kernel_pytorch's backend
+
+
+def test_new_submodule_new_weights_and_new_dtype_after_optimize():
+    model, reference, x = _optimized()
+    model.b = reference.b = nn.Linear(16, 4)
+    assert rel_err(model(x), reference(x)) < 1e-5
+    state = {name: torch.randn_like(value) for name, value in reference.state_dict().items()}
+    model.load_state_dict(state)
+    reference.load_state_dict(state)
+    assert rel_err(model(x), reference(x)) < 1e-5
+    model.double()
+    reference.double()
+    assert rel_err(model(x.double()), reference(x.double())) < 1e-10
+
+
+def test_a_model_optimized_for_inference_then_trained_gets_training_graphs():
+    model, reference, x = _optimized(train=False)
+    model.train()
+    reference.train()
+    model(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())]
+    assert all(a is not None and rel_err(a, b) < 1e-5 for a, b in grads)
+    assert any("gradients flowing" in note for note in report_of(model).notes)
+
+
+# -- the recompile limit -------------------------------------------------------------------------------------------
+
+
+def test_reaching_the_recompile_limit_warns_and_reports(monkeypatch):
+    monkeypatch.setattr(compiled_call, "RECOMPILE_LIMIT", 2)
+    model, reference, x = _optimized(dynamic=False)
+    with pytest.warns(RecompileLimitWarning, match="recompile limit.*dynamic=True") as caught:
+        outs = [(model(torch.randn(b, 8)), b) for b in (4, 5, 6)]
+    assert len(caught) == 1  # once per function, not per call
+    assert any("recompile limit" in note and "size mismatch" in note for note in report_of(model).notes)
+    assert all(out.shape == (b, 4) for out, b in outs)
+
+
+def test_generate_with_several_batch_sizes_stays_under_the_recompile_limit():
+    model, inputs, key = hf_models.llama()
+    model = kernel_pytorch.optimize(model.eval(), example_inputs=inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecompileLimitWarning)
+        with torch.no_grad():
+            for batch, length in ((1, 5), (3, 7), (2, 4)):
+                prompt = torch.randint(0, 101, (batch, length))
+                model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False)
+    assert not any("recompile limit" in note for note in report_of(model).notes)
+
+
+# -- grad modes and devices --------------------------------------------------------------------------------------
+
+
+def test_optimize_under_no_grad_in_train_mode_compares_gradients():
+    with torch.no_grad():
+        model, _, _ = _optimized(train=True)
+    verification = report_of(model).verification
+    assert verification.passed and verification.gradients_compared == len(list(model.parameters()))
+    assert verification.compared_gradients and not verification.not_compared
+
+
+def test_optimize_under_inference_mode_says_gradients_were_not_compared():
+    with torch.inference_mode():
+        model, _, _ = _optimized(train=True)
+    verification = report_of(model).verification
+    assert verification.passed and verification.outputs_compared == 1
+    assert verification.gradients_compared == 0 and not verification.compared_gradients
+    assert "inference_mode" in verification.not_compared
+
+
+def test_a_model_on_the_meta_device_is_optimized_unverified_with_a_note():
+    model = TwoLayers().to("meta")
+    model = kernel_pytorch.optimize(model, example_inputs=(torch.randn(2, 8, device="meta"),))
+    assert model(torch.randn(5, 8, device="meta")).shape == (5, 4)
+    assert any("meta device" in note for note in report_of(model).notes)
+    assert report_of(model).verification is None
+
+
+# -- bad inputs ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["feature size", "dtype", "integers"])
+def test_a_bad_input_raises_the_models_own_error_without_logs(bad, caplog):
+    model, reference, _ = _optimized()
+    x = {"feature size": torch.randn(3, 5), "dtype": torch.randn(3, 8, dtype=torch.float64),
+         "integers": torch.ones(3, 8, dtype=torch.long)}[bad]
+    with pytest.raises(Exception) as eager:
+        reference(x)
+    with caplog.at_level(logging.DEBUG), pytest.raises(Exception) as optimized:
+        model(x)
+    assert type(optimized.value) is type(eager.value)
+    assert str(optimized.value).splitlines()[0] == str(eager.value).splitlines()[0]
+    assert not any(record.levelno >= logging.WARNING for record in caplog.records)
+
+
+def test_a_bad_input_to_a_transformers_model_names_the_model_and_argument():
+    model, inputs, key = hf_models.llama()
+    model = kernel_pytorch.optimize(model.eval(), example_inputs=inputs)
+    with pytest.raises(RuntimeError, match="Expected tensor for argument #1 'indices'") as raised:
+        model(input_ids=torch.randn(2, 10))
+    assert "TorchRuntimeError" not in str(raised.value) and "BackendCompilerFailed" not in str(raised.value)
+    notes = getattr(raised.value, "__notes__", [])
+    assert any("LlamaForCausalLM" in note and "input_ids=Tensor[2, 10] float32" in note for note in notes)
+
+
+def test_a_misspelt_example_inputs_suggests_the_right_name():
+    with pytest.raises(TypeError, match="did you mean 'example_inputs'"):
+        kernel_pytorch.optimize(TwoLayers(), example_input=(torch.randn(2, 8),))
