@@ -9,7 +9,7 @@ import collections
 import copy
 
 import torch
-from _common import DemoResult, demo_main
+from _common import DemoResult, demo_main, slowdown_on_cpu
 from rich.console import Console
 
 from benchmarks.harness import measure
@@ -71,7 +71,8 @@ def run(args) -> DemoResult:
     console.print(f"training step, batch {batch} x {seq} {str(dtype).removeprefix('torch.')} on {device}: eager "
                   f"{eager_ms:.2f} ms, optimized {fused_ms:.2f} ms ({speedup:.2f}x); rewrites: {rewrites}; loss "
                   f"error {loss_error:.1e}, worst gradient error {grad_error:.1e}")
-    return DemoResult("ok", speedup=round(speedup, 3), notes=[rewrites, f"worst gradient error {grad_error:.1e}"])
+    return DemoResult("ok", speedup=round(speedup, 3), notes=[rewrites, f"worst gradient error {grad_error:.1e}"],
+                      slowdown_expected=slowdown_on_cpu(device, report.compiler))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from _common import DemoResult, demo_main
+from _common import DemoResult, demo_main, slowdown_on_cpu
 from rich.console import Console
 
 from benchmarks.harness import measure
@@ -54,8 +54,9 @@ def run(args) -> DemoResult:
     console.print(f"inference forward, batch {batch} x {seq} {str(dtype).removeprefix('torch.')} on {device}: "
                   f"eager {eager_ms:.2f} ms, optimized {optimized_ms:.2f} ms ({speedup:.2f}x); "
                   f"logits relative error {error:.1e}")
-    return DemoResult("ok", speedup=round(speedup, 3),
-                      notes=[f"logits rel. error {error:.1e}", report_of(model).compiler])
+    compiler = report_of(model).compiler
+    return DemoResult("ok", speedup=round(speedup, 3), notes=[f"logits rel. error {error:.1e}", compiler],
+                      slowdown_expected=slowdown_on_cpu(device, compiler))
 
 
 if __name__ == "__main__":

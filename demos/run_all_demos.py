@@ -4,26 +4,30 @@
     python demos/run_all_demos.py --list           # the demos, by script name
     python demos/run_all_demos.py --only fp8_training block_fusion
 
-Each demo checks its own numerics and prints one ``DEMO_RESULT {json}`` line (demos/_common.py), which
-this script reads: status, speedup, memory saved, notes. Exits non-zero if any demo fails. A demo, or a
-part of one, that needs hardware this machine lacks says so in its notes ('skipped' when nothing of it
-could run).
+Each demo checks its own numerics and writes its result (status, speedup, memory saved, notes) to a JSON
+file this script names in the environment (demos/_common.py); run by hand, a demo prints only its own
+lines. Exits non-zero if any demo fails. A demo, or a part of one, that needs hardware this machine lacks
+says so in its notes ('skipped' when nothing of it could run). A speedup below 1.0 comes with the reason,
+and whether it is expected on this machine; 'ok' is the verdict on the numerics.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from _common import RESULT_PREFIX
+from _common import RESULT_FILE_ENV, plain, speedup_note
 
 # (title, script): one demo per capability. Sparse attention has no implementation yet, so no demo.
 DEMOS = (
@@ -40,19 +44,21 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_demo(script: str | Path, quick: bool, timeout_s: float) -> dict:
-    """Run one demo script (a name in this folder, or a path) and return its ``DEMO_RESULT``, with
-    ``seconds`` and ``log`` added; a crash, a missing result line or a non-zero exit is 'failed'."""
+    """Run one demo script (a name in this folder, or a path) and return the result it wrote, with
+    ``seconds`` and ``log`` added; a crash, a missing result or a non-zero exit is 'failed'."""
     command = [sys.executable, str(HERE / script), *(["--quick"] if quick else [])]
     started = time.perf_counter()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        return {"status": "failed", "notes": [f"timed out after {timeout_s:.0f} s"], "seconds": timeout_s}
-    result = next((json.loads(line[len(RESULT_PREFIX):]) for line in reversed(done.stdout.splitlines())
-                   if line.startswith(RESULT_PREFIX)), None)
+    with tempfile.TemporaryDirectory(prefix="demo_result_") as directory:
+        result_file = Path(directory, "result.json")
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False,
+                                  env={**os.environ, RESULT_FILE_ENV: str(result_file)})
+        except subprocess.TimeoutExpired:
+            return {"status": "failed", "notes": [f"timed out after {timeout_s:.0f} s"], "seconds": timeout_s}
+        result = json.loads(result_file.read_text()) if result_file.exists() else None
     if result is None:  # it crashed before demo_main could report, or never called it
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        result = {"status": "failed", "notes": [f"exit code {done.returncode}, no {RESULT_PREFIX.strip()} line", *tail]}
+        result = {"status": "failed", "notes": [f"exit code {done.returncode}, no result written", *tail]}
     elif done.returncode != 0 and result["status"] != "failed":
         result = {**result, "status": "failed", "notes": [f"exit code {done.returncode}", *result.get("notes", [])]}
     result["seconds"] = time.perf_counter() - started
@@ -61,7 +67,7 @@ def run_demo(script: str | Path, quick: bool, timeout_s: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes (under 3 minutes on a CPU)")
     parser.add_argument("--verbose", action="store_true", help="print each demo's own output")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per demo")
@@ -112,6 +118,7 @@ def _selected(names: list[str] | None) -> tuple[tuple[str, str], ...]:
 
 
 def _summary(results: dict) -> Table:
+    """One row per demo: its status (the numerics), figures, and notes, led by why a speedup is below 1.0."""
     table = Table(title="kernel_pytorch demos")
     for column in ("demo", "status", "speedup", "memory saved", "seconds", "notes"):
         table.add_column(column, overflow="fold")
@@ -120,7 +127,15 @@ def _summary(results: dict) -> Table:
         speedup = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
         memory = f"{r['memory_saved_mb']:.3g} MB" if r.get("memory_saved_mb") else "-"
         status = f"[{colours.get(r['status'], 'white')}]{r['status']}[/]"
-        table.add_row(name, status, speedup, memory, f"{r['seconds']:.1f}", "; ".join(r.get("notes", [])))
+        notes = "; ".join(note for note in r.get("notes", []) if note)
+        slower = speedup_note(r.get("speedup"), r.get("slowdown_expected"))
+        if slower is not None:
+            colour = "yellow" if r.get("slowdown_expected") else "red"
+            speedup = f"[{colour}]{speedup}[/]"
+            notes = f"[{colour}]{escape(slower)}[/]" + (f"; {escape(notes)}" if notes else "")
+        else:
+            notes = escape(notes)
+        table.add_row(name, status, speedup, memory, f"{r['seconds']:.1f}", notes)
     return table
 
 
