@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from kernel_pytorch.api import optimize, report_of
 from kernel_pytorch.backends import Backend, get_backend
+from kernel_pytorch.compiled_call import RecompileLimitWarning, UnoptimizedCallWarning
 from kernel_pytorch.config import OptimizeConfig, SparseAttentionConfig, Tolerance
-from kernel_pytorch.errors import HardwareUnavailableError, KernelPytorchError, PassError, UnknownPassError
+from kernel_pytorch.errors import ConfigError, HardwareUnavailableError, KernelPytorchError, PassError, UnknownPassError
 from kernel_pytorch.hardware import HardwareInfo, detect_hardware
 from kernel_pytorch.report import OptimizationReport
 
@@ -23,8 +24,11 @@ __all__ = [
     "Backend",
     "OptimizationReport",
     "KernelPytorchError",
+    "ConfigError",
     "HardwareUnavailableError",
     "PassError",
     "UnknownPassError",
+    "RecompileLimitWarning",
+    "UnoptimizedCallWarning",
     "__version__",
 ]
