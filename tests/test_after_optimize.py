@@ -200,24 +200,32 @@ def test_a_model_optimized_for_inference_then_trained_gets_training_graphs():
 
 
 def test_reaching_the_recompile_limit_warns_and_reports(monkeypatch):
-    monkeypatch.setattr(compiled_call, "RECOMPILE_LIMIT", 2)
+    monkeypatch.setattr(compiled_call, "RECOMPILE_LIMIT", 2)  # the model's own limit (torch >= 2.13)
     model, reference, x = _optimized(dynamic=False)
-    with pytest.warns(RecompileLimitWarning, match="recompile limit.*dynamic=True") as caught:
+    # Dynamo's own limit, which applies where torch.compile takes no per-region one (before 2.13).
+    with torch._dynamo.config.patch(recompile_limit=2), \
+            pytest.warns(RecompileLimitWarning, match="recompile limit.*dynamic=True") as caught:
         outs = [(model(torch.randn(b, 8)), b) for b in (4, 5, 6)]
     assert len(caught) == 1  # once per function, not per call
     assert any("recompile limit" in note and "size mismatch" in note for note in report_of(model).notes)
     assert all(out.shape == (b, 4) for out, b in outs)
 
 
-def test_generate_with_several_batch_sizes_stays_under_the_recompile_limit():
+@pytest.mark.skipif(not compiled_call._compile_takes_recompile_limit(),
+                    reason="this torch's torch.compile takes no per-region recompile limit (torch < 2.13)")
+def test_serving_and_generate_variants_stay_under_the_models_recompile_limit():
     model, inputs, key = hf_models.llama()
     model = kernel_pytorch.optimize(model.eval(), example_inputs=inputs)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RecompileLimitWarning)
         with torch.no_grad():
-            for batch, length in ((1, 5), (3, 7), (2, 4)):
-                prompt = torch.randint(0, 101, (batch, length))
-                model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False)
+            for batch, length in ((1, 5), (3, 7), (2, 9), (1, 1), (4, 12)):
+                model(input_ids=torch.randint(0, 101, (batch, length)))
+            for batch, use_cache in ((2, True), (3, True), (1, False)):
+                prompt = torch.randint(0, 101, (batch, 6))
+                model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False,
+                               use_cache=use_cache)
+    assert report_of(model).graphs > torch._dynamo.config.recompile_limit  # Dynamo's 8 would have been reached
     assert not any("recompile limit" in note for note in report_of(model).notes)
 
 
