@@ -107,9 +107,9 @@ def _best_round(time_round: Mapping[str, Callable[[], float]], rounds: int) -> d
 
 def captured_calls(candidates: Mapping[str, Callable[[], object]], warmup: int,
                    calls: int) -> dict[str, torch.cuda.CUDAGraph]:
-    """One CUDA graph of ``calls`` calls per candidate (benchmarks/harness.py times its replays too). The warm-up runs on a side stream first, as capture
-    requires: lazy initialization (cuBLAS workspaces, Triton compilation, the allocator's first blocks) must
-    not happen while the stream is captured."""
+    """One CUDA graph of ``calls`` calls per candidate (benchmarks/harness.py times its replays too). The
+    warm-up runs on a side stream first, as capture requires: lazy initialization (cuBLAS workspaces, Triton
+    compilation, the allocator's first blocks) must not happen while the stream is captured."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -118,11 +118,19 @@ def captured_calls(candidates: Mapping[str, Callable[[], object]], warmup: int,
                 fn()
     torch.cuda.current_stream().wait_stream(side)
     graphs = {}
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    before = generator.clone_state()
     for name, fn in candidates.items():
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
+        try:
+            with torch.cuda.graph(graph):
+                for _ in range(calls):
+                    fn()
+        except BaseException:
+            # A capture that fails leaves the device's RNG marked as capturing: every later random draw on it
+            # raised "Offset increment outside graph capture" (H100, torch 2.11). Its state from before returns.
+            generator.graphsafe_set_state(before)
+            raise
         graphs[name] = graph
     return graphs
 
