@@ -2,9 +2,9 @@
 
 ``optimize`` routes the model's ``__call__`` through TorchDynamo in place (``compiled_call.install``, which
 keeps ``state_dict`` keys) with a :class:`GraphOptimizer` as the dynamo backend. Dynamo hands it each
-captured torch-level graph (one per graph break, and again for new shapes or modes) with real example inputs; it runs the passes, checks
-each rewritten graph against the captured one on those inputs, rolls back the passes that break
-tolerance, and hands the result to the hardware's compiler (or runs it eagerly).
+captured torch-level graph (one per graph break, and again for new shapes or modes) with real example
+inputs; it runs the passes, checks each rewritten graph against the captured one on those inputs, rolls
+back the passes that break tolerance, and hands the result to the hardware's compiler (or runs it eagerly).
 
 DESIGN.md gives the measurement behind this choice: ``torch.fx.symbolic_trace`` fails on Llama, GPT-2
 and BERT; dynamo captures them.

@@ -161,6 +161,18 @@ def test_activation_offload_moves_saved_tensors_and_trains_the_same(gpu_pretende
     assert stats.offloaded_tensors == 2 * moved  # nothing is saved, nothing moves
 
 
+def test_a_deep_copy_offloads_its_own_activations(gpu_pretended):
+    model = _lm()
+    reference = twin(model)
+    optimize(model, example_inputs=(_tokens(),), offload_activations=True)
+    copied = copy.deepcopy(model)  # an EMA-style copy: its wrappers are installed again around its own call
+    loss, expected = _train_step(copied, _tokens(seed=2)), _train_step(reference, _tokens(seed=2))
+    stats = activation_offload_stats(copied)
+    assert stats is not activation_offload_stats(model) and stats.offloaded_tensors > 0
+    assert stats.restored_tensors == stats.offloaded_tensors
+    assert rel_err(loss, expected) < 1e-5
+
+
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
                     reason="Inductor's CPU backend needs a C++ compiler")
 def test_activation_offload_composes_with_inductor_and_checkpointing(gpu_pretended):

@@ -28,6 +28,7 @@ actually built, and the report says beforehand how much host memory it will take
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -142,19 +143,8 @@ def install_memory_options(model: nn.Module, config: OptimizeConfig, report: Opt
     if config.offload_optimizer is not False:
         report.set_memory(_optimizer_record(_trainable(model), fraction))
     if config.offload_activations is not False:
-        model._kernel_pytorch.add_around(ActivationOffloadOption(config, training))
-
-
-@dataclass(frozen=True)
-class ActivationOffloadOption:
-    """Installs ``config.offload_activations`` around a model's compiled call (a picklable callable, so that
-    copies of the model get it too)."""
-
-    config: OptimizeConfig
-    training: bool
-
-    def __call__(self, model: nn.Module, report: OptimizationReport) -> None:
-        _install_activation_offload(model, self.config, report, self.training)
+        model._kernel_pytorch.add_around(functools.partial(_install_activation_offload, config=config,
+                                                           training=training))
 
 
 def sync_memory_report(model: nn.Module, report: OptimizationReport) -> None:
@@ -296,7 +286,7 @@ class _AtFirstTrainingCall:
             raise
 
 
-def _install_activation_offload(model: nn.Module, config: OptimizeConfig, report: OptimizationReport,
+def _install_activation_offload(model: nn.Module, report: OptimizationReport, *, config: OptimizeConfig,
                                 training: bool) -> None:
     label = "activation offload ('auto')" if config.offload_activations == "auto" else "activation offload"
     if not training:
