@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from kernel_pytorch.memory import host_adamw, host_memory, optimizer_slots, pinned_host
 from kernel_pytorch.memory import offloaded_optimizer as oo
 from kernel_pytorch.memory.offloaded_optimizer import OffloadedOptimizer, _SyncTransport
 from tests.triton_interpreter import cuda_device
@@ -129,7 +130,7 @@ def test_host_adamw_matches_torch_adamw_over_steps():
             p.grad = g.clone()
         torch_opt.step()
         for s, h in zip(split, hypers):
-            oo._host_adamw_(masters[s], grads[s], exp_avgs[s], exp_avg_sqs[s], steps[s], **h)
+            host_adamw._host_adamw_(masters[s], grads[s], exp_avgs[s], exp_avg_sqs[s], steps[s], **h)
     for i, p in enumerate(ref):
         torch.testing.assert_close(masters[i], p.detach(), **FP32)
         torch.testing.assert_close(exp_avgs[i], torch_opt.state[p]["exp_avg"], **FP32)
@@ -459,13 +460,13 @@ def test_auto_fraction_moves_a_prefix_after_the_first_step():
 
 
 def test_not_enough_host_memory_is_a_clear_memory_error(monkeypatch):
-    monkeypatch.setattr(oo, "_available_host_bytes", lambda: 1000)
+    monkeypatch.setattr(host_memory, "_available_host_bytes", lambda: 1000)
     with pytest.raises(MemoryError, match=r"needs \d+ bytes .* only 1000 bytes .* available"):
         offloaded(make_model().parameters(), "cpu")
 
 
 def test_available_host_bytes_is_read_from_the_system():
-    assert oo._available_host_bytes() > 0
+    assert host_memory._available_host_bytes() > 0
 
 
 @pytest.mark.parametrize("files, room", [
@@ -484,10 +485,10 @@ def test_a_cgroup_limit_bounds_the_available_host_memory(tmp_path, monkeypatch, 
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text + "\n")
-    monkeypatch.setattr(oo, "_CGROUP_ROOT", str(tmp_path))
-    assert oo._cgroup_room() == room
+    monkeypatch.setattr(host_memory, "_CGROUP_ROOT", str(tmp_path))
+    assert host_memory._cgroup_room() == room
     if room is not None:
-        assert oo._available_host_bytes() <= room
+        assert host_memory._available_host_bytes() <= room
 
 
 def test_needs_a_cuda_gpu():
@@ -526,16 +527,16 @@ def test_load_state_dict_rejects_what_it_cannot_honour():
 
 
 def test_views_are_64_byte_aligned_and_buckets_split_at_groups():
-    offsets, length = oo._carve([3, 16, 17], torch.float32)
+    offsets, length = pinned_host._carve([3, 16, 17], torch.float32)
     assert offsets == [0, 16, 32] and length == 64
-    offsets, length = oo._carve([3, 40], torch.bfloat16)
+    offsets, length = pinned_host._carve([3, 40], torch.bfloat16)
     assert offsets == [0, 32] and length == 96
 
     def slot(group, numel):
-        return oo._HostSlot(0, group, torch.zeros(numel), *[torch.zeros(numel)] * 4)
+        return optimizer_slots._HostSlot(0, group, torch.zeros(numel), *[torch.zeros(numel)] * 4)
 
     slots = [slot(0, 4), slot(0, 4), slot(0, 4), slot(1, 1), slot(0, 20)]
-    sizes = [[len(s.param) for s in b] for b in oo._buckets(slots, max_numel=8)]
+    sizes = [[len(s.param) for s in b] for b in optimizer_slots._buckets(slots, max_numel=8)]
     assert sizes == [[4, 4], [4], [1], [20]]
 
 
@@ -569,7 +570,7 @@ def test_host_blocks_are_page_aligned_allocations_of_their_own():
     """The CUDA transport registers each block from its storage's first byte, the address
     ``Tensor.is_pinned()`` asks about: a block must start its storage and a page, and outlive its own
     tensor object for as long as views of it exist."""
-    block = oo._host_block(1000, torch.bfloat16)
+    block = pinned_host._host_block(1000, torch.bfloat16)
     assert block.dtype == torch.bfloat16 and block.shape == (1000,)
     assert block.untyped_storage().data_ptr() == block.data_ptr()
     assert block.data_ptr() % mmap.PAGESIZE == 0
@@ -579,7 +580,7 @@ def test_host_blocks_are_page_aligned_allocations_of_their_own():
     view.fill_(1.5)
     del block
     assert float(view.sum()) == 96.0
-    assert oo._host_block(0, torch.float32).numel() == 0
+    assert pinned_host._host_block(0, torch.float32).numel() == 0
 
 
 def test_close_removes_hooks_and_refuses_to_step():
@@ -642,7 +643,7 @@ def test_gpu_pinned_blocks_are_registered_and_exactly_sized(cuda):
     # Not from the caching host allocator (which rounds up to powers of two).
     assert caching_allocator_bytes() == before
     blocks = list(opt._host_store._blocks)
-    fp32_len, bf16_len = oo._carve(numels, torch.float32)[1], oo._carve(numels, torch.bfloat16)[1]
+    fp32_len, bf16_len = (pinned_host._carve(numels, dtype)[1] for dtype in (torch.float32, torch.bfloat16))
     assert sorted((str(b.dtype), b.numel()) for b in blocks) == sorted(
         [("torch.bfloat16", bf16_len)] + [("torch.float32", fp32_len)] * 3)
     assert opt.pinned_bytes == sum(b.nbytes for b in blocks) == 12 * fp32_len + 2 * bf16_len
