@@ -11,10 +11,9 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from kernel_pytorch import float8_conversion
 from kernel_pytorch.backends import OptimizationState, get_backend
 from kernel_pytorch.config import OptimizeConfig
-from kernel_pytorch.distributed import context_parallel
+from kernel_pytorch.features import OptimizeRun, enabled_features
 from kernel_pytorch.hardware import detect_hardware
 from kernel_pytorch.report import OptimizationReport, VerificationRecord
 from kernel_pytorch.verify import (LOW_PRECISION, NoiseAwareCheck, Run, call_arguments, compared_counts, float32_fits,
@@ -53,21 +52,21 @@ def optimize(
     meta = _on_meta_device(model, example_inputs)
     if meta and config.verify is not False:
         config = config.model_copy(update={"verify": False})
-    # Memory wrappers (kernel_pytorch/memory/options.py): checked and checkpointed before capture,
-    # activation offload installed around the compiled call after it.
-    from kernel_pytorch.memory import options as memory
-
-    memory.check_memory_options(config)
-    hardware = detect_hardware(config.device)
-    backend = get_backend(hardware)
+    features = enabled_features(config)
+    for feature in features:
+        feature.check(config)  # before anything is changed
+    backend = get_backend(detect_hardware(config.device))
+    backend_config = config
+    for feature in features:
+        backend_config = feature.backend_config(backend_config)
+    run = OptimizeRun.decide(model, config, example_inputs, backend_config)
+    for feature in features:
+        feature.prepare(model, run)
     args, kwargs = call_arguments(example_inputs)
-    verify = config.verify is True or (config.verify == "auto" and example_inputs is not None)
-    training = config.mode == "training" or (config.mode == "auto" and model.training)
-    no_gradients = "the model is on the meta device" if meta else _why_no_gradients(training)
+    no_gradients = "the model is on the meta device" if meta else _why_no_gradients(run.training)
     wrt = None if no_gradients else _gradient_targets(model, args, kwargs)
-    plan = memory.checkpoint_for_config(model, config, example_inputs)
     reference, original, unverified = None, None, meta
-    if verify and example_inputs is not None:
+    if run.verify and example_inputs is not None:
         try:
             with _preserved_buffers(model):
                 reference = run_reference(model, args, kwargs, wrt)
@@ -77,25 +76,22 @@ def optimize(
                           "inputs; smaller example inputs verify it, verify=False skips it)")
         if reference is not None and is_low_precision(reference):
             original = _structure_copy(model)  # for a float32 referee, should the end-to-end check fail
-    model, report = backend.prepare_model(model, context_parallel.backend_config(config), example_inputs)
+    model, run.report = backend.prepare_model(model, backend_config, example_inputs, run=run, features=features)
     if unverified:
-        report.notes.append(unverified)
-    if config.sparse_attention is not None and config.verify is False:
-        report.notes.append("not verified: sparse_attention is an approximation (verify='auto' is off with it); "
-                            "the attention rewrite lines give its error measured against dense attention")
-    memory.install_memory_options(model, config, report, plan, training)
-    context_parallel.install(model, config, report)  # around the compiled call: shard in, gather out
+        run.report.notes.append(unverified)
+    for feature in features:
+        feature.install(model, run)
     if example_inputs is not None:
         started = time.perf_counter()
         with _preserved_buffers(model):
             optimized = run_reference(model, args, kwargs, wrt)
-        report.add_time("first call (capture, passes, compile)", time.perf_counter() - started)
+        run.report.add_time("first call (capture, passes, compile)", time.perf_counter() - started)
         if reference is not None:
-            # With linears in FP8 the end-to-end check takes fp8_tolerance (judging_config: why).
-            checked = float8_conversion.judging_config(config, (r.pass_name for r in report.rewrites))
-            check = NoiseAwareCheck(reference, lambda: _float32_run(original, args, kwargs, wrt is not None), checked)
+            check = NoiseAwareCheck(reference, lambda: _float32_run(original, args, kwargs, wrt is not None),
+                                    model._kernel_pytorch.graph_optimizer.judging_config(run.report.rewrites))
             _check_end_to_end(model, optimized, check, no_gradients)
-            memory.sync_memory_report(model, report)
+            for feature in features:
+                feature.after_check(model, run)
     return model
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ import torch.utils.checkpoint
 from kernel_pytorch.compile_skip import attention_only
 from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.errors import PassError
-from kernel_pytorch.float8_conversion import cuda_graphs_note, judging_config
+from kernel_pytorch.features import Feature
 from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
 from kernel_pytorch.passes.graph_utils import (block_of, calls_per_block, checkpointed_subgraphs, clone_graph_module,
@@ -163,10 +163,12 @@ class GraphOptimizer:
         compiler: CompilerChoice,
         verify: bool,
         report: OptimizationReport,
-        fp8_targets: Mapping[str, str | None] | None = None,
+        features: Sequence[Feature] = (),
+        pass_inputs: Mapping[str, Any] | None = None,
     ):
         self.passes = tuple(passes)
-        self.fp8_targets = dict(fp8_targets or {})
+        self.features = tuple(features)
+        self.pass_inputs = dict(pass_inputs or {})  # PassContext fields the features filled (FP8's targets)
         self.hardware = hardware
         self.config = config
         self.training = training
@@ -201,7 +203,7 @@ class GraphOptimizer:
                           graph_name=name,
                           example_inputs=dict(zip(placeholders, example_inputs)),
                           compiled=self.compiler.name != "eager", cuda_graphs=self.compiler.uses_cuda_graphs,
-                          fp8_targets=self.fp8_targets)
+                          **self.pass_inputs)
         started = time.perf_counter()
         candidate, results = self._apply(gm, self.passes, ctx)
         self.report.add_time("passes", time.perf_counter() - started)
@@ -298,8 +300,17 @@ class GraphOptimizer:
         return current, kept
 
     def _judged_by(self, results: list[tuple[GraphPass, PassResult]]) -> OptimizeConfig:
-        """The config whose tolerances judge a graph with these passes' rewrites (float8_conversion.judging_config)."""
-        return judging_config(self.config, (graph_pass.name for graph_pass, result in results if result.changed))
+        """The config whose tolerances judge a graph with these passes' rewrites."""
+        return self.judging_config(graph_pass.name for graph_pass, result in results if result.changed)
+
+    def judging_config(self, rewritten: Iterable[Any]) -> OptimizeConfig:
+        """The config whose tolerances judge what ``rewritten`` (pass names, or rewrite records) changed: each
+        feature's ``judging_config`` (with linears in FP8, ``fp8_tolerance``)."""
+        names = [getattr(item, "pass_name", item) for item in rewritten]
+        config = self.config
+        for feature in self.features:
+            config = feature.judging_config(config, names)
+        return config
 
     def _note_referee(self, comparison: Any, check: NoiseAwareCheck, graph: str, what: str) -> None:
         if comparison.rule != "tolerance":
@@ -329,9 +340,10 @@ class GraphOptimizer:
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str,
                  training: bool) -> Callable[..., Any]:
         without_graphs = self.compiler.name == "inductor" and not self.compiler.uses_cuda_graphs
-        note = cuda_graphs_note(gm, training, without_graphs)
-        if note is not None and note not in self.report.notes:
-            self.report.notes.append(note)
+        for feature in self.features:
+            note = feature.compile_note(gm, training, without_graphs)
+            if note is not None and note not in self.report.notes:
+                self.report.notes.append(note)
         if without_graphs and attention_only(gm):
             self.report.notes.append(f"{name}: run eagerly, not by Inductor: its only compute is fused attention, "
                                      "which Inductor would call as it is (this saves its wrapper's host time)")

@@ -82,8 +82,8 @@ def test_per_graph_checks_judge_the_kernel_passes_with_the_fp8_tolerance(monkeyp
 
 def test_the_fp8_tolerance_applies_only_to_graphs_with_fp8_rewrites():
     model = _llama().train()
-    optimized = kernel_pytorch.optimize(model, example_inputs=(_tokens(model),))
-    optimizer = optimized._kernel_pytorch.graph_optimizer
+    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, example_inputs=(_tokens(model),))
+    optimizer = optimized._kernel_pytorch.graph_optimizer  # its FP8 feature gives the tolerance rule
     fp8, norms = get_pass("fp8"), get_pass("norms")
     unchanged = optimizer._judged_by([(norms, PassResult(changed=3)), (fp8, PassResult())])
     assert unchanged is optimizer.config

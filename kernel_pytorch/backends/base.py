@@ -9,16 +9,16 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch.nn as nn
 
-from kernel_pytorch import float8_conversion
 from kernel_pytorch.capture import CompilerChoice, GraphOptimizer
 from kernel_pytorch.config import OptimizeConfig, Vendor
 from kernel_pytorch.errors import PassError
+from kernel_pytorch.features import Feature, OptimizeRun, enabled_features
 from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.optimization_state import OptimizationState
 from kernel_pytorch.passes.base import GraphPass, ModulePass, PassContext
@@ -134,29 +134,32 @@ class Backend:
     # -- the pipeline --------------------------------------------------------------------------------
 
     def prepare_model(
-        self, model: nn.Module, config: OptimizeConfig, example_inputs: Any = None
+        self, model: nn.Module, config: OptimizeConfig, example_inputs: Any = None, *, run: OptimizeRun | None = None,
+        features: Sequence[Feature] | None = None,
     ) -> tuple[nn.Module, OptimizationReport]:
         """Apply the module passes in place and install the graph passes and compiler through dynamo.
 
         Graphs are captured at the first call (``optimize`` makes that call at once when it has example
-        inputs). The model keeps its identity, parameters and ``state_dict`` keys.
+        inputs). The model keeps its identity, parameters and ``state_dict`` keys. ``run`` and ``features``
+        are what ``optimize`` decided (by default, decided here from ``config``).
         """
-        training = config.mode == "training" or (config.mode == "auto" and model.training)
+        run = run or OptimizeRun.decide(model, config, example_inputs, config)
+        features = enabled_features(config) if features is None else features
         compiler, why = self.compiler_choice(config)
         report = OptimizationReport(hardware=self.hardware, backend=self.name,
-                                    mode="training" if training else "inference", compiler=compiler.describe())
+                                    mode="training" if run.training else "inference", compiler=compiler.describe())
         report.notes.append(f"compiler: {why}")
         passes, plan = self.selected_passes(config)
         report.skipped += [SkipRecord(pass_name=p.name, location="(model)", reason=p.reason)
                            for p in plan if not p.applies]
-        ctx = PassContext(hardware=self.hardware, config=config, training=training, graph_name="modules")
+        ctx = PassContext(hardware=self.hardware, config=config, training=run.training, graph_name="modules")
         undo = self._run_module_passes([p for p in passes if isinstance(p, ModulePass)], model, ctx, report)
-        verify = config.verify is True or (config.verify == "auto" and example_inputs is not None)
-        fp8_targets = (float8_conversion.linear_targets(model, config, example_inputs)
-                       if any(p.name == float8_conversion.PASS_NAME for p in passes) else {})
+        pass_inputs: dict[str, Any] = {}
+        for feature in features:
+            pass_inputs.update(feature.pass_inputs(model, run, [p.name for p in passes]))
         optimizer = GraphOptimizer(passes=[p for p in passes if isinstance(p, GraphPass)], hardware=self.hardware,
-                                   config=config, training=training, compiler=compiler, verify=verify, report=report,
-                                   fp8_targets=fp8_targets)
+                                   config=config, training=run.training, compiler=compiler, verify=run.verify_graphs,
+                                   report=report, features=features, pass_inputs=pass_inputs)
         state = OptimizationState(report=report, graph_optimizer=optimizer, module_undo=undo, model=model,
                                   dynamic=config.dynamic)
         model._kernel_pytorch = state
