@@ -4,11 +4,11 @@
                                                                 rounded once (F.layer_norm's semantics)
     y, h = layer_norm(x, weight, bias, residual=r)              h = x + r, y = layer_norm(h): one kernel
 
-Weight and bias are each optional. Layers, dispatch and statistics format as in :mod:`rms_norm`:
+Weight and bias are each optional. Layers as every row norm's (:mod:`~kernel_pytorch.ops.row_norm`):
 ``_layer_norm_fwd_kernel`` / ``_layer_norm_bwd_kernel`` -> ``layer_norm_fwd`` / ``layer_norm_bwd`` ->
 ``kernel_pytorch::layer_norm`` / ``kernel_pytorch::layer_norm_backward`` -> :func:`layer_norm`,
-:class:`LayerNorm`. The native path is ATen's ``native_layer_norm`` (what ``F.layer_norm`` runs) and its
-fused backward.
+:class:`LayerNorm`. Dispatch and statistics format as in :mod:`~kernel_pytorch.ops.rms_norm`; the native path
+is ATen's ``native_layer_norm`` (what ``F.layer_norm`` runs) and its fused backward.
 """
 
 from typing import Optional
@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from kernel_pytorch.ops import row_norm
 from kernel_pytorch.ops import triton_utils as tu
 from kernel_pytorch.ops.triton_utils import (grad_row_indices, jit, load_grad_rows, load_rows, row_indices,
                                              store_grad_rows, tl)
@@ -141,33 +142,18 @@ def layer_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Te
                    residual: Optional[Tensor] = None, eps: float = 1e-5):
     """Triton forward: ``(y, h, mean, rstd)``; ``h = x + residual`` or None, statistics of shape
     ``x.shape[:-1]``. CPU tensors too under ``TRITON_INTERPRET=1``."""
-    hidden = x.shape[-1]
-    tile = tu.row_tile(hidden, x.numel() // max(hidden, 1))
-    x2 = tu.as_rows(x)
-    n_rows = x2.shape[0]
+    rows = row_norm.forward_rows(x, residual)
     acc = tu.acc_dtype(x.dtype)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     mean = torch.empty(x.shape[:-1], dtype=acc, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=acc, device=x.device)
-    if n_rows == 0:
-        return y, h, mean, rstd
-    y2 = y.view(-1, hidden)
+    if rows.n_rows == 0:
+        return rows.y, rows.h, mean, rstd
     unused = tu.unused_pointer
-    r2 = tu.as_rows(residual) if residual is not None else unused(x)
-    h2 = h.view(-1, hidden) if h is not None else unused(x)
-    with tu.device_guard(x):
-        tu.launch(_layer_norm_fwd_kernel)[(tu.cdiv(n_rows, tile.rows),)](
-            x2, r2, h2,
-            weight.contiguous() if weight is not None else unused(x),
-            bias.contiguous() if bias is not None else unused(x),
-            y2, mean, rstd,
-            x2.stride(0), r2.stride(0), h2.stride(0), y2.stride(0),
-            n_rows, hidden, eps,
-            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-            ACC=tu.triton_acc_dtype(x.dtype), BLOCK_N=tile.block_n, ROWS=tile.rows, num_warps=tile.num_warps,
-        )
-    return y, h, mean, rstd
+    pointers = (weight.contiguous() if weight is not None else unused(x),
+                bias.contiguous() if bias is not None else unused(x), rows.y2, mean, rstd)
+    row_norm.launch_forward(_layer_norm_fwd_kernel, rows, x, pointers, eps,
+                            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
+    return rows.y, rows.h, mean, rstd
 
 
 def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor,
@@ -177,35 +163,27 @@ def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Option
     without that parameter (``bias`` is read for its dtype only). ``x`` is the norm's input (``h`` when
     fused), ``dh`` the gradient of ``h``. Partial dweight/dbias per program, as in ``rms_norm_bwd``."""
     hidden = x.shape[-1]
-    x2, dy2 = tu.as_rows(x), tu.as_rows(dy)
-    n_rows = x2.shape[0]
-    tile = tu.row_tile(hidden, n_rows, backward=True)
+    rows = row_norm.backward_rows(dy, x, dh, n_programs)
     weight_grad = weight_grad and weight is not None
     bias_grad = bias_grad and bias is not None
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if n_rows == 0:
-        return dx, (torch.zeros_like(weight) if weight_grad else None), (torch.zeros_like(bias) if bias_grad else None)
-    n_tiles = tu.cdiv(n_rows, tile.rows)
-    programs = n_programs or tu.reduction_programs(x.device, n_tiles, tile.num_warps)
-    rows_per_program = tu.cdiv(n_tiles, programs) * tile.rows
-    programs = tu.cdiv(n_rows, rows_per_program)
-    acc = tu.acc_dtype(x.dtype)
-    dx2 = dx.view(-1, hidden)
+    if rows.n_rows == 0:
+        return (rows.dx, (torch.zeros_like(weight) if weight_grad else None),
+                (torch.zeros_like(bias) if bias_grad else None))
     unused = tu.unused_pointer
     sums = [p.dtype for p, wanted in ((weight, weight_grad), (bias, bias_grad)) if wanted]
-    partial = torch.empty((programs, len(sums), hidden), dtype=acc, device=x.device) if sums else unused(rstd)
-    dh2 = tu.as_rows(dh) if dh is not None else unused(x)
+    partial = (torch.empty((rows.programs, len(sums), hidden), dtype=tu.acc_dtype(x.dtype), device=x.device)
+               if sums else unused(rstd))
     with tu.device_guard(x):
-        tu.launch(_layer_norm_bwd_kernel)[(programs,)](
-            dy2, x2, weight.contiguous() if weight is not None else unused(x),
-            mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous(), dh2, dx2, partial,
-            dy2.stride(0), x2.stride(0), dh2.stride(0), dx2.stride(0), len(sums) * hidden,
-            n_rows, hidden, rows_per_program,
+        tu.launch(_layer_norm_bwd_kernel)[(rows.programs,)](
+            rows.dy2, rows.x2, weight.contiguous() if weight is not None else unused(x),
+            mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous(), rows.dh2, rows.dx2, partial,
+            *rows.strides(), len(sums) * hidden,
+            rows.n_rows, hidden, rows.rows_per_program,
             HAS_WEIGHT=weight is not None, HAS_DH=dh is not None, WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad,
-            ACC=tu.triton_acc_dtype(x.dtype), BLOCK_N=tile.block_n, ROWS=tile.rows, num_warps=tile.num_warps,
+            **row_norm.tile_constexprs(rows.tile, x.dtype),
         )
     grads = iter(tu.sum_partials(partial, tuple(sums)) if sums else ())
-    return dx, (next(grads) if weight_grad else None), (next(grads) if bias_grad else None)
+    return rows.dx, (next(grads) if weight_grad else None), (next(grads) if bias_grad else None)
 
 
 # ---------------------------------------------------------------------------------- native (non-Triton)
@@ -218,9 +196,7 @@ def _aten_stats_dtype(x: Tensor) -> torch.dtype:
 
 def _layer_norm_fwd_native(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                            residual: Optional[Tensor], eps: float):
-    # Contiguous like the Triton path's outputs (and the fake's): x + r follows a permuted x's layout.
-    h = (x + residual).contiguous() if residual is not None else None
-    inp = h if h is not None else x
+    h, inp = row_norm.residual_sum(x, residual)
     y, mean, rstd = torch.ops.aten.native_layer_norm(inp, [inp.shape[-1]], weight, bias, eps)
     acc, shape = tu.acc_dtype(x.dtype), inp.shape[:-1]
     return y.to(x.dtype).contiguous(), h, mean.reshape(shape).to(acc), rstd.reshape(shape).to(acc)
@@ -240,10 +216,7 @@ def _layer_norm_bwd_native(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias
 
 
 # ------------------------------------------------------------------------------------------ custom ops
-# ``triton_op`` rather than ``custom_op``: under torch.compile (how ``optimize`` runs models) Inductor
-# traces the body and calls the Triton kernels from its generated code, instead of calling back into
-# this Python function per launch (H100, hidden 2048 x 16384 rows bf16: the custom_op forward took
-# 0.069 ms against the launcher's 0.047 ms, dispatch-bound). Fake tensors: the same body, traced.
+# ``triton_op``, as every row norm (row_norm.py says why). Fake tensors: the same body, traced.
 
 @torch.library.triton_op("kernel_pytorch::layer_norm", mutates_args=())
 def _layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
@@ -271,8 +244,7 @@ def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bia
 def _setup_context(ctx, inputs, output):
     x, weight, bias, residual, _eps = inputs
     _y, h, mean, rstd = output
-    ctx.has_residual = residual is not None
-    ctx.save_for_backward(h if residual is not None else x, weight, bias, mean, rstd)
+    ctx.save_for_backward(row_norm.saved_input(ctx, x, h, residual), weight, bias, mean, rstd)
 
 
 def _backward(ctx, dy, dh, _dmean, _drstd):
@@ -303,14 +275,7 @@ def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor
     >>> y = layer_norm(x, w, b)
     >>> y, h = layer_norm(x, w, b, residual=r)      # h = x + r, y = layer_norm(h, w, b)
     """
-    if x.dim() == 0 or not x.is_floating_point():
-        raise ValueError(f"layer_norm expects a floating tensor with a last (hidden) axis, "
-                         f"got {x.dtype} {tuple(x.shape)}")
-    for name, param in (("weight", weight), ("bias", bias)):
-        if param is not None and tuple(param.shape) != (x.shape[-1],):
-            raise ValueError(f"{name} shape {tuple(param.shape)} is not ({x.shape[-1]},), one value per feature")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must match x {x.dtype} {tuple(x.shape)}")
+    row_norm.check_norm_arguments("layer_norm", x, residual, weight=weight, bias=bias)
     y, h, _, _ = _layer_norm_op(x, weight, bias, residual, float(eps))
     return (y, h) if residual is not None else y
 

@@ -9,10 +9,10 @@ the default). Hugging Face's Llama RMSNorm rounds the normalized value to the in
 multiplies by the weight in that dtype: ``weight * (x32 * rstd).to(dtype)``; ``cast_before_weight=True``
 reproduces that, so the norm pass can keep each model's own rounding.
 
-Layers (DESIGN.md "Kernels"): ``_rms_norm_fwd_kernel`` / ``_rms_norm_bwd_kernel`` (Triton) ->
-``rms_norm_fwd`` / ``rms_norm_bwd`` (launch; tiles from ``triton_utils.row_tile``, which raises past
-hidden 65536) -> ``kernel_pytorch::rms_norm`` and ``kernel_pytorch::rms_norm_backward`` (custom ops,
-fake implementations, autograd) -> :func:`rms_norm` and :class:`RMSNorm`.
+Layers as every row norm's (:mod:`~kernel_pytorch.ops.row_norm`): ``_rms_norm_fwd_kernel`` /
+``_rms_norm_bwd_kernel`` (Triton) -> ``rms_norm_fwd`` / ``rms_norm_bwd`` (launch) ->
+``kernel_pytorch::rms_norm`` and ``kernel_pytorch::rms_norm_backward`` (custom ops, fake implementations,
+autograd) -> :func:`rms_norm` and :class:`RMSNorm`.
 
 Dispatch, inside the ops: CUDA/ROCm tensors of at least ``TRITON_FWD_MIN_ELEMENTS`` /
 ``TRITON_BWD_MIN_ELEMENTS`` elements run the Triton kernels; everything else (CPU, other devices, small
@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from kernel_pytorch.ops import row_norm
 from kernel_pytorch.ops import triton_utils as tu
 from kernel_pytorch.ops.float8_cast import check_grad_amax_slot, tensor_abs_max
 from kernel_pytorch.ops.triton_utils import (grad_row_indices, jit, load_grad_rows, load_rows, row_indices,
@@ -144,31 +145,16 @@ def rms_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, residual: Optional[
 
     Any device Triton can launch on, CPU tensors included under ``TRITON_INTERPRET=1``.
     """
-    hidden = x.shape[-1]
-    tile = tu.row_tile(hidden, x.numel() // max(hidden, 1))
-    x2 = tu.as_rows(x)
-    n_rows = x2.shape[0]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    rows = row_norm.forward_rows(x, residual)
     rstd = torch.empty(x.shape[:-1], dtype=tu.acc_dtype(x.dtype), device=x.device)
-    if n_rows == 0:
-        return y, h, rstd, (tensor_abs_max(y) if fp8_amax else None)  # the maximum of nothing: 0
-    programs = tu.cdiv(n_rows, tile.rows)
-    partial = torch.empty(programs, dtype=torch.float32, device=x.device) if fp8_amax else None
-    y2 = y.view(-1, hidden)
-    r2 = tu.as_rows(residual) if residual is not None else tu.unused_pointer(x)
-    h2 = h.view(-1, hidden) if h is not None else tu.unused_pointer(x)
+    if rows.n_rows == 0:
+        return rows.y, rows.h, rstd, (tensor_abs_max(rows.y) if fp8_amax else None)  # the maximum of nothing: 0
+    partial = torch.empty(rows.programs, dtype=torch.float32, device=x.device) if fp8_amax else None
     w = weight.contiguous() if weight is not None else tu.unused_pointer(x)
-    with tu.device_guard(x):
-        tu.launch(_rms_norm_fwd_kernel)[(programs,)](
-            x2, r2, h2, w, y2, rstd, partial if fp8_amax else tu.unused_pointer(x),
-            x2.stride(0), r2.stride(0), h2.stride(0), y2.stride(0),
-            n_rows, hidden, eps,
-            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-            CAST_BEFORE_WEIGHT=cast_before_weight, ACC=tu.triton_acc_dtype(x.dtype),
-            BLOCK_N=tile.block_n, ROWS=tile.rows, FP8_AMAX=fp8_amax, num_warps=tile.num_warps,
-        )
-    return y, h, rstd, (partial.amax().reshape(1) if fp8_amax else None)
+    pointers = (w, rows.y2, rstd, partial if fp8_amax else tu.unused_pointer(x))
+    row_norm.launch_forward(_rms_norm_fwd_kernel, rows, x, pointers, eps, HAS_WEIGHT=weight is not None,
+                            CAST_BEFORE_WEIGHT=cast_before_weight, FP8_AMAX=fp8_amax)
+    return rows.y, rows.h, rstd, (partial.amax().reshape(1) if fp8_amax else None)
 
 
 def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, dh: Optional[Tensor] = None,
@@ -183,32 +169,24 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, 
     and writes its partial dweight to an (n_programs, hidden) fp32 buffer, summed by ``tu.sum_partials``.
     """
     hidden = x.shape[-1]
-    x2, dy2 = tu.as_rows(x), tu.as_rows(dy)
-    n_rows = x2.shape[0]
-    tile = tu.row_tile(hidden, n_rows, backward=True)
+    rows = row_norm.backward_rows(dy, x, dh, n_programs)
     weight_grad = weight_grad and weight is not None
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if n_rows == 0:
+    dx = rows.dx
+    if rows.n_rows == 0:
         dw = torch.zeros_like(weight) if weight_grad else None
         return (dx, dw, tensor_abs_max(dx)) if fp8_amax else (dx, dw)  # the maximum of nothing: 0
-    n_tiles = tu.cdiv(n_rows, tile.rows)
-    programs = n_programs or tu.reduction_programs(x.device, n_tiles, tile.num_warps)
-    rows_per_program = tu.cdiv(n_tiles, programs) * tile.rows
-    programs = tu.cdiv(n_rows, rows_per_program)
+    programs = rows.programs
     acc = tu.acc_dtype(x.dtype)
-    dx2 = dx.view(-1, hidden)
     partial = torch.empty((programs, hidden), dtype=acc, device=x.device) if weight_grad else tu.unused_pointer(rstd)
-    dh2 = tu.as_rows(dh) if dh is not None else tu.unused_pointer(x)
     dx_amax = torch.empty(programs, dtype=torch.float32, device=x.device) if fp8_amax else tu.unused_pointer(rstd)
     with tu.device_guard(x):
         tu.launch(_rms_norm_bwd_kernel)[(programs,)](
-            dy2, x2, weight.contiguous() if weight is not None else tu.unused_pointer(x), rstd.reshape(-1).contiguous(),
-            dh2, dx2, partial, dx_amax,
-            dy2.stride(0), x2.stride(0), dh2.stride(0), dx2.stride(0),
-            n_rows, hidden, rows_per_program,
+            rows.dy2, rows.x2, weight.contiguous() if weight is not None else tu.unused_pointer(x),
+            rstd.reshape(-1).contiguous(), rows.dh2, rows.dx2, partial, dx_amax,
+            *rows.strides(),
+            rows.n_rows, hidden, rows.rows_per_program,
             HAS_WEIGHT=weight is not None, HAS_DH=dh is not None, WEIGHT_GRAD=weight_grad,
-            CAST_BEFORE_WEIGHT=cast_before_weight, ACC=tu.triton_acc_dtype(x.dtype),
-            BLOCK_N=tile.block_n, ROWS=tile.rows, FP8_AMAX=fp8_amax, num_warps=tile.num_warps,
+            CAST_BEFORE_WEIGHT=cast_before_weight, FP8_AMAX=fp8_amax, **row_norm.tile_constexprs(rows.tile, x.dtype),
         )
     dw = tu.sum_partials(partial[:, None], (weight.dtype,))[0] if weight_grad else None
     return (dx, dw, dx_amax.amax().reshape(1)) if fp8_amax else (dx, dw)
@@ -225,9 +203,7 @@ def _fused_rms_norm_available(device_type: str, backward: bool) -> bool:
 
 def _rms_norm_fwd_native(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], eps: float,
                          cast_before_weight: bool, fp8_amax: bool = False):
-    # Contiguous like the Triton path's outputs (and the fake's): x + r follows a permuted x's layout.
-    h = (x + residual).contiguous() if residual is not None else None
-    inp = h if h is not None else x
+    h, inp = row_norm.residual_sum(x, residual)
     acc = tu.acc_dtype(x.dtype)
     fused = (not cast_before_weight and (weight is None or weight.dtype == x.dtype)
              and _fused_rms_norm_available(x.device.type, backward=False))
@@ -270,10 +246,7 @@ def _rms_norm_bwd_native(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: 
 
 
 # ------------------------------------------------------------------------------------------ custom ops
-# ``triton_op`` rather than ``custom_op``: under torch.compile (how ``optimize`` runs models) Inductor
-# traces the body and calls the Triton kernels from its generated code, instead of calling back into
-# this Python function per launch (H100, hidden 2048 x 16384 rows bf16: the custom_op forward took
-# 0.069 ms against the launcher's 0.047 ms, dispatch-bound). Fake tensors: the same body, traced.
+# ``triton_op``, as every row norm (row_norm.py says why). Fake tensors: the same body, traced.
 
 @torch.library.triton_op("kernel_pytorch::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], eps: float,
@@ -305,11 +278,10 @@ def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd:
 def _setup_context(ctx, inputs, output):
     x, weight, residual, _eps, cast_before_weight, _fp8_amax, grad_amax_slot = inputs
     _y, h, rstd, amax = output
-    ctx.has_residual = residual is not None
     ctx.cast_before_weight = cast_before_weight
     ctx.grad_amax = grad_amax_slot is not None
     ctx.mark_non_differentiable(amax)
-    ctx.save_for_backward(h if residual is not None else x, weight, rstd)
+    ctx.save_for_backward(row_norm.saved_input(ctx, x, h, residual), weight, rstd)
 
 
 def _backward(ctx, dy, dh, _drstd, _damax):
@@ -347,23 +319,13 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, resi
     >>> y, h = rms_norm(x, w, residual=r)        # h = x + r, y = rms_norm(h, w)
     >>> y, amax = rms_norm(x, w, fp8_amax=True)  # amax == y.abs().amax()
     """
-    _check_arguments(x, weight, residual)
+    row_norm.check_norm_arguments("rms_norm", x, residual, weight=weight)
     check_grad_amax_slot(grad_amax_slot)
     y, h, _, amax = _rms_norm_op(x, weight, residual, float(eps), bool(cast_before_weight), bool(fp8_amax),
                                  grad_amax_slot)
     outputs = (y, h) if residual is not None else (y,)
     outputs += (amax,) if fp8_amax else ()
     return outputs if len(outputs) > 1 else y
-
-
-def _check_arguments(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor]) -> None:
-    if x.dim() == 0 or not x.is_floating_point():
-        raise ValueError(f"rms_norm expects a floating tensor with a last (hidden) axis, "
-                         f"got {x.dtype} {tuple(x.shape)}")
-    if weight is not None and tuple(weight.shape) != (x.shape[-1],):
-        raise ValueError(f"weight shape {tuple(weight.shape)} is not ({x.shape[-1]},), one value per feature")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must match x {x.dtype} {tuple(x.shape)}")
 
 
 class RMSNorm(nn.Module):
