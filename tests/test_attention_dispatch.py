@@ -9,7 +9,8 @@ import warnings
 import pytest
 import torch
 
-from kernel_pytorch.attention import AttentionProblem, choose_kernel, dispatch, eligible_kernels
+from kernel_pytorch.attention import dispatch
+from kernel_pytorch.attention.dispatch import AttentionProblem, choose_kernel, eligible_kernels
 from kernel_pytorch.hardware import HardwareInfo
 
 H100 = HardwareInfo(vendor="nvidia", device_name="sim H100", compute_capability=(9, 0), cudnn_attention=True,

@@ -20,7 +20,7 @@ from .hf_models import bert as _bert, gpt2 as _gpt2, llama as _llama, vit as _vi
 import kernel_pytorch.passes.attention as attention_pass  # noqa: F401  (registers "attention")
 from kernel_pytorch import optimize, report_of
 from kernel_pytorch.config import OptimizeConfig
-from kernel_pytorch.attention import choose_kernel
+from kernel_pytorch.attention.dispatch import choose_kernel
 from kernel_pytorch.capture import CompilerChoice
 from kernel_pytorch.compile_skip import attention_only
 from kernel_pytorch.hardware import HardwareInfo, detect_hardware

@@ -12,8 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernel_pytorch.attention import AttentionProblem, choose_kernel, dispatch, eligible_kernels
-from kernel_pytorch.attention.cudnn_band import band_window
+from kernel_pytorch.attention import dispatch
+from kernel_pytorch.attention.dispatch import AttentionProblem, choose_kernel, eligible_kernels
+from kernel_pytorch.attention.kernels.cudnn_band import band_window
 from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.ops import attention
 from kernel_pytorch.ops.attention import PATTERN_KERNELS

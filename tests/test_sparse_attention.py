@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-import kernel_pytorch.attention.flex as flex
+import kernel_pytorch.attention.kernels.flex as flex
 import kernel_pytorch.passes.attention as attention_pass
 from kernel_pytorch import optimize, report_of
-from kernel_pytorch.attention.flex import pattern_block_mask
+from kernel_pytorch.attention.kernels.flex import pattern_block_mask
 from kernel_pytorch.passes.mask_pattern import block_density, classify_allowed
 
 from .conftest import rel_err, twin

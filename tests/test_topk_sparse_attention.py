@@ -17,9 +17,8 @@ import torch.nn.functional as F
 
 import kernel_pytorch.passes.attention as attention_pass  # noqa: F401  (registers "attention")
 from kernel_pytorch import optimize, report_of
-from kernel_pytorch.attention.topk_sparse import (
+from kernel_pytorch.attention.kernels.topk_sparse import (
     select_blocks,
-    sparse_or_dense_attention,
     topk_attention,
     topk_block_mask,
     topk_mask,
@@ -29,7 +28,7 @@ from kernel_pytorch.attention.topk_sparse import (
 from kernel_pytorch.config import OptimizeConfig, SparseAttentionConfig
 from kernel_pytorch.errors import ConfigError
 from kernel_pytorch.hardware import detect_hardware
-from kernel_pytorch.ops.attention import attention
+from kernel_pytorch.ops.attention import attention, sparse_or_dense_attention
 from kernel_pytorch.passes.attention import AttentionPass
 from kernel_pytorch.passes.base import PassContext
 from kernel_pytorch.passes.normalize import Normalize

@@ -1,17 +1,30 @@
-"""Attention dispatch: which fused kernel runs a given attention problem on the hardware found.
+"""Attention kernels and their dispatch, in two layers around :mod:`kernel_pytorch.ops.attention`:
 
-Kernels beyond PyTorch's own fused SDPA kernels live beside the dispatcher: FlexAttention
-(:mod:`kernel_pytorch.attention.flex`) and the flash-attn package (:mod:`kernel_pytorch.attention.flash_attn`).
+* :mod:`kernel_pytorch.attention.kernels` (below the op): FlexAttention, top-k sparse, cuDNN's sliding
+  window, flash-attn.
+* :mod:`kernel_pytorch.attention.dispatch` (above the op): which kernel runs a given attention problem on the
+  hardware found; it calls the op to measure.
+
+This package imports neither layer's upper half: the op imports the kernels through it, so importing the
+dispatcher here would make a cycle.
 """
 
 from __future__ import annotations
 
-from kernel_pytorch.attention.dispatch import (
-    MEASURED_ONLY,
-    PREFERENCE,
-    AttentionProblem,
-    choose_kernel,
-    eligible_kernels,
-)
+import warnings
+from typing import Any
 
-__all__ = ["AttentionProblem", "choose_kernel", "eligible_kernels", "PREFERENCE", "MEASURED_ONLY"]
+__all__: list[str] = []
+
+_MOVED = ("AttentionProblem", "choose_kernel", "eligible_kernels", "PREFERENCE", "MEASURED_ONLY")
+
+
+def __getattr__(name: str) -> Any:
+    """The dispatcher's names, still reachable from here for one release, with a DeprecationWarning."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"kernel_pytorch.attention.{name} moved: import it from kernel_pytorch.attention.dispatch",
+                  DeprecationWarning, stacklevel=2)
+    from kernel_pytorch.attention import dispatch  # deprecated spelling only; see the module docstring
+
+    return getattr(dispatch, name)

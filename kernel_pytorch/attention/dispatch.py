@@ -23,7 +23,7 @@ kernels still get the tensor. Sparse masks are where FlexAttention wins (DESIGN.
 L=16384, 6.66x dense causal flash), so there it is measured against the fused kernels, from
 :data:`SPARSE_MIN_LENGTH` on; below it, the dense kernels are kept unmeasured against it. A causal sliding
 window also makes ``"cudnn_band"`` eligible where the cuDNN frontend is installed
-(:mod:`kernel_pytorch.attention.cudnn_band`: cuDNN's own banded kernel, 1.8x FlexAttention's speed at
+(:mod:`kernel_pytorch.attention.kernels.cudnn_band`: cuDNN's own banded kernel, 1.8x FlexAttention's speed at
 L=16384 on the H100), measured at every length.
 """
 
@@ -36,10 +36,12 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from torch.nn.attention.flex_attention import create_mask
 
-from kernel_pytorch.attention.cudnn_band import band_window
-from kernel_pytorch.attention.flex import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM
+from kernel_pytorch.attention.kernels.cudnn_band import band_window
+from kernel_pytorch.attention.kernels.flex import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM, pattern_mask_mod
 from kernel_pytorch.hardware import HardwareInfo
+from kernel_pytorch.ops.attention import PATTERN_KERNELS, attention
 from kernel_pytorch.timing import fastest_cuda_ms
 
 __all__ = ["AttentionProblem", "choose_kernel", "eligible_kernels", "PREFERENCE", "MEASURED_ONLY",
@@ -127,7 +129,7 @@ class AttentionProblem:
     # Whether that compiled graph runs as CUDA graphs (compile="reduce-overhead"): cudnn_band trains without them.
     cuda_graphs: bool = False
     # A block-structured mask the pass recognized: MaskPattern.sparsity, e.g. ("band", 0, 1023, 0.12) (the
-    # pattern of kernel_pytorch.attention.flex and the 128x128 tile density, None when data-dependent).
+    # pattern of kernel_pytorch.attention.kernels.flex and the 128x128 tile density, None when data-dependent).
     sparsity: Optional[tuple] = None
 
     @classmethod
@@ -190,7 +192,7 @@ def _why_not(kernel: str, p: AttentionProblem, hardware: HardwareInfo) -> str | 
 
 
 def _why_not_flex(p: AttentionProblem, hardware: HardwareInfo) -> str | None:
-    """FlexAttention's limits (see :mod:`kernel_pytorch.attention.flex` for where each was found)."""
+    """FlexAttention's limits (see :mod:`kernel_pytorch.attention.kernels.flex` for where each was found)."""
     cc = hardware.compute_capability
     if p.mask is not None and p.sparsity is None:
         return ("flex takes no mask tensor here: FlexAttention could read it in a score_mod, but that is slower "
@@ -378,8 +380,6 @@ def _attention_fn(kernel: str) -> Callable[..., torch.Tensor]:
     """What runs ``kernel`` as a rewritten graph would: ``attention`` itself, or for ``"flex"`` a fresh
     Inductor compile of it (static shapes), which lowers FlexAttention into its fused Triton kernel;
     eagerly FlexAttention is the unfused reference, whose timing would say nothing."""
-    from kernel_pytorch.ops.attention import attention
-
     if kernel != "flex":
         return attention
     return torch.compile(_flex_for_measurement, fullgraph=True, dynamic=False)
@@ -388,8 +388,6 @@ def _attention_fn(kernel: str) -> Callable[..., torch.Tensor]:
 def _flex_for_measurement(q, k, v, attn_mask, **kwargs) -> torch.Tensor:
     """``attention`` under another code object: Dynamo keeps compiled entries per code object, so the
     measurement's compiles stay off ``attention``'s own."""
-    from kernel_pytorch.ops.attention import attention
-
     return attention(q, k, v, attn_mask, **kwargs)
 
 
@@ -426,9 +424,6 @@ def _sparse_mask(p: AttentionProblem) -> dict:
     """A mask with the problem's structure, as the dense kernels' tensor and as flex's pattern: a band
     exactly; documents and general block masks as equal-length documents covering the recorded tile
     density (the real ones depend on data or a buffer this measurement does not have)."""
-    from kernel_pytorch.attention.flex import pattern_mask_mod
-    from torch.nn.attention.flex_attention import create_mask
-
     lq, lk = p.q_shape[-2], p.k_shape[-2]
     kind, density = p.sparsity[0], p.sparsity[-1]
     if kind == "band":
@@ -443,12 +438,10 @@ def _sparse_mask(p: AttentionProblem) -> dict:
     return {"mask": mask, "pattern": pattern, "pattern_tensor": tensor}
 
 
-def _run(attention, inputs, kernel: str, p: AttentionProblem, *, with_dropout: bool) -> torch.Tensor:
-    from kernel_pytorch.ops.attention import PATTERN_KERNELS  # ops.attention imports this package
-
+def _run(attention_fn, inputs, kernel: str, p: AttentionProblem, *, with_dropout: bool) -> torch.Tensor:
     pattern = {"pattern": inputs["pattern"], "pattern_tensor": inputs["pattern_tensor"]} \
         if kernel in PATTERN_KERNELS and "pattern" in inputs else {}
-    out = attention(inputs["q"], inputs["k"], inputs["v"], None if pattern else inputs["mask"],
+    out = attention_fn(inputs["q"], inputs["k"], inputs["v"], None if pattern else inputs["mask"],
                     dropout_p=0.1 if (p.dropout and with_dropout) else 0.0, is_causal=p.is_causal,
                     enable_gqa=p.enable_gqa, kernel=kernel, **pattern)
     if p.training:

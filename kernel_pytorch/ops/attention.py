@@ -40,16 +40,16 @@ does it).
 Three kernels do not go through the custom ops, because they already trace and differentiate under
 torch.compile on their own:
 
-* ``flex``: PyTorch's FlexAttention (:mod:`kernel_pytorch.attention.flex`), with a top-left causal
+* ``flex``: PyTorch's FlexAttention (:mod:`kernel_pytorch.attention.kernels.flex`), with a top-left causal
   ``BlockMask`` or no mask. Inductor compiles it into a fused Triton kernel; run eagerly it is PyTorch's
   unfused reference (correct, slow: it materializes the scores), and on the CPU it has no backward
   (``flex_attention`` raises ``NotImplementedError`` for inputs that require grad). No ``attn_mask``, no
   dropout (both raise ``ValueError``); any device FlexAttention supports (CUDA/ROCm, CPU, XPU).
-* ``flash_attn``: the flash-attn package's ``flash_attn_func`` (:mod:`kernel_pytorch.attention.flash_attn`),
+* ``flash_attn``: the flash-attn package's ``flash_attn_func`` (:mod:`kernel_pytorch.attention.kernels.flash_attn`),
   imported on first use. CUDA/ROCm, fp16/bf16, native GQA, dropout; no ``attn_mask``, and no
   ``is_causal`` with Lq != Lk (flash-attn aligns it to the bottom right), both ``ValueError``.
 * ``cudnn_band``: cuDNN's causal sliding-window attention, a cuDNN graph built with the cuDNN frontend
-  (:mod:`kernel_pytorch.attention.cudnn_band`), given the window as the mask pattern ``("band", 0, w - 1)``
+  (:mod:`kernel_pytorch.attention.kernels.cudnn_band`), given the window as the mask pattern ``("band", 0, w - 1)``
   and nothing else: CUDA, fp16/bf16, native GQA, Lq == Lk; no ``attn_mask``, no ``is_causal`` (the band is
   causal), no dropout, all ``ValueError``.
 """
@@ -63,11 +63,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernel_pytorch.attention.cudnn_band import band_window, cudnn_band_forward
-from kernel_pytorch.attention.flash_attn import flash_attn_forward
-from kernel_pytorch.attention.flex import flex_attention_forward
+from kernel_pytorch.attention.kernels.cudnn_band import band_window, cudnn_band_forward
+from kernel_pytorch.attention.kernels.flash_attn import flash_attn_forward
+from kernel_pytorch.attention.kernels.flex import flex_attention_forward
 
-__all__ = ["attention", "ATTENTION_KERNELS", "PATTERN_KERNELS", "kernel_device", "to_4d"]
+__all__ = ["attention", "sparse_or_dense_attention", "ATTENTION_KERNELS", "PATTERN_KERNELS", "kernel_device",
+           "to_4d"]
 
 ATTENTION_KERNELS = ("sdpa", "cudnn", "flash", "efficient", "cpu_flash", "flex", "flash_attn", "cudnn_band")
 
@@ -344,9 +345,9 @@ def attention(
     ``is_causal`` masks top-left aligned (query i sees keys 0..i); ``scale=None`` is 1/sqrt(E);
     ``enable_gqa`` lets Hq be a multiple of Hk. ``pattern`` (``kernel="flex"`` only, with no ``attn_mask``
     and no ``is_causal``) is a block-structured mask given by its rule instead of a tensor, and
-    ``pattern_tensor`` the document ids or allowed positions it reads (:mod:`kernel_pytorch.attention.flex`);
-    ``("topk", ...)`` (:func:`kernel_pytorch.attention.topk_sparse.topk_pattern`, ``is_causal`` allowed) is
-    top-k block-sparse attention, an approximation (:mod:`kernel_pytorch.attention.topk_sparse`).
+    ``pattern_tensor`` the document ids or allowed positions it reads (:mod:`kernel_pytorch.attention.kernels.flex`);
+    ``("topk", ...)`` (:func:`kernel_pytorch.attention.kernels.topk_sparse.topk_pattern`, ``is_causal`` allowed) is
+    top-k block-sparse attention, an approximation (:mod:`kernel_pytorch.attention.kernels.topk_sparse`).
     ``kernel`` is one of :data:`ATTENTION_KERNELS`; a kernel
     that cannot compute the call as SDPA would (see the module docstring) raises ``ValueError``, and an
     ``attn_mask`` that requires grad is refused by every kernel but ``"efficient"`` and ``"sdpa"``.
@@ -383,6 +384,28 @@ def attention(
         t is not None and t.requires_grad for t in (q, k, v, mask))
     out = attention_fwd(q, k, v, mask, dropout_p, is_causal, scale, kernel, needs_grad)[0]
     return out[..., :value_dim].reshape(out_shape)
+
+
+def sparse_or_dense_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
+                              dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                              enable_gqa: bool = False, *, kernel: str = "sdpa", pattern: tuple,
+                              min_length: int) -> Tensor:
+    """SDPA's signature: top-k sparse attention (``attention(..., kernel="flex", pattern=pattern)``) when
+    the query length is at least ``min_length``, else ``attention(..., kernel=kernel)`` (dense).
+
+    What the attention pass puts in a graph for ``OptimizeConfig(sparse_attention=...)``. The length test
+    is a Python condition on the call's own shape, decided per call: eagerly each call takes its branch;
+    under torch.compile Dynamo specializes on it (a guard on the length, or on a symbolic length's range),
+    so a later call of another length takes its own branch, never the one compiled for the first.
+
+    Example::
+
+        pattern = topk_pattern(topk=8)  # kernel_pytorch.attention.kernels.topk_sparse
+        out = sparse_or_dense_attention(q, k, v, is_causal=True, pattern=pattern, min_length=4096)
+    """
+    if q.shape[-2] >= min_length:
+        return attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernel="flex", pattern=pattern)
+    return attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernel=kernel)
 
 
 def _direct_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float,

@@ -58,7 +58,7 @@ What is matched, and how each part is decided:
   group-contiguous order); cross-attention with ``Lq != Lk`` is fine.
 * **Output layout**: the ·V product is replaced in place, so the ``transpose`` + ``reshape`` after it stay.
 * **Top-k sparse attention** (``OptimizeConfig(sparse_attention=...)``, off by default; an approximation,
-  :mod:`kernel_pytorch.attention.topk_sparse`): an eligible call (causal or no mask, no dropout, head dims
+  :mod:`kernel_pytorch.attention.kernels.topk_sparse`): an eligible call (causal or no mask, no dropout, head dims
   FlexAttention takes, fp16/bf16/fp32, not training) becomes ``sparse_or_dense_attention(q, k, v, ...,
   kernel=<dense choice>, pattern=("topk", ...), min_length=n)``, which runs top-k FlexAttention for query
   lengths >= n and the dense kernel below, decided per call. With concrete example inputs of at least n
@@ -86,9 +86,10 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from kernel_pytorch.attention.flex import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM
-from kernel_pytorch.attention.topk_sparse import TOPK_ERROR_QUERY_BLOCKS, sparse_or_dense_attention, topk_relative_error
-from kernel_pytorch.ops.attention import PATTERN_KERNELS, attention, to_4d
+from kernel_pytorch.attention import dispatch
+from kernel_pytorch.attention.kernels.flex import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM
+from kernel_pytorch.attention.kernels.topk_sparse import TOPK_ERROR_QUERY_BLOCKS, topk_relative_error
+from kernel_pytorch.ops.attention import PATTERN_KERNELS, attention, sparse_or_dense_attention, to_4d
 from kernel_pytorch.passes.attention_match import AttentionMatch, NotAttention, Operand, match_attention
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, Rewrite
 from kernel_pytorch.passes.causal_mask import CausalMaskGuard, decide_causal
@@ -108,13 +109,11 @@ def _attention_op() -> Callable[..., Any]:
 
 def _choose_kernel(q, k, v, mask, *, is_causal, dropout_p, enable_gqa, ctx: PassContext,
                    sparsity: Optional[tuple] = None) -> tuple[str, str]:
-    from kernel_pytorch.attention.dispatch import choose_kernel
-
     if any(not isinstance(t, torch.Tensor) for t in (q, k, v)) or any(
             not isinstance(s, int) for t in (q, k, v, mask) if isinstance(t, torch.Tensor) for s in t.shape):
         return "sdpa", "PyTorch's SDPA dispatch (symbolic or unknown shapes: no kernel measured)"
     try:
-        return choose_kernel(q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
+        return dispatch.choose_kernel(q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
                              hardware=ctx.hardware, training=ctx.training, compiled=ctx.compiled, sparsity=sparsity,
                              cuda_graphs=ctx.cuda_graphs)
     except Exception as error:  # the rewrite stands on its own; SDPA's dispatch is always correct

@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from kernel_pytorch.attention.flex import FLEX_BLOCK_SIZE
+from kernel_pytorch.attention.kernels.flex import FLEX_BLOCK_SIZE
 from kernel_pytorch.passes.attention_match import AttentionMatch, MaskTerm
 from kernel_pytorch.passes.causal_mask import MaskGuard, MaskPredicate
 from kernel_pytorch.passes.normalize import is_call

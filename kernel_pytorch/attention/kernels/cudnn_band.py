@@ -15,7 +15,7 @@ What it computes is SDPA's with the mask ``0 <= i - j < window`` (query i sees i
 ``window - 1`` keys before it): the graph's ``diagonal_band_left_bound`` is the band's length, checked
 against a masked float32 SDPA (a bound of ``w`` matched the band ``0 <= i - j <= w - 1`` to bf16 rounding,
 ``w - 1`` did not). Only that band, with equal query and key lengths: the mask pattern ``("band", 0, hi)``
-of :mod:`kernel_pytorch.attention.flex` with ``window = hi + 1``. The dispatcher sends nothing else here.
+of :mod:`kernel_pytorch.attention.kernels.flex` with ``window = hi + 1``. The dispatcher sends nothing else here.
 
 Why our own graphs rather than the frontend's ``torch.ops.cudnn.sdpa_fwd``: that op covers every SDPA
 variant (sinks, padding, varlen) and checks and normalizes its arguments on each call. On the H100 machine

@@ -50,8 +50,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 __all__ = ["TOPK_PATTERN_KIND", "topk_pattern", "parse_topk_pattern", "select_blocks", "topk_block_mask",
-           "topk_attention", "topk_options", "topk_mask", "topk_relative_error", "sparse_or_dense_attention",
-           "TOPK_ERROR_QUERY_BLOCKS"]
+           "topk_attention", "topk_options", "topk_mask", "topk_relative_error", "TOPK_ERROR_QUERY_BLOCKS"]
 
 TOPK_PATTERN_KIND = "topk"
 # Query blocks whose rows topk_relative_error compares when asked to sample (rows=...): the error of the
@@ -243,20 +242,3 @@ def topk_relative_error(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = Fa
     approx, exact = approx.double(), exact.double()
     return float((approx - exact).norm() / exact.norm().clamp_min(1e-300))
 
-
-def sparse_or_dense_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
-                              dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
-                              enable_gqa: bool = False, *, kernel: str = "sdpa", pattern: tuple,
-                              min_length: int) -> Tensor:
-    """SDPA's signature: top-k sparse attention (``attention(..., kernel="flex", pattern=pattern)``) when
-    the query length is at least ``min_length``, else ``attention(..., kernel=kernel)`` (dense).
-
-    What the attention pass puts in a graph for ``OptimizeConfig(sparse_attention=...)``. The length test
-    is a Python condition on the call's own shape, decided per call: eagerly each call takes its branch;
-    under torch.compile Dynamo specializes on it (a guard on the length, or on a symbolic length's range),
-    so a later call of another length takes its own branch, never the one compiled for the first."""
-    from kernel_pytorch.ops.attention import attention
-
-    if q.shape[-2] >= min_length:
-        return attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernel="flex", pattern=pattern)
-    return attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernel=kernel)

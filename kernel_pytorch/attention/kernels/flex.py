@@ -23,7 +23,7 @@ What it computes here is exactly SDPA's (the dispatcher keeps everything else aw
   construction is traced into the graph instead (its tensors are fake there; the cache holds real ones).
   ``("topk", topk, keep_ratio, local_blocks, sink_blocks, block)`` is content-aware (an approximation,
   combinable with ``is_causal``): the key blocks are chosen per call from q and k
-  (:mod:`kernel_pytorch.attention.topk_sparse`), so nothing is cached.
+  (:mod:`kernel_pytorch.attention.kernels.topk_sparse`), so nothing is cached.
 * No attention-mask tensor and no dropout: FlexAttention has no dropout, and a mask tensor read by a
   ``score_mod`` is slower than the fused SDPA kernels that take a bias (see ``dispatch``).
 
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
-from kernel_pytorch.attention.topk_sparse import TOPK_PATTERN_KIND, topk_attention, topk_options
+from kernel_pytorch.attention.kernels.topk_sparse import TOPK_PATTERN_KIND, topk_attention, topk_options
 
 __all__ = ["flex_attention_forward", "causal_mask_mod", "pattern_mask_mod", "pattern_block_mask",
            "PATTERN_KINDS", "FLEX_MIN_HEAD_DIM", "FLEX_MAX_HEAD_DIM", "FLEX_BLOCK_SIZE"]
