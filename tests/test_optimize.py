@@ -156,21 +156,21 @@ def _optimizes_unverified_and_right(model, note: str) -> None:
 def test_verification_out_of_memory_keeps_the_rewrites_with_a_note(tiny_lm, monkeypatch):
     # On a GPU the original graph can exceed memory on the example inputs (hand-written attention's fp32
     # scores at long lengths): optimize goes on, rewrites kept unverified, and the report says so.
-    from kernel_pytorch import capture
+    from kernel_pytorch.verify import graphs
 
     def out_of_memory(self, gm, float32=False):
         raise OUT_OF_MEMORY
 
-    monkeypatch.setattr(capture._VerificationInputs, "run", out_of_memory)
+    monkeypatch.setattr(graphs.GraphInputs, "run", out_of_memory)
     _optimizes_unverified_and_right(tiny_lm, "not verified (out of memory")
 
 
 def test_end_to_end_reference_out_of_memory_goes_on_unverified_with_a_note(tiny_lm, monkeypatch):
     # The whole original model on the example inputs can run out of GPU memory before any graph is
     # captured: optimize goes on, the end-to-end check skipped, and the report says so.
-    from kernel_pytorch import api
+    from kernel_pytorch.verify import model as end_to_end
 
-    real, calls = api.run_reference, []
+    real, calls = end_to_end.run_reference, []
 
     def first_call_out_of_memory(*args, **kwargs):
         calls.append(1)
@@ -178,7 +178,7 @@ def test_end_to_end_reference_out_of_memory_goes_on_unverified_with_a_note(tiny_
             raise OUT_OF_MEMORY
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(api, "run_reference", first_call_out_of_memory)
+    monkeypatch.setattr(end_to_end, "run_reference", first_call_out_of_memory)
     _optimizes_unverified_and_right(tiny_lm, "not verified end to end (out of memory")
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import operator
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from kernel_pytorch.capture import CompilerChoice
 from kernel_pytorch.hardware import detect_hardware
 from kernel_pytorch.passes import (GraphPass, ModulePass, PassContext, PassManager, PassResult, get_pass, register_pass,
                                    replace_module)
+from kernel_pytorch.passes.base import candidates
 from kernel_pytorch.passes.graph_utils import module_path_of
 
 from .conftest import rel_err, twin
@@ -206,6 +210,19 @@ def test_disable_passes_and_unknown_pass_names():
         get_pass("no_such_pass")
 
 
+def test_a_config_checks_pass_names_with_only_the_config_imported():
+    # The config imports no pass: the names it checks against are recorded as the passes register, which
+    # importing kernel_pytorch (the parent package of kernel_pytorch.config) does.
+    code = ("from kernel_pytorch.config import OptimizeConfig\n"
+            "assert OptimizeConfig(extra_passes=('norms',), disable_passes=('rope', 'attention'))\n"
+            "try:\n    OptimizeConfig(extra_passes=('no_such_pass',))\n"
+            "except ValueError as error:\n    print(error)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert run.returncode == 0, run.stderr
+    assert "unknown pass name(s) ['no_such_pass']; registered passes: [" in run.stdout and "'norms'" in run.stdout
+
+
 def test_registering_a_second_pass_under_a_taken_name_fails():
     with pytest.raises(ValueError, match="already registered"):
         @register_pass
@@ -269,8 +286,35 @@ def test_pass_result_counts():
     assert (result.matched, result.changed, len(result.rewrites)) == (2, 1, 1)
 
 
+def test_candidates_records_skips_and_passes_over_nodes_erased_by_an_earlier_rewrite():
+    class Chain(nn.Module):
+        def forward(self, x):
+            return torch.relu(torch.tanh(torch.relu(x)) + torch.sigmoid(x))
+
+    gm = torch.fx.symbolic_trace(Chain())
+    seen = []
+
+    def match(node):
+        seen.append(node.name)
+        if node.target is torch.sigmoid:
+            return "not this one"
+        return node if node.target in (torch.relu, torch.tanh) else None
+
+    result = PassResult()
+    for found in candidates(gm.graph.nodes, match, result):
+        assert found.match is found.node and found.location == "(model)"
+        if found.node.target is torch.relu and found.node.args[0].op == "placeholder":
+            tanh = next(iter(found.node.users))  # erase the tanh after it: its turn must not come
+            tanh.replace_all_uses_with(found.node)
+            gm.graph.erase_node(tanh)
+        result.rewrite(found.location, found.node.name)
+    assert [r.replacement for r in result.rewrites] == ["relu", "relu_1"]
+    assert [(s.location, s.reason) for s in result.skipped] == [("(model)", "not this one")]
+    assert "tanh" not in seen and seen[0] == "x"
+
+
 def test_without_dropout_zeroes_every_dropout_probability():
-    from kernel_pytorch.capture import without_dropout
+    from kernel_pytorch.verify.graphs import without_dropout
 
     class Drops(nn.Module):
         def forward(self, x):
@@ -385,9 +429,9 @@ def test_a_wrong_bf16_rewrite_is_still_rolled_back_against_the_float32_referee()
 
 
 def test_float32_verification_never_consults_a_referee(monkeypatch):
-    from kernel_pytorch import verify
+    from kernel_pytorch.verify import numerics
 
-    monkeypatch.setattr(verify, "compare_against_float32", lambda *a: pytest.fail("no referee in float32"))
+    monkeypatch.setattr(numerics, "compare_against_float32", lambda *a: pytest.fail("no referee in float32"))
     torch.manual_seed(0)
     model = RopeLike().eval()
     optimize(model, example_inputs=(torch.randn(8, 64),), extra_passes=("test_fma_wrong",))

@@ -18,7 +18,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -27,7 +27,7 @@ from kernel_pytorch.config import OptimizeConfig
 
 __all__ = ["Comparison", "Run", "relative_error", "compare", "compare_against_float32", "compared_counts",
            "NoiseAwareCheck", "NOISE_FACTOR", "NOTHING_COMPARED", "LOW_PRECISION", "is_low_precision", "to_float32",
-           "float32_fits", "run_reference", "flatten_tensors", "call_arguments"]
+           "float32_fits", "run_reference", "flatten_tensors", "call_arguments", "unless_out_of_memory"]
 
 # Below this RMS the reference counts as zero: errors are then measured against it, as absolute
 # errors, so that noise on an all-zero gradient (e.g. 1e-12 after reordering) does not fail.
@@ -44,6 +44,7 @@ _RELATIVE_FLOOR = 1e-2
 # wrong rewrite (an O(1) change of some value) stays orders of magnitude above.
 NOISE_FACTOR = 1.5
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+T = TypeVar("T")
 # ``Comparison.worst`` when no leaf had a nonzero error: nothing was compared, or every error was 0. Not an
 # output's name: text for users says which (``Comparison.describe``, the report's verification line).
 NOTHING_COMPARED = "nothing compared"
@@ -340,3 +341,13 @@ def _gradients(outputs: dict[str, Any], wrt: dict[str, torch.Tensor], seed: int)
 
 def _detached(value: Any) -> Any:
     return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def unless_out_of_memory(run: Callable[[], T]) -> T | None:
+    """``run()``, or None when the GPU ran out of memory (its cache emptied): a check that does not fit next to
+    the model (hand-written attention's fp32 scores at long lengths) is skipped with a report line, not fatal."""
+    try:
+        return run()
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None

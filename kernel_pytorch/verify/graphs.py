@@ -1,0 +1,144 @@
+"""Verification of one captured graph: fresh copies of its example inputs per run, a float32 copy of the graph
+for a referee, and dropout set to 0 (a fused kernel draws its own dropout mask, which eager cannot match).
+
+``capture.GraphOptimizer`` checks each rewritten graph against the captured one with these and
+:class:`~kernel_pytorch.verify.numerics.NoiseAwareCheck`; ``verify.model`` checks the model end to end.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from kernel_pytorch.passes.graph_utils import checkpointed_subgraphs, clone_graph_module
+from kernel_pytorch.verify.numerics import (LOW_PRECISION, Run, float32_fits, run_reference, to_float32,
+                                            unless_out_of_memory)
+
+__all__ = ["GraphInputs", "draws_random_numbers", "float32_graph", "without_dropout"]
+
+# Ops whose results depend on the RNG stream: an end-to-end comparison cannot match them when the
+# compiler draws random numbers differently from eager PyTorch (Inductor does).
+_RANDOM_OPS = frozenset({
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+    "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm",
+    "bernoulli", "multinomial", "normal", "poisson", "uniform_", "normal_", "bernoulli_",
+})
+
+
+def draws_random_numbers(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph samples from the RNG (dropout in training, rand*, bernoulli...)."""
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", node.target) if node.op != "placeholder" else ""
+        if name not in _RANDOM_OPS:
+            continue
+        if "dropout" in str(name) and not _dropout_active(node):
+            continue
+        return True
+    return False
+
+
+def without_dropout(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` with every dropout probability set to 0, for verification.
+
+    A fused kernel draws its dropout mask from its own random stream (philox in the attention
+    kernels), so a rewrite that moves dropout into a kernel can never match eager dropout bit for bit;
+    with p = 0 on both sides, everything else about the rewrite is compared exactly.
+    """
+    copy = clone_graph_module(gm)
+    for node in copy.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if getattr(node.target, "__name__", "") == "dropout" and len(node.args) > 1:
+            node.args = (node.args[0], 0.0, *node.args[2:])
+        elif getattr(node.target, "__name__", "") == "dropout" and "p" in node.kwargs:
+            node.kwargs = {**node.kwargs, "p": 0.0}
+        if "dropout_p" in node.kwargs:
+            node.kwargs = {**node.kwargs, "dropout_p": 0.0}
+    copy.recompile()
+    return copy
+
+
+def _dropout_active(node: torch.fx.Node) -> bool:
+    # F.dropout(x, p=0.5, training=True, inplace=False); torch.dropout(x, p, train)
+    p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+    training = node.kwargs.get("training", node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True))
+    return not (training is False or p == 0)
+
+
+class GraphInputs:
+    """Fresh copies of a graph's example inputs for each verification run.
+
+    Tensors other than parameters are cloned per run, because a graph may update its inputs in place
+    (BatchNorm statistics, KV caches) and each run must start from the same values. Symbolic sizes are
+    replaced by the sizes of this call.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], training: bool):
+        self.names = [node.name for node in gm.graph.nodes if node.op == "placeholder"]
+        self.values: list[Any] = []
+        self.unusable_reason = ""
+        for value in example_inputs:
+            if isinstance(value, torch.SymInt):
+                hint = value.node.hint
+                if hint is None:
+                    self.unusable_reason = "an input size is symbolic with no concrete value"
+                value = hint
+            self.values.append(value)
+        self.grad = training and torch.is_grad_enabled() and any(
+            isinstance(v, torch.Tensor) and v.requires_grad for v in self.values)
+
+    def run_float32(self, gm: torch.fx.GraphModule) -> Run | str:
+        """``gm`` (see :func:`float32_graph`) on float32 copies of the bfloat16/float16 inputs, or why not."""
+        reason = float32_fits([v for v in self.values if isinstance(v, torch.Tensor)], self.grad)
+        if reason:
+            return reason
+        try:
+            run = unless_out_of_memory(lambda: self.run(gm, float32=True))
+        except Exception as error:  # the referee is optional: its failure leaves the plain verdict
+            return f"it failed: {type(error).__name__}: {error}"
+        return "out of memory" if run is None else run
+
+    def run(self, gm: torch.fx.GraphModule, float32: bool = False) -> Run:
+        args = [to_float32(v) if float32 and isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION else _fresh(v)
+                for v in self.values]
+        wrt = None
+        if self.grad:
+            wrt = {name: a for name, a in zip(self.names, args)
+                   if isinstance(a, torch.Tensor) and a.requires_grad}
+        return run_reference(gm, args, None, wrt)
+
+
+def float32_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` computing in float32 where it computed in bfloat16/float16, for a float32 referee
+    run: dtype arguments (``x.to(torch.bfloat16)``, ``softmax(..., dtype=)``) become float32 and
+    low-precision attributes are upcast where read. Autocast regions are left as they are."""
+    copy = clone_graph_module(gm)
+
+    def upcast(arg: Any) -> Any:
+        return torch.float32 if isinstance(arg, torch.dtype) and arg in LOW_PRECISION else arg
+
+    for node in list(copy.graph.nodes):
+        if "autocast" in str(getattr(node.target, "__name__", node.target)):
+            continue
+        node.args = torch.fx.node.map_aggregate(node.args, upcast)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, upcast)
+        if node.op == "get_attr":
+            value = copy
+            for part in str(node.target).split("."):
+                value = getattr(value, part, None)
+            if isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION:
+                with copy.graph.inserting_after(node):
+                    cast = copy.graph.call_method("to", (node, torch.float32))
+                node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+    for name, body in checkpointed_subgraphs(copy):
+        setattr(copy, name, float32_graph(body))
+    copy.recompile()
+    return copy
+
+
+def _fresh(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    return value
