@@ -354,7 +354,7 @@ def summarize_report(report) -> dict:
                                     {f"{r.location.split('.')[-1]}: kept: {r.reason}" for r in report.skipped
                                      if r.pass_name == "fp8"}),
             "verified": None if v is None else v.passed,
-            "verification": None if v is None else f"worst {v.worst}: {v.error:.2e} (tolerance {v.tolerance:.0e})",
+            "verification": report.verification_line(),
             "notes": report.notes, "timings_s": report.timings_s}
 
 

@@ -121,6 +121,10 @@ class OptimizationReport(BaseModel):
         first training call, replace the line written at optimize time)."""
         self.memory = [r for r in self.memory if r.wrapper != record.wrapper] + [record]
 
+    def verification_line(self) -> str | None:
+        """The end-to-end check as the report prints it (``passed: all 3 outputs ... bit-identical ...``)."""
+        return None if self.verification is None else _verification_line(self.verification, bool(self.rewrites))
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
@@ -137,7 +141,7 @@ class OptimizationReport(BaseModel):
         head.add_row("compiler", self.compiler or "-")
         head.add_row("graphs captured", str(self.graphs))
         if self.verification is not None:
-            head.add_row("verification", _verification_line(self.verification, rewritten=bool(self.rewrites)))
+            head.add_row("verification", self.verification_line())
         for note in self.notes:
             head.add_row("note", note)
         for record in self.memory:
