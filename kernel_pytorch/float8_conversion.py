@@ -15,22 +15,22 @@ Which layers. An ``nn.Linear`` is a candidate when :func:`~kernel_pytorch.ops.fl
 accepts it (16-bit or fp32 weights, both dimensions multiples of 16), ``filter_fn(module, fqn)`` (if
 given) returns True, and it is not the output head: the last Linear the forward calls on the example
 inputs (without them, the last one registered). The head is excluded by default because its logits feed a
-softmax over a large vocabulary, where FP8's ~28 dB (measured: benchmarks/results/fp8.json) costs the
-most, and because tied embedding weights would be quantized too.
+softmax over a large vocabulary, where FP8's rounding (its SQNR: benchmarks/results/fp8.json, "numerics")
+costs the most, and because tied embedding weights would be quantized too.
 
 The decision. ``decide=True`` converts every candidate. ``decide="auto"`` runs each candidate's own
 (M, K, N), recorded by forward hooks on the example inputs, through a forward (+ backward when
 training) in its dtype and in FP8 on this GPU, and converts it only where FP8 is at least
-:data:`MIN_SPEEDUP` faster: no layer ends slower. Measured on an H200 (bf16, forward + backward): FP8
-loses below ~4096 x 4096 x 4096, where the quantization passes and launch costs outweigh the matmul
-saving; at 8192^3 it wins 1.6x (tensorwise). Identical shapes are measured once per process.
+:data:`MIN_SPEEDUP` faster: no layer ends slower. FP8 loses at small shapes, where the quantization passes
+and launch costs outweigh the matmul saving, and wins at large ones (benchmarks/results/fp8.json, "sweep";
+docs/kernels.md, "FP8 conversion"). Identical shapes are measured once per process.
 
 How it times. A model that will run compiled (``compiled=True``; ``optimize`` passes whether its compiler
 is one) is compared by GPU time, the steps replayed from a CUDA graph
 (:func:`~kernel_pytorch.timing.fastest_cuda_graph_ms`): compiled code calls the FP8 kernels without the ops'
-Python, ~1 ms of host time per layer step on an H100 that, timed per call, decided against FP8 for every
-layer (0 of 85 in the end-to-end benchmark). An eager model pays that Python, so it is timed per call.
-Each decision's reason says which timing it used.
+Python, host time per layer step that, timed per call, decided against FP8 for every layer of the
+end-to-end benchmark (docs/kernels.md, "FP8 conversion"). An eager model pays that Python, so it is timed
+per call. Each decision's reason says which timing it used.
 
 Where FP8 cannot run (no GPU, NVIDIA below compute capability 8.9, AMD before MI300) nothing changes
 and :attr:`Float8Plan.skipped_reason` says why; ``optimize`` writes it to the report.
@@ -67,8 +67,8 @@ __all__ = ["Float8Plan", "LayerDecision", "convert_to_float8", "linear_targets",
            "judging_config", "cuda_graphs_note", "CUDA_GRAPHS_NOTE", "PASS_NAME", "MIN_SPEEDUP", "FilterFn"]
 
 FilterFn = Callable[[nn.Module, str], bool]
-# FP8 must beat the layer's own dtype by this factor to be chosen: the timing noise of a warm GPU on
-# these ms-scale steps is ~1-2%, so a smaller margin could pick a layer that is really a tie or a loss.
+# FP8 must beat the layer's own dtype by this factor to be chosen: well above the timing noise of a warm
+# GPU on these ms-scale steps (docs/kernels.md, "FP8 conversion"), so that no real tie or loss is picked.
 MIN_SPEEDUP = 1.05
 _MEASURE_WARMUP, _MEASURE_RUNS = 3, 5  # runs per round: kernel_pytorch.timing times 3 interleaved rounds
 _measured: dict[tuple, _Measurement] = {}  # (m, k, n, dtype, recipe, training, device, compiled) -> times
@@ -317,21 +317,21 @@ PASS_NAME = "fp8"
 def judging_config(config, rewriting_passes: Iterable[str]):
     """The config whose tolerances judge a graph (or model) rewritten by ``rewriting_passes`` (the names of
     the passes that changed it): ``config`` with ``fp8_tolerance`` for every dtype once the FP8 pass is
-    among them, else ``config``. FP8's rounding (~28 dB) amplifies the kernel passes' own small differences
-    too: judged with the bf16 tolerances every kernel pass of an FP8 model was rolled back (H100 e2e
-    benchmark, "gradient ... relative error 1.12e-01 exceeds tolerance 4e-02")."""
+    among them, else ``config``. FP8's rounding amplifies the kernel passes' own small differences too:
+    judged with the bf16 tolerances every kernel pass of an FP8 model was rolled back in the end-to-end
+    benchmark (docs/kernels.md, "FP8 conversion")."""
     if PASS_NAME not in set(rewriting_passes):
         return config
     return config.model_copy(update={"tolerances": {name: config.fp8_tolerance for name in config.tolerances}})
 
 
-# H100, benchmarks/e2e.py, the Llama-style training step with fp8="auto", two runs: 63.8 / 68.1 ms through
-# Inductor's default mode (a wide spread: host-bound), 59.7 / 60.4 ms with compile="reduce-overhead"; bf16
-# 67.0 / 67.5 ms and 68.4 / 68.5 ms. Not the default: CUDA graphs overwrite a step's outputs at the next step,
-# which breaks code that keeps them (results/e2e.json).
+# The Llama-style training step with fp8="auto" ran faster with compile="reduce-overhead" than through
+# Inductor's default mode, which is host-bound (benchmarks/results/e2e.json; docs/kernels.md, "FP8
+# conversion"). Not the default: CUDA graphs overwrite a step's outputs at the next step, which breaks code
+# that keeps them.
 CUDA_GRAPHS_NOTE = ("FP8 matmuls add short cast kernels whose launches leave the GPU idle in between; "
-                    "compile='reduce-overhead' (CUDA graphs) removes that: H100, Llama-style training step with "
-                    "fp8='auto', 59.7-60.4 ms against 63.8-68.1 ms in the default mode")
+                    "compile='reduce-overhead' (CUDA graphs) removes that: the Llama-style training step with "
+                    "fp8='auto' ran faster that way than in the default mode (benchmarks/results/e2e.json)")
 
 
 def cuda_graphs_note(gm: torch.fx.GraphModule, training: bool, inductor_without_graphs: bool) -> str | None:

@@ -5,15 +5,14 @@ fuller harness (benchmarks/harness.py: L2 flushing, CUDA-graph GPU time); a deci
 
 Candidates are timed interleaved, in rounds (A, B, C, A, B, C, ...), each round giving a median per
 candidate, and each candidate keeps its best round. Timed one after the other, a candidate measured while
-the GPU's clocks were still rising, or while another process used the GPU, lost by chance: on the H100 the
-attention dispatch once timed cuDNN at 1.42 ms in one call and 1.165 ms in the next, and chose a kernel
-9% slower for the whole run (issue 3's hd64 L1024 causal fwd+bwd row).
+the GPU's clocks were still rising, or while another process used the GPU, lost by chance: the attention
+dispatch once chose a slower kernel for the whole run that way (docs/kernels.md, "Timing").
 
 Two measures. :func:`fastest_cuda_ms` times each call as the caller makes it, host time included: what an
 eager model pays. :func:`fastest_cuda_graph_ms` times the GPU's work alone, by replaying the calls captured
 in a CUDA graph: what a step costs once compiled code no longer runs the candidates' Python per call (an
-FP8 linear's forward + backward took ~1 ms of host time per call on an H100 against 0.04 ms on the GPU at
-1024^3, benchmarks/results/fp8.json: timed per call, it lost everywhere, even where compiled it wins).
+FP8 linear's host time per call is many times its GPU time at small shapes, docs/kernels.md "FP8 linear":
+timed per call, it lost everywhere, even where compiled it wins).
 """
 
 from __future__ import annotations
@@ -128,7 +127,7 @@ def captured_calls(candidates: Mapping[str, Callable[[], object]], warmup: int,
                     fn()
         except BaseException:
             # A capture that fails leaves the device's RNG marked as capturing: every later random draw on it
-            # raised "Offset increment outside graph capture" (H100, torch 2.11). Its state from before returns.
+            # raised "Offset increment outside graph capture" (torch 2.11). Its state from before returns.
             generator.graphsafe_set_state(before)
             raise
         graphs[name] = graph

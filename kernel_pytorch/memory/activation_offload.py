@@ -199,8 +199,8 @@ class _Offloader:
                 and not _is_parameter_like(tensor)
                 # A view with gaps (k and v sliced out of one fused qkv GEMM output) would come back
                 # dense, with other strides, and Inductor's compiled backward asserts the strides of what
-                # it saved: on an H100 test_gpu_activation_offload_through_optimize_trains_the_same failed
-                # with "expected stride 65536==262144". Such views stay on the device.
+                # it saved (test_gpu_activation_offload_through_optimize_trains_the_same failed on them with
+                # "expected stride ..."). Such views stay on the device.
                 and _dense(tensor)
                 and tensor.untyped_storage().data_ptr() not in self.exclude)
 
@@ -209,9 +209,9 @@ class _Offloader:
     def pack(self, tensor: torch.Tensor) -> Any:
         if torch.compiler.is_compiling():
             # A dynamo backend checking its graph on real tensors (kernel_pytorch's verifies each rewrite
-            # in training by running forward and backward) is not the model's forward: measured on a
-            # tiny Llama, counting those runs made optimize's first call report 3.8x the bytes a step
-            # moves. Their tensors stay where they are, uncounted.
+            # in training by running forward and backward) is not the model's forward: counting those runs
+            # made optimize's first call report several times the bytes a step moves (docs/kernels.md,
+            # "Memory wrappers"). Their tensors stay where they are, uncounted.
             return tensor
         if not self.should_offload(tensor):
             self.stats.kept_tensors += 1

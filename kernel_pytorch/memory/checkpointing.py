@@ -436,8 +436,8 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The forward of a wrapped block (bound to the block as ``block.forward``)."""
     state: _WrapState = getattr(self, _STATE_ATTR)
     # functools.partial, not ``type(self).forward.__get__(self)``: torch 2.11's Dynamo cannot trace
-    # ``function.__get__`` and broke the graph at every block (the H100 memory benchmark: full
-    # checkpointing of the 1B model compiled in 9 s of pieces and stepped 1.70x slower than without).
+    # ``function.__get__`` and broke the graph at every block, much slower in the memory benchmark
+    # (docs/kernels.md, "Memory wrappers").
     inner = state.original_forward if state.original_forward is not None else functools.partial(type(self).forward, self)
     if not torch.is_grad_enabled():
         # Nothing is saved for backward under no_grad / inference: checkpointing would only add overhead.

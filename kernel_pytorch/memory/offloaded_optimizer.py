@@ -81,7 +81,7 @@ __all__ = ["OffloadedOptimizer", "pinned_bytes_for"]
 
 # A bucket is the unit of "wait for its gradients, update it on the CPU, send it back": large enough that
 # the fused CPU kernel's fixed cost stays under 1% of the bucket's update, small enough that the CPU starts
-# long before the last gradients land (figures in docs/kernels.md, "Offloaded optimizer"; not yet tuned on
+# long before the last gradients land (figures in docs/kernels.md, "Memory wrappers"; not yet tuned on
 # a GPU machine).
 _BUCKET_NUMEL = 1 << 22
 

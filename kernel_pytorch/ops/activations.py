@@ -16,7 +16,7 @@ rounds once to the input dtype: ``act(gate) * up`` is not rounded between the ac
 (Hugging Face's ``act_fn(gate_proj(x)) * up_proj(x)`` rounds twice in bf16; this is the more accurate of
 the two, and the difference is at most about one ulp of the output).
 
-Layers (DESIGN.md "Kernels"): ``_activation_fwd_kernel`` / ``_activation_bwd_kernel`` /
+Layers (docs/design.md, "Kernels"): ``_activation_fwd_kernel`` / ``_activation_bwd_kernel`` /
 ``_gated_fwd_kernel`` / ``_gated_bwd_kernel`` (Triton) -> ``activation_fwd`` / ``activation_bwd`` /
 ``gated_activation_fwd`` / ``gated_activation_bwd`` / ``gated_activation_packed_fwd`` /
 ``gated_activation_packed_bwd`` (launch, allocate, tile) -> ``kernel_pytorch::activation``,
@@ -69,32 +69,26 @@ ACTIVATION_KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 # Below this many elements (of the op's output) the native path runs instead of Triton. An elementwise
 # kernel is one launch either way, so the floor only pays off where ATen's launch is cheaper than
-# Triton's (a few microseconds of Python launch overhead outside torch.compile). Measured on H100 (GPU
-# time, results/kernels.json thresholds, gated SiLU): Triton won from the smallest size, 64 x 512, up.
+# Triton's (Python launch overhead outside torch.compile). The threshold sweep found Triton faster from its
+# smallest size up (benchmarks/results/kernels.json, "suggested_thresholds"; docs/kernels.md).
 TRITON_MIN_ELEMENTS = 0
 
 # linear_activation(..., kind="gelu_tanh") with a bias and no gradient required, on CUDA: one cuBLASLt
 # GEMM with the bias + GELU epilogue (torch._addmm_activation) instead of F.linear + the Triton
-# activation (one fewer read and write of the output). TO BE MEASURED on H100. A first look (H100,
-# torch 2.11, bf16, triton.testing.do_bench, one run): 8192x4096 @ 4096x16384 took 1664 us with the
-# epilogue, 1603 us for F.linear alone, 1705 us for F.linear + F.gelu.
+# activation (one fewer read and write of the output). Not yet benchmarked; a first look is in
+# docs/kernels.md, "Activations".
 CUBLASLT_GELU_EPILOGUE = True
 
 # Elements per program: 1024 with 4 warps is 8 elements per thread, one 16-byte vector load per input for
 # 16-bit dtypes (two for fp32); Inductor's default tile for large pointwise kernels (XBLOCK 1024, 4 warps).
 # Tiles are ROWS x BLOCK_N with ROWS * BLOCK_N == _BLOCK, so narrow rows (hidden 7, 64) are packed several
-# to a program instead of one tiny program each. TO BE MEASURED on H100 against other tiles; a first look
-# (H100, triton 3.6, bf16, do_bench_cudagraph, one run): 3.0 TB/s, what x.clone() moves, for silu and
-# gelu_tanh on 8192 x 16384 and the packed SwiGLU forward and backward on 8192 x 2 x 11008 (the forward
-# took 178.5 us, Inductor's fused silu(g) * u 178.3 us); erf gelu's forward 2.5 TB/s.
+# to a program instead of one tiny program each. Not yet swept against other tiles; a first look found
+# copy bandwidth for most kinds (docs/kernels.md, "Activations").
 _BLOCK = 1024
 _NUM_WARPS = 4
 # The gated forward that also finds max |y| (fp8_amax): each program reduces its tile across warps and
-# stores one partial maximum. Measured on an H200 (packed SwiGLU, gate_up 8192 x 11264 bf16, GPU time,
-# median of 3): 64.8 us without the maximum, 106.1 us with a separate abs_max pass, and with it fused
-# 79.5 / 74.6 / 82.3 / 77.5 / 90.8 us for tiles of 1024, 2048, 4096, 8192 (8 warps), 16384 (8 warps)
-# elements: 2048 with 4 warps. SwiGLU -> FP8 down projection, forward + backward: 0.7245 ms against
-# 0.7595 with the cast finding the maximum.
+# stores one partial maximum. Tiles of 2048 elements with 4 warps were the fastest of five sizes tried
+# (docs/kernels.md, "Activations").
 _AMAX_BLOCK = 2048
 _AMAX_NUM_WARPS = 4
 
@@ -227,8 +221,7 @@ def _gated_bwd_kernel(
     dg = (dy * u * d).to(DG.dtype.element_ty)
     du = (dy * a).to(DG.dtype.element_ty)
     # Packed, both halves are written through the one d gate_up pointer: two pointers to views of one
-    # buffer would be two written tensors to Inductor, which copies them apart and back (H100, 16384 x
-    # 2 x 4096 bf16 backward: 0.21 of copy bandwidth compiled, 0.55 called eagerly).
+    # buffer would be two written tensors to Inductor, which copies them apart and back (docs/kernels.md).
     if PACKED:
         tl.store(DG + rows * stride_dg + dg_col + cols, dg, mask=mask)
         tl.store(DG + rows * stride_dg + du_col + cols, du, mask=mask)
@@ -361,8 +354,8 @@ def gated_activation_packed_fwd(gate_up: Tensor, kind: str, gate_first: bool = T
     y = torch.empty((*gate_up.shape[:-1], n), dtype=gate_up.dtype, device=gate_up.device)
     if y.numel() == 0:
         return (y, tensor_abs_max(y)) if fp8_amax else y  # the maximum of nothing: 0
-    # The halves as two views of gate_up (H100, inside a compiled graph: 0.88-0.89 of copy at hidden
-    # 4096-8192; reading both through one pointer with column offsets measured the same).
+    # The halves as two views of gate_up: reading both through one pointer with column offsets measured
+    # the same (docs/kernels.md, "Activations").
     g2, u2 = _halves(tu.as_rows(gate_up), gate_first)
     amax = _launch_gated_fwd(g2, u2, y.view(-1, n), kind, fp8_amax)
     return (y, amax) if fp8_amax else y
@@ -387,8 +380,8 @@ def gated_activation_packed_bwd(dy: Tensor, gate_up: Tensor, kind: str, gate_fir
         _launch(_gated_bwd_kernel, views, kind, gate_up.dtype, dg_col, du_col, tu.unused_pointer(dgu),
                 PACKED=True, FP8_AMAX=False)
         return dgate_up
-    # The forward's tiles with the maximum (_AMAX_BLOCK). H100, d gate_up 8192 x 11264 bf16, GPU time: 163.0 us,
-    # against 154.5 us without the maximum and 246.8 us with a separate abs_max pass (other tiles not tried).
+    # The forward's tiles with the maximum (_AMAX_BLOCK), cheaper than a separate abs_max pass (other tiles
+    # not tried; docs/kernels.md, "Activations").
     return dgate_up, _launch_with_amax(_gated_bwd_kernel, views, kind, gate_up.dtype, dg_col, du_col, PACKED=True)
 
 
@@ -449,8 +442,8 @@ def _chunk(gate_up: Tensor, gate_first: bool) -> tuple[Tensor, Tensor]:
 
 # ------------------------------------------------------------------------------------------ custom ops
 # ``triton_op`` rather than ``custom_op``: under torch.compile Inductor traces the body and calls the
-# Triton kernels from its generated code instead of calling back into Python per launch (rms_norm.py
-# has the measurement). Fake tensors: the same body, traced (the launch is skipped or wrapped).
+# Triton kernels from its generated code instead of calling back into Python per launch (row_norm.py
+# says more). Fake tensors: the same body, traced (the launch is skipped or wrapped).
 
 def _use_triton(x: Tensor) -> bool:
     return tu.use_triton(x, TRITON_MIN_ELEMENTS) and x.dtype in _FLOAT_DTYPES

@@ -21,10 +21,9 @@ program, grid over both dimensions) so that any (R, C) fills the GPU; the maxima
 chain it replaces (abs, amax, float, mul, clamp, to, transpose, contiguous) moved ~30.
 
 One launch per tensor, though a forward casts two (x and W): a version whose grid's third axis picked the
-tensor (one amax and one cast launch per forward, branching on ``program_id(2)``) saved ~40-60 us of host
-time per forward on an H100 machine, but its quantization took 3% more GPU time at the model's shapes
-(683 against 663 us over five (M, K, N), tensorwise; rowwise 758 against 736), and a single tensor
-through it 6% more: the GPU time is what a compiled model pays every step.
+tensor (one amax and one cast launch per forward, branching on ``program_id(2)``) saved host time per
+forward, but its quantization took more GPU time at the model's shapes (docs/kernels.md, "FP8 cast"): the
+GPU time is what a compiled model pays every step.
 
 Both launch through :func:`~kernel_pytorch.ops.triton_utils.launch` (``wrap_triton``): they run inside the
 ``triton_op`` bodies of :mod:`kernel_pytorch.ops.float8_linear`, which Inductor traces into direct calls of
@@ -50,13 +49,9 @@ EPS = 1e-12
 FLOAT8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
                       if hasattr(torch, n))
 _BLOCK_R, _BLOCK_C = 64, 128  # cast: 8192 elements (16 KB of bf16) per program, 8 warps
-# amax: 8192-element tiles, several per program (see _abs_max_kernel). One tile per program (64 x 128)
-# took 112 us for both row and column maxima of a bf16 8192^2 on an H200, 39 us for the tensor maximum
-# alone: the 1.5M atomics were the difference; the steps cut them. benchmarks/tune_float8_amax.py (H100,
-# results/tune_float8_amax.json) then chose 64 x 128 tiles, 4 warps, >= 264 programs (2 per SM) out of 37
-# settings: over the model's five operand shapes, tensorwise and row + column maxima together took 0.268 ms
-# against 0.384 with 32 x 256, 8 warps, >= 512; a bf16 8192^2 tensor's maximum 50.0 us against 57.0
-# (~90% of the read bandwidth a copy implies), its row and column maxima 73.2 us against 77.1.
+# amax: 8192-element tiles, several per program (see _abs_max_kernel): one tile per program made 1.5M
+# atomics for a bf16 8192^2, which the steps cut. Tiles, warps and programs (2 per SM) from a sweep of 37
+# settings, benchmarks/tune_float8_amax.py (benchmarks/results/tune_float8_amax.json, "best"; docs/kernels.md).
 _AMAX_BLOCK_R, _AMAX_BLOCK_C = 64, 128
 _AMAX_MIN_PROGRAMS = 264
 _AMAX_NUM_WARPS = 4
@@ -107,9 +102,9 @@ def abs_max(t: Tensor, tensorwise: bool, rows: bool = False, cols: bool = False)
         return Amax(tensor=a.amax().reshape(1) if tensorwise else None, rows=a.amax(1) if rows else None,
                     cols=a.amax(0) if cols else None)
     # One zero-filled buffer, [tensor | rows | columns], for the maxima asked for: one memset launch, not one
-    # per kind (rowwise asks for rows and columns: a layer's forward + backward made 6 fills, now 3). The host
-    # cost per FP8 layer step, ~1 ms on an H100 (benchmarks/results/fp8.json, small shapes), is what FP8
-    # loses on. The kernel gets it as one pointer and offsets, not as views: no two written kernel
+    # per kind (rowwise asks for rows and columns: a layer's forward + backward made 6 fills, now 3). Host
+    # time per FP8 layer step is what FP8 loses on at small shapes (benchmarks/results/fp8.json, "sweep").
+    # The kernel gets it as one pointer and offsets, not as views: no two written kernel
     # arguments may alias (triton_utils.unused_pointer says what Inductor does with aliased ones).
     sizes = [1 if tensorwise else 0, t.shape[0] if rows else 0, t.shape[1] if cols else 0]
     maxima = torch.zeros(sum(sizes), device=t.device, dtype=torch.float32)
@@ -122,7 +117,7 @@ def abs_max(t: Tensor, tensorwise: bool, rows: bool = False, cols: bool = False)
             num_warps=_AMAX_NUM_WARPS)
     if tensorwise:
         return Amax(tensor=maxima)
-    # slices, not maxima.split(sizes): Tensor.split's Python wrapper took ~7 us of host time per call
+    # slices, not maxima.split(sizes): Tensor.split's Python wrapper costs host time (docs/kernels.md)
     return Amax(rows=maxima[:sizes[1]] if rows else None, cols=maxima[sizes[1]:] if cols else None)
 
 
@@ -248,9 +243,8 @@ def _abs_max_kernel(
 
     The strip's maxima are kept elementwise (a (BLOCK_R, BLOCK_C) register tile) and reduced across rows
     once, after the walk: reducing each step's tile over its rows (a cross-warp reduction through shared
-    memory per step) made this kernel 3x slower than reading the tensor (H100 profile, forward + backward
-    of a tensorwise FP8 linear at (M, K, N) = (8192, 2048, 11264): 114 us per call against ~40 us of memory
-    traffic, a quarter of the layer's time)."""
+    memory per step) made this kernel several times slower than reading the tensor (docs/kernels.md, "FP8
+    cast")."""
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < n_cols
     col_offsets = cols.to(tl.int64)[None, :] * stride_c

@@ -35,7 +35,7 @@ of x's bytes) instead of x; likewise W as (N, K) for itself and as (K, N), scale
 gradient, which then reads one byte of W per element instead of casting W again (two bytes read, one
 written, one launch). On other devices the same formulas run as PyTorch ops.
 
-Layers (DESIGN.md "Kernels"): ``float8_cast`` kernels -> :func:`float8_mm_fwd` /
+Layers (docs/design.md, "Kernels"): ``float8_cast`` kernels -> :func:`float8_mm_fwd` /
 :func:`float8_mm_bwd` (emulated or ``_scaled_mm``) -> ``kernel_pytorch::float8_linear`` and
 ``kernel_pytorch::float8_linear_backward`` (``triton_op``: Inductor traces their bodies; fake implementations
 are the bodies traced on fake tensors; autograd) ->
@@ -126,8 +126,8 @@ def _mm(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dty
     R is the reduction dimension. The emulated path dequantizes and multiplies in fp32, matching
     ``_scaled_mm``'s fp32 accumulation and its epilogue (scales, then bias, then one rounding).
     ``fast_accum``: Hopper's faster FP8 accumulation (fewer fp32 promotions), for the forward only, as
-    torchao does: 2.6% faster at 8192^3 tensorwise on an H100 (benchmarks/fp8.py ceilings, 1396 vs
-    1361 TFLOP/s), while the gradients, summed over long reductions, keep the exact accumulation.
+    torchao does (faster: benchmarks/results/fp8.json, "ceilings"), while the gradients, summed over long
+    reductions, keep the exact accumulation.
     """
     if emulate:
         out = (a.float() * a_inv) @ (b.float() * b_inv).t()
@@ -208,9 +208,9 @@ def float8_mm_bwd(grad_out: Tensor, x_t: Tensor, x_t_inv: Tensor, w_t: Tensor, w
 # ------------------------------------------------------------------------------------------ custom ops
 # ``triton_op`` rather than ``custom_op``: under torch.compile (how ``optimize`` runs models) Inductor traces
 # these bodies and calls the cast kernels and ``torch._scaled_mm`` from its generated code, instead of calling
-# back into this Python per layer and step. As custom_ops they cost ~1 ms of host time per forward +
-# backward on an H100 against 0.04 ms of GPU time at 1024^3 (benchmarks/results/fp8.json; bf16: 0.08 ms),
-# which made an FP8 model host-bound. Fake tensors: the same bodies, traced (no launch, nothing read).
+# back into this Python per layer and step. As custom_ops their host time per forward + backward was many
+# times their GPU time at small shapes, which made an FP8 model host-bound (docs/kernels.md, "FP8 linear").
+# Fake tensors: the same bodies, traced (no launch, nothing read).
 
 def _float8_linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], x_amax: Optional[Tensor], recipe: str,
                            emulate: bool, forward_dtype: torch.dtype, backward_dtype: torch.dtype, input_grad: bool,
@@ -289,14 +289,13 @@ _float8_linear_op.register_autograd(_backward, setup_context=_setup_context)
 class _Float8LinearFunction(torch.autograd.Function):
     """The op's body and autograd formula without its dispatch, for plain eager calls
     (:func:`~kernel_pytorch.ops.triton_utils.plain_eager`): the same kernels, numerics and saved tensors.
-    The op's Python dispatch, forward and backward, was host time the GPU waited for on the per-call path:
-    at 8192^3 the step's kernels took 2.73 ms on an H100 but a call 3.20-3.35 ms; with this path (and W.T
-    kept from the forward) 2.83-2.84 ms in most runs (benchmarks/results/fp8.json's note)."""
+    The op's Python dispatch, forward and backward, was host time the GPU waited for on the per-call path,
+    which this path removes (benchmarks/results/fp8.json, "linear" note; docs/kernels.md, "FP8 linear")."""
 
     @staticmethod
     def forward(ctx, *inputs):
         # ctx-taking forward, not a setup_context staticmethod: with one, Function.apply binds the arguments
-        # through inspect.signature on every call (~100 us of the forward's host time on the development CPU).
+        # through inspect.signature on every call, host time per forward (docs/kernels.md, "Host time").
         with eager_launches():
             output = _float8_linear_forward(*inputs)
         _setup_context(ctx, inputs, output)

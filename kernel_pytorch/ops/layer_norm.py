@@ -25,14 +25,13 @@ from kernel_pytorch.ops.triton_utils import (grad_row_indices, jit, load_grad_ro
 __all__ = ["layer_norm", "LayerNorm", "layer_norm_fwd", "layer_norm_bwd", "TRITON_FWD_MIN_ELEMENTS",
            "TRITON_BWD_MIN_ELEMENTS", "TRITON_BWD_MIN_HIDDEN", "TRITON_BWD_MAX_HIDDEN"]
 
-# Below these sizes (rows x hidden) the native path runs instead of Triton; see rms_norm.py. Measured
-# on H100 (results/kernels.json thresholds): the forward won everywhere; the backward lost to ATen's up to
-# 8M elements and at hidden <= 1024 (16384 x 1024: 0.28 against 0.12 ms), won from 4096 x 4096 up.
+# Below these sizes (rows x hidden) the native path runs instead of Triton, as in rms_norm.py: where the
+# threshold sweep found ATen faster (benchmarks/results/kernels.json, "suggested_thresholds"; docs/kernels.md).
 TRITON_FWD_MIN_ELEMENTS = 0
 TRITON_BWD_MIN_ELEMENTS = 1 << 24
 TRITON_BWD_MIN_HIDDEN = 2048
-# Wider rows take ATen's backward: ours spills registers there (H100, 16384 rows x 16384 bf16: 2.35 ms,
-# 0.23 of copy, against ATen's 1.48 ms; benchmarks/results/tune_row_kernels.json).
+# Wider rows take ATen's backward: ours spills registers there and lost to it
+# (benchmarks/results/tune_row_kernels.json; docs/kernels.md, "Row norms").
 TRITON_BWD_MAX_HIDDEN = 8192
 
 
@@ -60,7 +59,7 @@ def _layer_norm_fwd_kernel(
     # Two passes over the row in registers: no E[x²] - E[x]² cancellation.
     d = tl.where(mask, x - mean[:, None], 0.0)
     # .to(ACC): Inductor passes a Python-float eps as fp64 (eager Triton as fp32), which made the whole
-    # tile fp64 inside compiled graphs (H100, LayerNorm 16384 x 8192: 235 us against 181 us eager).
+    # tile fp64, and slower, inside compiled graphs (docs/kernels.md, "Row norms").
     rstd = tl.math.rsqrt(tl.sum(d * d, axis=1) / n_cols + eps).to(ACC)
     tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
@@ -107,8 +106,8 @@ def _layer_norm_bwd_kernel(
     rows, row_mask, mask = grad_row_indices(row_start, row_end, col_mask, ROWS)
     x, dy = load_grad_rows(X, DY, rows, cols, mask, stride_x, stride_dy, ACC)
     for start in range(row_start, row_end, ROWS):
-        # The next tile's reads go out before this one is reduced: software pipelining by hand (H100,
-        # 16384 x 8192 bf16: 0.89 of copy against 0.79 loading each tile where it is used). Past row_end all masked.
+        # The next tile's reads go out before this one is reduced: software pipelining by hand, faster than
+        # loading each tile where it is used (docs/kernels.md, "Row norms"). Past row_end all masked.
         next_rows, next_row_mask, next_mask = grad_row_indices(start + ROWS, row_end, col_mask, ROWS)
         next_x, next_dy = load_grad_rows(X, DY, next_rows, cols, next_mask, stride_x, stride_dy, ACC)
         mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
@@ -122,8 +121,7 @@ def _layer_norm_bwd_kernel(
             dw += tl.sum(dy * xhat, axis=0)
         if BIAS_GRAD:
             db += tl.sum(dy, axis=0)
-        # Both row sums in one reduction, one round of cross-warp exchanges instead of two (H100,
-        # 16384 x 2048 bf16: 0.70 of copy against 0.68).
+        # Both row sums in one reduction: one round of cross-warp exchanges instead of two (docs/kernels.md).
         sum_g, sum_gx = tl.reduce((g, g * xhat), 1, _add_pair)
         dx = rstd[:, None] * (g - (sum_g / n_cols)[:, None] - xhat * (sum_gx / n_cols)[:, None])
         store_grad_rows(DX, DH, dx, rows, cols, mask, stride_dx, stride_dh, HAS_DH)

@@ -35,11 +35,9 @@ from kernel_pytorch.ops.triton_utils import (grad_row_indices, jit, load_grad_ro
 __all__ = ["rms_norm", "RMSNorm", "rms_norm_fwd", "rms_norm_bwd", "TRITON_FWD_MIN_ELEMENTS",
            "TRITON_BWD_MIN_ELEMENTS", "TRITON_BWD_MIN_HIDDEN"]
 
-# Below these sizes (rows x hidden) the native path (ATen's fused RMSNorm) runs instead of Triton.
-# Measured on H100, bf16, GPU time (benchmarks/kernels.py thresholds, results/kernels.json): the Triton
-# forward won at every size from 64 x 512 up; the backward (its partial weight-gradient buffer and sum
-# are fixed costs: Liger's is slower than eager up to hidden 8192) lost up to 4M elements and at hidden
-# 512 at any row count, tied at 16384 x 1024, and won from 4096 x 2048 (0.034 against 0.039 ms) up.
+# Below these sizes (rows x hidden) the native path (ATen's fused RMSNorm) runs instead of Triton: where
+# the threshold sweep (benchmarks/kernels.py) found it faster, the backward's partial weight-gradient buffer
+# and sum being fixed costs (benchmarks/results/kernels.json, "suggested_thresholds"; docs/kernels.md).
 TRITON_FWD_MIN_ELEMENTS = 0
 TRITON_BWD_MIN_ELEMENTS = 1 << 23
 TRITON_BWD_MIN_HIDDEN = 2048
@@ -65,7 +63,7 @@ def _rms_norm_fwd_kernel(
     rows, cols, row_mask, col_mask, mask = row_indices(n_rows, n_cols, BLOCK_N, ROWS)
     x = load_rows(X, R, H, rows, cols, mask, stride_x, stride_r, stride_h, HAS_RESIDUAL, ACC)
     # .to(ACC): Inductor passes a Python-float eps as fp64 (eager Triton as fp32), which made the whole
-    # tile fp64 inside compiled graphs (H100, LayerNorm 16384 x 8192: 235 us against 181 us eager).
+    # tile fp64, and slower, inside compiled graphs (docs/kernels.md, "Row norms").
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps).to(ACC)
     tl.store(RSTD + rows, rstd, mask=row_mask)
     y = x * rstd[:, None]
@@ -110,8 +108,8 @@ def _rms_norm_bwd_kernel(
     rows, row_mask, mask = grad_row_indices(row_start, row_end, col_mask, ROWS)
     x, dy = load_grad_rows(X, DY, rows, cols, mask, stride_x, stride_dy, ACC)
     for start in range(row_start, row_end, ROWS):
-        # The next tile's reads go out before this one is reduced: software pipelining by hand (H100,
-        # 16384 x 8192 bf16: 0.91 of copy against 0.84 loading each tile where it is used). Past row_end all masked.
+        # The next tile's reads go out before this one is reduced: software pipelining by hand, faster than
+        # loading each tile where it is used (docs/kernels.md, "Row norms"). Past row_end all masked.
         next_rows, next_row_mask, next_mask = grad_row_indices(start + ROWS, row_end, col_mask, ROWS)
         next_x, next_dy = load_grad_rows(X, DY, next_rows, cols, next_mask, stride_x, stride_dy, ACC)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)

@@ -28,7 +28,7 @@ kernel computes dq and dk (one launch) from cos and sin alone: q and k are saved
 need a gradient, which native PyTorch ops then compute (``sum of dy * x`` and ``dy * rot(x)`` over the
 broadcast dims; correct, not tuned: tables are usually built from a buffer and need none).
 
-Layers (DESIGN.md "Kernels"): ``_rope_kernel`` (Triton; ``BACKWARD`` selects the adjoint) ->
+Layers (docs/design.md, "Kernels"): ``_rope_kernel`` (Triton; ``BACKWARD`` selects the adjoint) ->
 ``rope_fwd`` / ``rope_bwd`` (launch) -> ``kernel_pytorch::rope`` and ``kernel_pytorch::rope_backward``
 (``triton_op`` custom ops, autograd) -> :func:`apply_rope`.
 
@@ -49,8 +49,8 @@ __all__ = ["TRITON_MIN_ELEMENTS", "apply_rope", "rope_bwd", "rope_fwd"]
 
 # Below this many elements (q and k together) the native path runs instead of Triton. Both paths are
 # one pass over q and k, but the native one is ~4-6 elementwise kernels plus a cat; the fused kernel
-# should win at every size, hence 0. Measured on H100 (GPU time, results/kernels.json thresholds): it
-# did, from the smallest size, 64 tokens x 512 features, up.
+# should win at every size, hence 0; the threshold sweep found it did, from its smallest size up
+# (benchmarks/results/kernels.json, "suggested_thresholds"; docs/kernels.md).
 TRITON_MIN_ELEMENTS = 0
 
 
@@ -168,13 +168,13 @@ def _rope_kernel(
 # Rows of q/k per program: enough that a program moves at least this many elements of x (head dim 128
 # -> 16 rows, 64 -> 32, 80 -> 16): a one-row program (128 bf16 = 256 bytes) is too little work to hide its
 # scheduling cost and too little memory in flight. The kernel is a pure stream (read x, cos, sin, write
-# y, no reduction), so this is the only lever besides warps. TO BE MEASURED on H100: 2048 is the norm
+# y, no reduction), so this is the only lever besides warps. Not yet swept on a GPU: 2048 is the norm
 # kernels' per-program work (triton_utils), where it was chosen for the same reason.
 _TILE_ELEMENTS = 2048
 # Elements of a tile each thread handles: a 2048-element tile -> 4 warps, i.e. 8 rotary pairs per thread
 # (x_a, x_b, two cos, two sin: 48 fp32 registers, no pressure) and 16-byte bf16 vector loads on the
 # rotate-half path. More warps per program buy nothing without a reduction to share; fewer make each
-# thread's loads serial. TO BE MEASURED on H100.
+# thread's loads serial. Not yet swept on a GPU.
 _ELEMENTS_PER_THREAD = 16
 _MIN_WARPS, _MAX_WARPS = 4, 16  # 16: ROCm's 64-wide wavefronts cap a block at 1024 threads
 
@@ -306,7 +306,7 @@ def _use_triton(q: Tensor, k: Tensor) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ custom ops
-# ``triton_op`` rather than ``custom_op``, as in rms_norm.py: under torch.compile Inductor traces the body
+# ``triton_op`` rather than ``custom_op``, as in row_norm.py: under torch.compile Inductor traces the body
 # and calls the Triton kernel from its generated code. Fake tensors: the same body, traced.
 
 @torch.library.triton_op("kernel_pytorch::rope", mutates_args=())

@@ -45,8 +45,8 @@ def launch(kernel):
     which lets Inductor call it from generated code. Where wrapping is off (a ``triton_op`` body running
     eagerly, where PyTorch turns it off, or an op's body called under :func:`eager_launches`), the wrapper
     would only forward to ``kernel[grid]``: the kernel itself then, since building the wrapper and indexing
-    it cost 22.5 us of host time per launch against 0.4 us (measured on the development CPU), 6 launches per
-    FP8 linear forward + backward. Under Triton's interpreter (an
+    it cost far more host time per launch than the kernel's own call (docs/kernels.md, "Host time"), 6
+    launches per FP8 linear forward + backward. Under Triton's interpreter (an
     ``InterpretedFunction``, which ``wrap_triton`` refuses) the kernel itself, skipped on fake tensors: the
     body's outputs are allocated before the launch, so tracing it for shapes needs no kernel run."""
     if isinstance(kernel, triton.runtime.jit.JITFunction):
@@ -63,9 +63,9 @@ def plain_eager(*tensors: torch.Tensor | None) -> bool:
     tracing, selective activation checkpointing, FLOP counters), no functorch transform (vmap, grad), and
     only plain tensors (no DTensor or other subclass). There an op module may call its body through an
     ``autograd.Function`` instead, under :func:`eager_launches`, skipping the op's Python dispatch (custom-op
-    autograd wrapper, redispatch, schema handling): an FP8 linear's forward at 256^3 took 322-362 us of host
-    time that way on the GPU machines against 430-756 us through the op (benchmarks/profile_float8_linear.py),
-    host time the GPU waits for when a call starts from an idle GPU."""
+    autograd wrapper, redispatch, schema handling): an FP8 linear's forward took less host time that way
+    than through the op (benchmarks/profile_float8_linear.py; docs/kernels.md, "Host time"), host time the
+    GPU waits for when a call starts from an idle GPU."""
     return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
             and torch._C._functorch.peek_interpreter_stack() is None
             and all(t is None or type(t) in _PLAIN_TENSOR_TYPES for t in tensors))
@@ -180,15 +180,13 @@ def use_triton(x: torch.Tensor, min_elements: int = 0) -> bool:
     return HAS_TRITON and x.device.type in TRITON_DEVICE_TYPES and x.numel() >= min_elements
 
 
-# The issue's limit. A row lives in the registers of one program of at most 32 warps, so wide rows
-# spill to local memory: still right, slower (sm_90 compile, triton 3.9: the backwards spill 80-208
-# bytes per thread at 16384, 1.6-1.8 KB at 65536; the forward none at 16384, 0.9 KB at 65536).
+# The limit. A row lives in the registers of one program of at most 32 warps, so wide rows spill to
+# local memory: still right, slower (the spills per hidden size: docs/kernels.md, "Row tiles").
 # Wider rows need a split-row (two-pass or cluster) kernel we do not have: a clear error instead.
 MAX_HIDDEN = 65536
 
-# Measured on H100, bf16, 16384 rows, GPU time only (benchmarks/tune_row_kernels.py, CUDA-graph replays;
-# results/tune_row_kernels.json): the settings below are the best or within 2% of it at hidden
-# 2048-8192, forward 0.99 of copy bandwidth, RMSNorm backward 0.84-0.99, LayerNorm backward 0.79-0.84.
+# Tiles from a sweep: the settings below are the best or within 2% of it at hidden 2048-8192
+# (benchmarks/tune_row_kernels.py, benchmarks/results/tune_row_kernels.json; docs/kernels.md, "Row tiles").
 #
 # A program should move at least this many elements, so that small rows are packed several to a
 # program instead of one tiny program per row (hidden 64 -> 32 rows per program); 4096 and 8192 were
@@ -197,16 +195,13 @@ _MIN_TILE_ELEMENTS = 2048
 
 # The backward kernels (which prefetch the next tile while reducing this one) at the sizes measured, as
 # (rows per tile, warps), with _WARPS_PER_SM: swept for RMSNorm, residual RMSNorm and LayerNorm once their
-# partial sums went to one sum_partials launch (H100, bf16, 16384 rows, GPU time, fraction of copy).
-# LayerNorm at 2048: (2, 8) 0.85 against (1, 8) 0.73 (RMSNorm 0.89 / 0.80); at 8192: (1, 16) 0.92
-# against (1, 32) 0.89; at 4096 (2, 16) stays (LayerNorm 0.90 with 16 warps per SM, 0.88 with 32).
+# partial sums went to one sum_partials launch (the fastest of the sweep: docs/kernels.md, "Row tiles").
 _BACKWARD_TILES = {2048: (2, 8), 4096: (2, 16), 8192: (1, 16)}
 # Elements of a row tile each thread holds. Forward: 16 (two 16-byte bf16 vector loads): 4 warps at
-# hidden 2048, 8 at 4096, 16 from 8192 (4 and 8 per thread were 1-6% slower; 53-61 registers, no spills
-# on sm_90). Backward: 8, twice the warps, because it keeps x, dy, the weight and the dweight
-# accumulator live: 16 per thread took 147 registers at 4096 and spilled at 8192; 8 takes 55-64 (99 for
-# LayerNorm at 4096), no spills up to 8192. Past that the 32-warp cap makes threads hold more and the
-# backwards spill: LayerNorm's backward at 16384 ran at 0.23 of copy, so layer_norm.py sends it to ATen.
+# hidden 2048, 8 at 4096, 16 from 8192 (4 and 8 per thread were slower; no spills). Backward: 8, twice the
+# warps, because it keeps x, dy, the weight and the dweight accumulator live: 16 per thread spilled at
+# 8192, 8 does not up to 8192. Past that the 32-warp cap makes threads hold more and the backwards spill,
+# so layer_norm.py sends LayerNorm's to ATen (registers and speeds: docs/kernels.md, "Row tiles").
 _ELEMENTS_PER_THREAD = {False: 16, True: 8}  # by backward
 
 
@@ -239,7 +234,7 @@ def row_tile(hidden: int, n_rows: int = 1, *, backward: bool = False, hip: bool 
     if hip is None:
         hip = torch.version.hip is not None
     # ROCm's wavefronts are 64 wide: 16 warps already fill the 1024 threads a block may have. The
-    # forward at hidden 16384 ran best with 16 warps (LayerNorm: 0.997 of copy against 0.73 with 32).
+    # forward at hidden 16384 ran best with 16 warps (docs/kernels.md, "Row tiles").
     max_warps = 16 if hip or not backward else 32
     if backward and not hip and block_n in _BACKWARD_TILES and rows == 1:
         rows, num_warps = _BACKWARD_TILES[block_n]
@@ -251,8 +246,8 @@ def row_tile(hidden: int, n_rows: int = 1, *, backward: bool = False, hip: bool 
 
 def cdiv(n: int, d: int) -> int:
     """``ceil(n / d)`` for grid sizes on the host (ints or SymInts). Not ``triton.cdiv``: since Triton 3.5 that
-    is a ``constexpr_function`` whose call unwraps its arguments, ~10 us per call on the development CPU
-    (against 0.1 us); the FP8 linear's forward made ten of them, host time its GPU waited for."""
+    is a ``constexpr_function`` whose call unwraps its arguments, far slower on the host (docs/kernels.md,
+    "Host time"); the FP8 linear's forward made ten of them, host time its GPU waited for."""
     return (n + d - 1) // d
 
 
@@ -270,10 +265,9 @@ def triton_acc_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-# Persistent backward grids: warps per SM. The backward kernels take ~64 registers per thread (above);
-# with their partial sums reduced by one launch (sum_partials), 16 warps per SM (one or two programs) was as
-# fast as 32 or faster at hidden 2048-8192 in the sweep above, with the tiles there (LayerNorm 4096: 0.90
-# against 0.88; RMSNorm 4096: 0.92 both), and 64 lost everywhere (0.63-0.89).
+# Persistent backward grids: warps per SM. With their partial sums reduced by one launch (sum_partials),
+# 16 warps per SM (one or two programs) was as fast as 32 or faster at hidden 2048-8192 in the sweep above,
+# with the tiles there, and 64 lost everywhere (docs/kernels.md, "Row tiles").
 _WARPS_PER_SM = 16
 _PROGRAMS_OFF_GPU = 4  # under Triton's interpreter (CPU tensors): several programs, to test the reduction
 
@@ -321,8 +315,8 @@ def _sum_partials_kernel(
 def sum_partials(partial: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> list[torch.Tensor]:
     """The backward norm kernels' per-program partial parameter gradients, ``partial`` (n_programs, n_sums,
     n_cols) contiguous, summed over the programs and cast to ``dtypes`` (one per sum), in one launch. ATen
-    took four kernels for LayerNorm's dweight and dbias (a sum and a cast each); at hidden 2048 their
-    fixed costs were a tenth of the backward's time."""
+    took four kernels for LayerNorm's dweight and dbias (a sum and a cast each), fixed costs that weighed on
+    the backward at hidden 2048 (docs/kernels.md, "Row norms")."""
     n_programs, n_sums, n_cols = partial.shape
     if n_sums != len(dtypes) or n_sums not in (1, 2):
         raise ValueError(f"sum_partials sums 1 or 2 partial buffers, one dtype each; got {n_sums} and {dtypes}")
@@ -340,15 +334,14 @@ def sum_partials(partial: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> list
 def unused_pointer(like: torch.Tensor) -> torch.Tensor:
     """A fresh zero-size tensor to pass for a kernel pointer that a constexpr switches off. Never an
     alias of another argument: Inductor's functionalization copies aliased arguments it may consider
-    written (H100, RMSNorm 16384 x 4096 bf16 inside a compiled graph: 230 us with two full-size copies
-    when the unused pointers aliased the output, against 92 us for the kernel alone)."""
+    written, two full-size copies around an RMSNorm in a compiled graph (docs/kernels.md, "Row norms")."""
     return like.new_empty(0)
 
 
 def device_guard(tensor: torch.Tensor):
     """Triton launches on the current CUDA device; make it the tensor's (multi-GPU processes). Nothing
     to do while tracing (fake tensors launch nothing) or when it already is: entering and leaving
-    ``torch.cuda.device`` took 3.7 us of host time per launch on the H100 machines."""
+    ``torch.cuda.device`` costs host time per launch (docs/kernels.md, "Host time")."""
     if not tensor.is_cuda or is_fake(tensor) or tensor.get_device() == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(tensor.device)
