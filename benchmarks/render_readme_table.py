@@ -1,22 +1,32 @@
-"""Render the README's results tables (Markdown) from the benchmark JSON files in benchmarks/results/.
+"""Render the measured results from the benchmark JSON files in benchmarks/results/: ``docs/results.md`` in
+full, and the README's short table of headline results.
 
-    python benchmarks/render_readme_table.py [--results DIR] [--readme PATH] [--write]
+    python benchmarks/render_readme_table.py [--results DIR] [--readme PATH] [--docs PATH] [--headline] [--write]
 
-One section per suite file found: attention.json, kernels.json, fp8.json, block_fusion.json, memory*.json
-and e2e.json (quick, CPU and tuning files are not README material). Each section names the device, date,
-torch version and command of the run it holds, from the file's ``environment`` (and the environments of
-parts re-measured or run as separate commands). A missing file is listed as such; a missing key leaves a
-``-`` in its cell; a file whose layout is not understood gets one line saying why, never a crash.
+docs/results.md has one section per suite file found (e2e.json, attention.json, kernels.json, fp8.json,
+block_fusion.json, memory*.json, sparse_attention*.json, ring_attention.json; quick and CPU runs of the
+same suites are left out, except memory_quick.json), then the tuning sweeps (tune_*.json). Each section
+names the device, date, torch, Triton and cuDNN versions and command of the run it holds, from the file's
+``environment`` (and the environments of parts re-measured or run as separate commands), and links the
+PNG plot beside the JSON. A missing file is listed as such; a missing key leaves a ``-`` in its cell; a
+file whose layout is not understood gets one line saying why, never a crash. The headline table (the
+same at the top of docs/results.md and in the README) takes a handful of rows from those files; a row
+whose file or key is missing is named under the table instead.
 
-Prints the Markdown. ``--write`` replaces what lies between the ``<!-- results:begin -->`` and
-``<!-- results:end -->`` lines of the README and nothing else; without those markers it prints the tables,
-says so and exits 1.
+Without ``--write`` it prints docs/results.md (``--headline``: the headline table only). ``--write``
+writes docs/results.md whole and replaces what lies between the ``<!-- results:begin -->`` and
+``<!-- results:end -->`` lines of the README with the headline table, and nothing else there; a README
+without those markers is left as it is, said so, and the exit code is 1.
+
+The one table not read from a JSON file, the design-time baselines (``DESIGN_BASELINES``), is labelled
+as such where it is printed: those runs predate the result files.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -24,7 +34,11 @@ from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parent.parent / "README.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "results.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+COMMAND = "python benchmarks/render_readme_table.py --write"
+# How docs/results.md reaches the result files (the README links to docs/results.md instead).
+RESULTS_LINK = "../benchmarks/results/"
 _ERROR_CHARS = 70  # an error message in a cell: its start says what failed; the JSON has the line
 
 
@@ -49,10 +63,28 @@ def table(header: list[str], rows: Iterable[list[Any]]) -> str:
 
 
 def env_line(env: dict | None) -> str:
+    """'device, date, torch X, Triton Y, cuDNN Z, `command`' (the versions the run recorded)."""
     if not isinstance(env, dict):
         return "environment not recorded"
     date = str(env.get("date", "?"))[:10]
-    return f"{env.get('device', '?')}, {date}, torch {env.get('torch', '?')}, `{env.get('command', '?')}`"
+    versions = [f"torch {env.get('torch', '?')}"]
+    if env.get("triton"):
+        versions.append(f"Triton {env['triton']}")
+    if isinstance(env.get("cudnn"), int):
+        versions.append(f"cuDNN {cudnn_version(env['cudnn'])}")
+    return f"{env.get('device', '?')}, {date}, {', '.join(versions)}, `{env.get('command', '?')}`"
+
+
+def cudnn_version(number: int) -> str:
+    """torch.backends.cudnn.version()'s integer as a version: 91900 -> 9.19.0 (major * 10000 + minor * 100)."""
+    return f"{number // 10000}.{number // 100 % 100}.{number % 100}"
+
+
+def measured_on(env: dict | None) -> str:
+    """'device, date' for the headline table."""
+    if not isinstance(env, dict):
+        return "-"
+    return f"{env.get('device', '?')}, {str(env.get('date', '?'))[:10]}"
 
 
 def union(dicts: Iterable[dict]) -> list[str]:
@@ -111,7 +143,13 @@ def render_attention(data: dict) -> list[str]:
     out = ["TFLOP/s of a hand-written attention module and of the SDPA kernels, per shape.", table(header, body)]
     out += _remeasured(data, lambda key: f"hd {key[0]} L {key[1]}" + (" causal" if key[2] else "") +
                        (" fwd+bwd" if key[3] else " fwd"), "rows")
-    return out
+    return out + _note(data)
+
+
+def _note(data: Any, label: str = "Note") -> list[str]:
+    """The ``note`` a results file (or one of its parts) keeps beside its numbers, as a paragraph."""
+    note = data.get("note") if isinstance(data, dict) else None
+    return [f"{label}: {note}"] if isinstance(note, str) and note else []
 
 
 def render_sparse(data: dict) -> list[str]:
@@ -126,7 +164,7 @@ def render_sparse(data: dict) -> list[str]:
     out = ["Masked attention after `optimize` against dense attention (causal for the window, full for the "
            "block-sparse mask); never slower: against that and against the same mask run by the dense kernels.",
            table(header, body)]
-    return out + ([f"- {data['note']}"] if data.get("note") else [])
+    return out + _note(data)
 
 
 def render_topk(data: dict) -> list[str]:
@@ -192,6 +230,7 @@ def render_fp8(data: dict) -> list[str]:
         for recipe, t in linear.get("targets", {}).items():
             out.append(f"- {recipe}: {fmt(t.get('speedup'), 3)}x per call, {fmt(t.get('gpu_speedup'), 3)}x GPU time "
                        f"(target {fmt(t.get('need'), 2)}x: {'met' if t.get('meets') else 'missed'} per call)")
+        out += _note(linear, "Linear runs")
     numerics = data.get("numerics", {})
     if numerics.get("results"):
         out += ["SQNR against a float64 reference (dB):",
@@ -285,8 +324,10 @@ def render_e2e(data: dict) -> list[str]:
         unit = f"{info.get('unit', 'items')}/s"
         out.append(table(["part", "provider", "ms", unit, "TFLOP/s", "peak GiB", "vs eager", "vs torch.compile",
                           "ready s", "rewrites", "verified"], rows))
+        for part in ("train", "inference"):
+            out += _note(entry.get(part), f"{name} {part}")
     if data.get("targets"):
-        out += ["Targets (issue 9); miss ratio = value / target, > 1 is a miss by that factor:",
+        out += ["Targets; miss ratio = value / target, > 1 is a miss by that factor:",
                 table(["target", "provider", "value", "target", "meets", "miss ratio"],
                       [[fmt(t.get("what")), fmt(t.get("provider")), f"{fmt(t.get('value'), 2)} {t.get('unit', '')}",
                         f"{fmt(t.get('target'), 2)} {t.get('unit', '')}",
@@ -311,8 +352,112 @@ def _rewrites(report: dict | None) -> str:
     return ", ".join(f"{name} {count}" for name, count in per_pass.items()) or "none"
 
 
-# One (title, renderer) per file name; memory*.json all go to render_memory.
+def render_ring(data: dict) -> list[str]:
+    """Ring attention (one row per tokens-per-GPU, one column per world size) and the model's memory fit."""
+    worlds = [w for w in data.get("worlds", []) if isinstance(w, dict)]
+    config = data.get("config", {})
+    out = []
+    if any(w.get("ring") for w in worlds):
+        out.append(f"Ring attention forward + backward, causal, {config.get('heads_q')}/{config.get('heads_kv')} heads, "
+                   f"head dim {config.get('head_dim')}, {config.get('dtype')}, {config.get('kernel')} blocks: TFLOP/s per "
+                   "GPU, and in brackets the efficiency against N x the same kernel on one GPU at the same tokens per "
+                   f"GPU (target {fmt(config.get('efficiency_target'), 2)}).")
+        by_tokens: dict[Any, dict[int, dict]] = {}
+        for w in worlds:
+            for r in w.get("ring", []):
+                by_tokens.setdefault(r.get("tokens_per_gpu"), {})[w.get("world_size")] = r
+        sizes = [w.get("world_size") for w in worlds if w.get("ring")]
+        single = {r.get("tokens"): r for w in worlds if w.get("world_size") == 1 for r in w.get("single_gpu", [])}
+        kernels = union(r for r in single.values())
+        kernels = [k for k in kernels if k != "tokens"]
+        header = ["tokens per GPU", *[f"{n} GPU{'s' if n != 1 else ''}" for n in sizes],
+                  *[f"one GPU, {k} (no ring)" for k in kernels]]
+        body = [[fmt(tokens), *[f"{cell(row.get(n), 'tflops_per_gpu')} ({cell(row.get(n), 'efficiency', 2)})"
+                                if row.get(n) else "-" for n in sizes],
+                 *[cell(single.get(tokens, {}).get(k), "tflops") for k in kernels]]
+                for tokens, row in by_tokens.items()]
+        out.append(table(header, body))
+        fits = [[fmt(w.get("world_size")), fmt(w["fit"].get("bytes_per_token_per_gpu")),
+                 fmt(w["fit"].get("predicted_total_tokens"))] for w in worlds if isinstance(w.get("fit"), dict)]
+        if fits:
+            out += ["Attention memory, fitted: bytes per token per GPU and the longest sequence predicted to fit:",
+                    table(["GPUs", "bytes per token per GPU", "predicted longest sequence (tokens)"], fits)]
+        errors = [[fmt(w.get("world_size")), fmt(w["numerics"].get("tokens_per_gpu")),
+                   *[fmt(max(w["numerics"].get(side, {}).values(), default=None), 4) for side in ("ring", "single_gpu")]]
+                  for w in worlds if isinstance(w.get("numerics"), dict)]
+        if errors:
+            out += ["Worst relative error of output and gradients against fp32 attention on the full sequence:",
+                    table(["GPUs", "tokens per GPU", "ring", "one GPU's kernel"], errors)]
+    fits = [w for w in worlds if isinstance(w.get("model_fit"), dict)]
+    if fits:
+        model = data.get("model_config", {})
+        layout = model.get("config", {})
+        out.append(f"A model trained through `optimize(model, context_parallel=group)`: {model.get('model', '?')}, "
+                   f"{layout.get('n_layers')} layers, d {layout.get('dim')}, {model.get('dtype')}, checkpointing "
+                   f"{model.get('checkpointing')}, {model.get('optimizer')}; target: {model.get('target', '-')}.")
+        out.append(table(["GPUs", "verified", "bytes per token per GPU", "fixed GiB", "predicted longest sequence",
+                          "growth vs 1 GPU", "meets target"],
+                         [[fmt(w.get("world_size")), fmt(w["model_fit"].get("verified")),
+                           fmt(w["model_fit"].get("bytes_per_token_per_gpu")),
+                           fmt(_gib(w["model_fit"].get("fixed_bytes")), 2),
+                           fmt(w["model_fit"].get("predicted_total_tokens")),
+                           fmt(w["model_fit"].get("growth_vs_1_gpu"), 2),
+                           fmt(w["model_fit"].get("meets_target"))] for w in fits]))
+    return out
+
+
+def _gib(n: Any) -> float | None:
+    return n / 2**30 if isinstance(n, (int, float)) else None
+
+
+def render_tune_row_kernels(data: dict) -> list[str]:
+    """The fastest setting per (op, pass, hidden) of the row-kernel sweep."""
+    best: dict[tuple, dict] = {}
+    for s in data.get("settings", []):
+        key = (s.get("op"), s.get("backward"), s.get("hidden"))
+        if isinstance(s.get("gbps"), (int, float)) and s["gbps"] > best.get(key, {}).get("gbps", -1):
+            best[key] = s
+    columns = ("elements_per_thread", "min_tile_elements", "rows_per_tile", "num_warps", "warps_per_sm")
+    return [f"{len(data.get('settings', []))} settings timed; the fastest per op, pass and hidden size (GPU ms, GB/s, "
+            "share of a device copy of the same bytes):",
+            table(["op", "pass", "hidden", *columns, "ms", "GB/s", "of copy"],
+                  [[fmt(op), "bwd" if bwd else "fwd", fmt(hidden), *[fmt(s.get(c)) for c in columns],
+                    fmt(s.get("ms"), 4), fmt(s.get("gbps")), fmt(s.get("fraction_of_copy"), 3)]
+                   for (op, bwd, hidden), s in best.items()])]
+
+
+def render_tune_float8_amax(data: dict) -> list[str]:
+    best = data.get("best", {})
+    return [f"{len(data.get('cases', []))} operand shapes and modes timed; per mode, the setting with the least total "
+            "GPU time over the shapes, against the setting used before the sweep:",
+            table(["mode", "setting", "total ms", "setting before", "total ms before"],
+                  [[mode, _setting(b.get("setting")), fmt(b.get("total_ms"), 4), _setting(b.get("current_setting")),
+                    fmt(b.get("current_total_ms"), 4)] for mode, b in best.items()])]
+
+
+def render_tune_flex_attention(data: dict) -> list[str]:
+    out = [f"FlexAttention options for a causal sliding window of {data.get('window')}, {data.get('heads')} heads, head "
+           f"dim {data.get('head_dim')}, {data.get('dtype')}: per length and direction, the candidate kept (fastest of "
+           "those whose outputs match the default's) against cuDNN's dense causal kernel."]
+    rows = []
+    for r in data.get("rows", []):
+        best = r.get("candidates", {}).get(r.get("best"), {})
+        rows.append([fmt(r.get("length")), fmt(r.get("direction")), fmt(r.get("best")), _setting(best.get("options")),
+                     fmt(best.get("ms"), 4), cell(r.get("cudnn_causal"), "ms", 4), fmt(best.get("vs_cudnn_causal"), 2)])
+    out.append(table(["L", "pass", "kept", "options", "ms", "cuDNN causal ms", "speedup"], rows))
+    return out + _note(data)
+
+
+def _setting(setting: Any) -> str:
+    if not isinstance(setting, dict):
+        return fmt(setting)
+    return ", ".join(f"{k} {v}" for k, v in setting.items()) or "defaults"
+
+
+# One (title, renderer) per file name, in the order of docs/results.md. Memory files that are absent are not
+# listed as missing (memory_quick.json is optional).
 SUITES: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
+    "e2e.json": ("End to end", render_e2e),
     "attention.json": ("Attention", render_attention),
     "kernels.json": ("Fused kernels", render_kernels),
     "fp8.json": ("FP8", render_fp8),
@@ -321,55 +466,296 @@ SUITES: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "memory_quick.json": ("Memory (--quick)", render_memory),
     "sparse_attention.json": ("Sparse attention", render_sparse),
     "sparse_attention_topk.json": ("Top-k sparse attention", render_topk),
-    "e2e.json": ("End to end", render_e2e),
+    "ring_attention.json": ("Ring attention", render_ring),
+}
+TUNING: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
+    "tune_row_kernels.json": ("Row kernels (norms, activations, RoPE)", render_tune_row_kernels),
+    "tune_float8_amax.json": ("FP8 amax kernel", render_tune_float8_amax),
+    "tune_flex_attention.json": ("FlexAttention options for sliding windows", render_tune_flex_attention),
 }
 
 
 def suite_files(results: Path) -> list[tuple[str, Path]]:
-    """(file name, path) of the suites, in README order, memory*.json by glob (only known names render)."""
-    names = [n for n in SUITES if not n.startswith("memory")]
-    memory = sorted(p.name for p in results.glob("memory*.json") if p.name in SUITES)
-    order = names[:4] + memory + names[4:]
-    return [(name, results / name) for name in order]
+    """(file name, path) of the suites, in docs/results.md order; memory*.json only where present."""
+    return [(name, results / name) for name in SUITES
+            if not name.startswith("memory") or (results / name).exists()]
 
 
 def environments(data: dict) -> list[dict]:
-    """The environments the file records: its own, per part ('environments'), per e2e model and part."""
+    """The environments the file records: its own, per part ('environments'), per e2e model and part, per
+    re-measured row ('measured_in')."""
     found = [data["environment"]] if isinstance(data.get("environment"), dict) else []
     found += [e for e in data.get("environments", {}).values() if isinstance(e, dict)]
     for entry in data.get("models", {}).values():
         found += [entry[p]["environment"] for p in ("train", "inference")
                   if isinstance(entry.get(p), dict) and isinstance(entry[p].get("environment"), dict)]
+    found += [r["measured_in"] for r in data.get("rows", []) if isinstance(r, dict) and isinstance(r.get("measured_in"), dict)]
     # One per rendered line: the parts of one command differ only in the seconds of their dates.
     unique = {env_line(e): e for e in found}
     return list(unique.values())
 
 
-def render_suite(name: str, path: Path) -> str:
-    title, render = SUITES[name]
+def anchor(title: str) -> str:
+    """The id GitHub gives a Markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def plot_line(name: str, results: Path, link: str) -> str | None:
+    png = Path(name).with_suffix(".png").name
+    return f"Plot: [`benchmarks/results/{png}`]({link}{png})." if (results / png).exists() else None
+
+
+def render_suite(name: str, path: Path, suites: dict = SUITES, level: str = "##", link: str = RESULTS_LINK) -> str:
+    title, render = suites[name]
     try:
         data = json.loads(path.read_text())
         envs = environments(data)
-        head = [f"### {title}", "", f"`benchmarks/results/{name}`, measured on " +
+        head = [f"{level} {title}", "", f"[`benchmarks/results/{name}`]({link}{name}), measured on " +
                 "; ".join(env_line(e) for e in envs[:1]) + "."]
         if len(envs) > 1:
-            head += ["", "Parts run as separate commands:"] + [f"- {env_line(e)}" for e in envs[1:]]
+            head += ["", "Parts run as separate commands or re-measured:"] + [f"- {env_line(e)}" for e in envs[1:]]
+        plot = plot_line(name, path.parent, link)
+        head += ["", plot] if plot else []
         body = blocks(render(data))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        return f"### {title}\n\n`benchmarks/results/{name}` could not be rendered: {type(error).__name__}: {error}"
+        return f"{level} {title}\n\n`benchmarks/results/{name}` could not be rendered: {type(error).__name__}: {error}"
     return "\n".join(head + ["", body])
 
 
-def render_all(results: Path) -> str:
+def render_all(results: Path, link: str = RESULTS_LINK) -> str:
+    """Every suite's section (## headings), then a line naming the suites with no file yet."""
     sections, missing = [], []
     for name, path in suite_files(results):
         if path.exists():
-            sections.append(render_suite(name, path))
+            sections.append(render_suite(name, path, link=link))
         else:
             missing.append(name)
     if missing:
         sections.append("No results yet for: " + ", ".join(missing) + ".")
     return "\n\n".join(sections) + "\n"
+
+
+def render_tuning(results: Path, link: str = RESULTS_LINK) -> str:
+    """The tuning sweeps behind constants in the kernels (### headings under one ## section)."""
+    found = [render_suite(name, results / name, TUNING, "###", link) for name in TUNING if (results / name).exists()]
+    if not found:
+        return ""
+    intro = ("## Tuning sweeps\n\nSweeps of a kernel's tuning constants; the code keeps the chosen values and names "
+             "the file.")
+    return "\n\n".join([intro, *found]) + "\n"
+
+
+# ------------------------------------------------------------------------------------------ headline table
+
+# The figures of the design notes that preceded docs/design.md, measured before the benchmark scripts wrote
+# result files: (what, figure). Code comments that cite "the design-time baselines" point here.
+DESIGN_BASELINES_SETUP = ("NVIDIA H100 80GB HBM3, torch 2.11+cu130, Triton 3.6, cuDNN 9.19, medians; measured when the "
+                          "project began, before the benchmark scripts wrote result files")
+DESIGN_BASELINES: tuple[tuple[str, str], ...] = (
+    ("device-to-device copy", "3.00 TB/s (bytes read + written)"),
+    ("bf16 matmul 8192^3", "776 TFLOP/s"),
+    ("fp8 `torch._scaled_mm` 8192^3", "1273 TFLOP/s tensorwise, 1208 rowwise"),
+    ("attention fwd, head dim 128, L 8192, bf16, non-causal",
+     "naive eager 43, SDPA-flash 349, SDPA-cuDNN 613, FlexAttention 407 TFLOP/s"),
+    ("attention fwd, the same, causal", "naive eager 15, SDPA-flash 338, SDPA-cuDNN 538, FlexAttention 382 TFLOP/s"),
+    ("sliding window 1024, causal, L 16384", "FlexAttention 6.66x faster than dense causal flash"),
+    ("RMSNorm fwd (16384 x 4096 bf16)", "eager 0.22, torch.compile 2.82, F.rms_norm 2.28 TB/s"),
+    ("SwiGLU activation silu(g) * u (16384 x 11008)", "eager 1.81, torch.compile 3.02 TB/s"),
+    ("Llama-style model (12 layers, d 2048, 16 heads / 4 kv, ffn 5632, vocab 32000), batch 4 x 2048, bf16, "
+     "AdamW training step",
+     "eager 192.8 ms, torch.compile 97.5 ms; the same model through transformers with SDPA attention: eager "
+     "98.2 ms, + torch.compile 80.8 ms"),
+)
+
+
+def render_design_baselines() -> str:
+    return "\n\n".join([
+        "## Design-time baselines (no result file)",
+        f"Not generated from a JSON file: these figures were recorded in the project's first design notes "
+        f"({DESIGN_BASELINES_SETUP}). The suites above re-measure most of them (`fp8.json`'s ceilings, "
+        "`attention.json`, `kernels.json`, `sparse_attention.json`, `e2e.json`); where the two differ, the "
+        "suites are the later and reproducible measurement.",
+        table(["what", "figure"], [list(row) for row in DESIGN_BASELINES])]) + "\n"
+
+
+def _load(results: Path, name: str) -> dict:
+    return json.loads((results / name).read_text())
+
+
+def _provider_ms(part: dict, provider: str) -> float:
+    return part["providers"][provider]["ms"]
+
+
+def _part_env(entry: dict, part: str, provider: str) -> str:
+    """'device, date' of a provider's measurement: its own date where it has one, else its part's."""
+    env = dict(entry[part].get("environment") or {})
+    date = entry[part]["providers"][provider].get("date")
+    if date:
+        env["date"] = date
+    return measured_on(env)
+
+
+def _dtype(name: Any) -> str:
+    return str(name).removeprefix("torch.")
+
+
+def _llama_row(results: Path, part: str) -> list[str]:
+    entry = _load(results, "e2e.json")["models"]["llama_style"]
+    info, data = entry["info"], entry[part]
+    ours, compiled = _provider_ms(data, "optimize"), _provider_ms(data, "torch.compile")
+    what = "training step (forward, loss, backward, AdamW)" if part == "train" else "inference forward"
+    baseline, ratio = f"torch.compile {compiled:.2f} ms", f"{compiled / ours:.2f}x"
+    hf = data["providers"].get("transformers sdpa + torch.compile", {}).get("ms")
+    if hf:
+        baseline += f"; transformers + SDPA + torch.compile {hf:.2f} ms"
+        ratio += f"; {hf / ours:.2f}x"
+    return [f"Llama-style LM, {count(info['parameters'])} parameters, {what}, batch {info['batch']} x {info['seq']}, "
+            f"{_dtype(info['dtype'])}", f"{ours:.2f} ms", baseline, ratio, _part_env(entry, part, "optimize")]
+
+
+def _transformers_row(results: Path) -> list[str]:
+    models = _load(results, "e2e.json")["models"]
+    names, ratios, envs = [], {"train": [], "inference": []}, []
+    for name, entry in models.items():
+        if name == "llama_style":
+            continue
+        model_class = entry["info"]["model"].split(",")[0].removeprefix("transformers ")
+        names.append(re.sub(r"(For[A-Za-z]+|LMHeadModel)$", "", model_class))
+        for part in ratios:
+            ratios[part].append(_provider_ms(entry[part], "torch.compile") / _provider_ms(entry[part], "optimize"))
+            envs.append(_part_env(entry, part, "optimize"))
+    if not names:
+        raise KeyError("no transformers models")
+    spans = "; ".join(f"{part} {min(r):.2f}-{max(r):.2f}x" for part, r in ratios.items())
+    return [f"transformers {', '.join(names)} built from configs, attention as written "
+            "(`attn_implementation='eager'`), training step and inference forward", "train and infer through optimize",
+            "torch.compile of the same model", spans,
+            "; ".join(sorted(set(envs)))]
+
+
+def _attention_row(results: Path) -> list[str]:
+    data = _load(results, "attention.json")
+    rows = data["rows"]
+    gpu = [r["gpu_fraction_of_fastest_kernel"] for r in rows if r.get("gpu_fraction_of_fastest_kernel") is not None]
+    ours = [r["tflops"]["kernel_pytorch.optimize"] for r in rows if "kernel_pytorch.optimize" in r.get("tflops", {})]
+    compiled = [r["tflops"]["kernel_pytorch.optimize"] / r["tflops"]["torch.compile (hand-written)"] for r in rows
+                if isinstance(r.get("tflops", {}).get("torch.compile (hand-written)"), (int, float))
+                and isinstance(r["tflops"].get("kernel_pytorch.optimize"), (int, float))]
+    dims = "/".join(str(d) for d in sorted({r["head_dim"] for r in rows}))
+    lengths = sorted({r["length"] for r in rows})
+    return [f"hand-written attention module, {len(rows)} shapes (head dim {dims}, L {lengths[0]}-{lengths[-1]}, causal "
+            "or not, fwd and fwd+bwd), bf16", f"up to {max(ours):.0f} TFLOP/s",
+            "the fastest SDPA kernel at each shape; torch.compile of the module",
+            f"{min(gpu):.2f}-{max(gpu):.2f}x (GPU time); {min(compiled):.1f}-{max(compiled):.1f}x (per call)",
+            measured_on(data["environment"])]
+
+
+def _fp8_step_row(results: Path) -> list[str]:
+    entry = _load(results, "e2e.json")["models"]["llama_style"]
+    fp8, bf16 = "optimize (fp8='auto', reduce-overhead)", "optimize (reduce-overhead)"
+    ours, base = _provider_ms(entry["train"], fp8), _provider_ms(entry["train"], bf16)
+    return ["FP8 training step of the same Llama-style LM, `fp8='auto'`, `compile='reduce-overhead'`", f"{ours:.2f} ms",
+            f"bf16 through optimize, `compile='reduce-overhead'`, {base:.2f} ms", f"{base / ours:.3f}x",
+            _part_env(entry, "train", fp8)]
+
+
+def _fp8_linear_row(results: Path) -> list[str]:
+    data = _load(results, "fp8.json")
+    linear = data["linear"]
+    ours, base = linear["results"]["fp8 tensorwise"]["ms"], linear["results"]["bf16 nn.Linear"]["ms"]
+    env = data.get("environments", {}).get("linear", data["environment"])
+    return [f"FP8 Linear forward + backward, {linear['m']} x {linear['k']} x {linear['n']}, tensorwise, quantization "
+            "included", f"{ours:.3f} ms", f"bf16 nn.Linear {base:.3f} ms",
+            f"{linear['speedup']['tensorwise']:.2f}x per call ({linear['gpu_speedup']['tensorwise']:.2f}x GPU time)",
+            measured_on(env)]
+
+
+def _window_row(results: Path) -> list[str]:
+    rows = [r for r in _load(results, "sparse_attention.json")["rows"] if r.get("kind") == "window"]
+    length = max(r["length"] for r in rows)
+    fwd = next(r for r in rows if r["length"] == length and not r.get("backward"))
+    both = next((r for r in rows if r["length"] == length and r.get("backward")), None)
+    window = re.search(r"sliding window (\d+)", fwd.get("rewrite", ""))
+    ratio = f"{fwd['speedup_vs_dense']:.2f}x per call ({fwd['gpu_speedup_vs_dense']:.2f}x GPU time)"
+    if both:
+        ratio += f"; fwd+bwd {both['speedup_vs_dense']:.2f}x"
+    return [f"causal sliding-window attention{f' (window {window[1]})' if window else ''}, L {length}, forward, bf16",
+            f"{fwd['ms']['kernel_pytorch.optimize']:.3f} ms", f"fastest dense causal kernel {fwd['best_dense_ms']:.3f} ms",
+            ratio, measured_on(fwd.get("measured_in"))]
+
+
+def _checkpointing_row(results: Path) -> list[str]:
+    data = _load(results, "memory.json")
+    cases = {r["case"]: r for r in data["checkpointing"]}
+    off, full = cases["checkpointing off"], cases["checkpointing full"]
+    params = next((r["parameters"] for r in data.get("offload", []) if "parameters" in r), None)
+    size = f"{count(params)}-parameter " if params else ""
+    return [f"full activation checkpointing, {size}Llama-style model, {off['tokens_per_step']} tokens per step",
+            f"activations {full['activation_gib']:.1f} GiB, step {full['step_ms']:.0f} ms",
+            f"checkpointing off: {off['activation_gib']:.1f} GiB, {off['step_ms']:.0f} ms",
+            f"{full['activation_gib'] / off['activation_gib']:.2f}x the activations at "
+            f"{full['step_ms'] / off['step_ms']:.2f}x the step time",
+            measured_on(data.get("environments", {}).get("checkpointing"))]
+
+
+# (section of docs/results.md the row comes from, how to build it); a row whose file or key is missing is named.
+HEADLINE: tuple[tuple[str, str, Callable[[Path], list[str]]], ...] = (
+    ("Llama-style training step", "End to end", lambda results: _llama_row(results, "train")),
+    ("Llama-style inference", "End to end", lambda results: _llama_row(results, "inference")),
+    ("transformers models", "End to end", _transformers_row),
+    ("attention", "Attention", _attention_row),
+    ("FP8 training step", "End to end", _fp8_step_row),
+    ("FP8 Linear", "FP8", _fp8_linear_row),
+    ("sliding-window attention", "Sparse attention", _window_row),
+    ("activation checkpointing", "Memory", _checkpointing_row),
+)
+
+
+def render_headline(results: Path, doc: str = "docs/results.md") -> str:
+    """The short table of headline results; ``doc``: how the table's links reach docs/results.md."""
+    rows, missing = [], []
+    for name, section, build in HEADLINE:
+        try:
+            row = build(results)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, StopIteration,
+                ZeroDivisionError) as error:
+            missing.append(f"{name} ({type(error).__name__}: {error})")
+            continue
+        rows.append([*row[:-1], f"{row[-1]} ([all]({doc}#{anchor(section)}))"])
+    parts = [table(["what", "kernel_pytorch.optimize", "against", "speedup", "measured on"], rows) if rows else
+             "No headline results: none of their files is in benchmarks/results/."]
+    if missing:
+        parts.append("Not shown, their result is missing: " + "; ".join(missing) + ".")
+    return "\n\n".join(parts) + "\n"
+
+
+# ------------------------------------------------------------------------------------------ docs/results.md
+
+def render_results_doc(results: Path) -> str:
+    """docs/results.md, whole."""
+    suites = [(title, anchor(title)) for name, (title, _) in SUITES.items()
+              if not name.startswith("memory") or (results / name).exists()]
+    contents = ", ".join(f"[{title}](#{target})" for title, target in suites)
+    intro = f"""# Measured results
+
+Generated by `{COMMAND}`
+from the JSON files in `benchmarks/results/` (the same command writes the README's headline table): edit
+the renderer or re-run a benchmark, not this file. Each section names the machine, date, torch, Triton and
+cuDNN versions and the command of its run, and links the plot drawn from the same file. Where a part was
+run by a separate command or re-measured later, its own line says so.
+
+How to read them: baselines run in the same process as `optimize` (eager PyTorch, `torch.compile` of the
+same model, the fastest library kernel for the job). "Per call" times include the host's work (launches,
+Python); "GPU time" replays the call as a CUDA graph and measures the GPU alone. Speedups above 1 are
+faster than the baseline. Why the code makes each choice these numbers support is in
+[attention.md](attention.md), [kernels.md](kernels.md) and [passes.md](passes.md); the history of each
+figure, in [CHANGELOG.md](../CHANGELOG.md).
+
+Sections: {contents}, [Tuning sweeps](#tuning-sweeps), [Design-time baselines](#{anchor("Design-time baselines (no result file)")}).
+
+## Headline results"""
+    return "\n\n".join([intro, render_headline(results, doc="").strip(), render_all(results).strip(),
+                        render_tuning(results).strip(), render_design_baselines().strip()]).replace("\n\n\n", "\n\n") + "\n"
 
 
 def replace_block(text: str, block: str) -> str | None:
@@ -385,21 +771,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
     parser.add_argument("--readme", type=Path, default=README)
-    parser.add_argument("--write", action="store_true", help="replace the README's block between the markers")
+    parser.add_argument("--docs", type=Path, default=DOCS, help="where --write puts the full results (docs/results.md)")
+    parser.add_argument("--headline", action="store_true", help="print the README's headline table only")
+    parser.add_argument("--write", action="store_true",
+                        help="write docs/results.md and replace the README's block between the markers")
     args = parser.parse_args(argv)
-    markdown = render_all(args.results)
+    headline = render_headline(args.results)
     if not args.write:
-        print(markdown, end="")
+        print(headline if args.headline else render_results_doc(args.results), end="")
         return 0
+    document = render_results_doc(args.results)
+    args.docs.parent.mkdir(parents=True, exist_ok=True)
+    args.docs.write_text(document)
+    print(f"wrote {args.docs} ({len(document.splitlines())} lines)")
     text = args.readme.read_text() if args.readme.exists() else ""
-    updated = replace_block(text, markdown)
+    updated = replace_block(text, headline)
     if updated is None:
-        print(markdown, end="")
-        print(f"\n{args.readme} has no '{BEGIN}' ... '{END}' block: nothing written. Add the two marker lines "
-              "where the tables belong.", file=sys.stderr)
+        print(headline, end="")
+        print(f"\n{args.readme} has no '{BEGIN}' ... '{END}' block: nothing written there. Add the two marker "
+              "lines where the headline table belongs.", file=sys.stderr)
         return 1
     args.readme.write_text(updated)
-    print(f"wrote the results block of {args.readme} ({len(markdown.splitlines())} lines)")
+    print(f"wrote the headline table of {args.readme} ({len(headline.splitlines())} lines)")
     return 0
 
 

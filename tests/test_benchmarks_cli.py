@@ -1,5 +1,6 @@
-"""benchmarks/render_readme_table.py on the committed results (each table names its device and carries the
-numbers of its JSON file; the README block between the markers is replaced and nothing else),
+"""benchmarks/render_readme_table.py on the committed results (each table of docs/results.md names its device
+and carries the numbers of its JSON file; the README's headline table carries them too, between its markers
+and nothing else; the committed docs/results.md and README block are what the renderer writes),
 benchmarks/e2e.py: arguments, the case list, FLOPs, targets, and one CPU case merged, plotted and rendered,
 and benchmarks/ring_attention.py's model part: its fit, growth and merge, and its per-rank flow on 2 gloo ranks."""
 
@@ -29,9 +30,9 @@ def _committed(name: str) -> dict:
 
 
 def _section(markdown: str, title: str) -> str:
-    """The lines of one '### title' section."""
-    start = markdown.index(f"### {title}\n")
-    end = markdown.find("\n### ", start + 1)
+    """The lines of one '## title' section."""
+    start = markdown.index(f"## {title}\n")
+    end = markdown.find("\n## ", start + 1)
     return markdown[start:end if end >= 0 else None]
 
 
@@ -93,32 +94,77 @@ def test_missing_and_malformed_files_do_not_stop_the_others(tmp_path):
     markdown = render.render_all(tmp_path)
     assert "`benchmarks/results/kernels.json` could not be rendered: JSONDecodeError" in markdown
     assert "GPU-X" in _section(markdown, "Block fusion")
-    assert ("No results yet for: attention.json, fp8.json, sparse_attention.json, sparse_attention_topk.json, "
-            "e2e.json.") in markdown
+    assert ("No results yet for: e2e.json, attention.json, fp8.json, sparse_attention.json, "
+            "sparse_attention_topk.json, ring_attention.json.") in markdown
+    headline = render.render_headline(tmp_path)
+    assert "No headline results" in headline and "Llama-style training step (FileNotFoundError" in headline
 
 
-def test_write_replaces_only_the_marked_block(tmp_path, capsys):
+def test_write_renders_the_docs_page_and_only_the_readme_block(tmp_path, capsys):
     results = tmp_path / "results"
     results.mkdir()
     (results / "block_fusion.json").write_text(json.dumps(
-        {"environment": {"device": "GPU-Y", "date": "2030-01-02T00:00:00", "command": "python3 b.py"},
+        {"environment": {"device": "GPU-Y", "date": "2030-01-02T00:00:00", "command": "python3 b.py", "triton": "9.9"},
          "train": [{"batch": 4, "seq": 2048, "ms": {"eager": 15.0, "optimize": 4.6098}}]}))
-    readme = tmp_path / "README.md"
+    (results / "block_fusion.png").write_bytes(b"png")
+    (results / "memory.json").write_text(json.dumps(
+        {"environments": {"checkpointing": {"device": "GPU-Y", "date": "2030-01-03T00:00:00"}},
+         "offload": [{"parameters": 2 * 10**9}],
+         "checkpointing": [{"case": "checkpointing off", "tokens_per_step": 8192, "step_ms": 100.0, "activation_gib": 10.0},
+                           {"case": "checkpointing full", "tokens_per_step": 8192, "step_ms": 125.0, "activation_gib": 3.0}]}))
+    readme, docs = tmp_path / "README.md", tmp_path / "docs" / "results.md"
     before, after = "# title\n\nintro\n", "\n## later\n\ntext\n"
     readme.write_text(f"{before}{render.BEGIN}\nold table\n{render.END}{after}")
-    assert render.main(["--results", str(results), "--readme", str(readme), "--write"]) == 0
+    arguments = ["--results", str(results), "--readme", str(readme), "--docs", str(docs), "--write"]
+    assert render.main(arguments) == 0
     text = readme.read_text()
     assert text.startswith(before + render.BEGIN + "\n") and text.endswith(render.END + after)
-    assert "old table" not in text and "| 4.61 |" in text and "GPU-Y, 2030-01-02" in text
-    assert render.main(["--results", str(results), "--readme", str(readme), "--write"]) == 0
-    assert readme.read_text() == text  # a second write changes nothing
+    assert "old table" not in text
+    row = _line(text, "| full activation checkpointing, 2.00B-parameter Llama-style model, 8192 tokens per step |")
+    assert "| activations 3.0 GiB, step 125 ms | checkpointing off: 10.0 GiB, 100 ms |" in row
+    assert "| 0.30x the activations at 1.25x the step time | GPU-Y, 2030-01-03 ([all](docs/results.md#memory)) |" in row
+    assert "Not shown, their result is missing: Llama-style training step" in text
+    page = docs.read_text()
+    assert page.startswith("# Measured results\n") and render.COMMAND in page
+    section = _section(page, "Block fusion")
+    assert "GPU-Y, 2030-01-02, torch ?, Triton 9.9, `python3 b.py`" in section
+    assert "](../benchmarks/results/block_fusion.png)" in section and "| 4.61 |" in section
+    assert "](#memory))" in _section(page, "Headline results")  # links within the page
+    assert "## Design-time baselines (no result file)" in page
+    assert render.main(arguments) == 0
+    assert readme.read_text() == text and docs.read_text() == page  # a second write changes nothing
 
     readme.write_text("no markers here\n")
     capsys.readouterr()
-    assert render.main(["--results", str(results), "--readme", str(readme), "--write"]) == 1
+    assert render.main(arguments) == 1
     assert readme.read_text() == "no markers here\n"
     captured = capsys.readouterr()
-    assert "| 4.61 |" in captured.out and "nothing written" in captured.err
+    assert "0.30x the activations" in captured.out and "nothing written there" in captured.err
+
+
+def test_headline_rows_carry_the_numbers_of_their_files():
+    e2e_data, fp8 = _committed("e2e.json"), _committed("fp8.json")
+    headline = render.render_headline(RESULTS)
+    train = e2e_data["models"]["llama_style"]["train"]["providers"]
+    row = next(line for line in headline.splitlines() if line.startswith("| Llama-style LM") and "training step" in line)
+    assert f"| {train['optimize']['ms']:.2f} ms | torch.compile {train['torch.compile']['ms']:.2f} ms" in row
+    assert f"| {train['torch.compile']['ms'] / train['optimize']['ms']:.2f}x;" in row
+    fp8_row = _line(headline, "| FP8 Linear forward + backward")
+    assert f"{fp8['linear']['speedup']['tensorwise']:.2f}x per call" in fp8_row
+    attention = _committed("attention.json")
+    fractions = [r["gpu_fraction_of_fastest_kernel"] for r in attention["rows"]]
+    assert f"| {min(fractions):.2f}-{max(fractions):.2f}x (GPU time);" in _line(headline, "| hand-written attention")
+    assert "Not shown" not in headline  # every headline file is committed
+
+
+def test_committed_docs_and_readme_are_what_the_renderer_writes():
+    """Re-run `python benchmarks/render_readme_table.py --write` after changing a result file or the renderer."""
+    page = render.DOCS
+    if not page.exists():
+        pytest.skip("docs/results.md is not in this checkout")
+    assert page.read_text() == render.render_results_doc(RESULTS)
+    readme = render.README.read_text()
+    assert render.replace_block(readme, render.render_headline(RESULTS)) == readme
 
 
 # --------------------------------------------------------------------------------------------------- e2e
