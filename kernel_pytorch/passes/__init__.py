@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from kernel_pytorch.passes import activations, attention, fp8_linear, horizontal_gemm, normalize, norms, rope  # noqa: F401  (register them)
-from kernel_pytorch.passes.base import GraphPass, ModulePass, PassContext, PassResult, Rewrite, Skip, replace_module
+from kernel_pytorch.passes.base import (Candidate, GraphPass, ModulePass, PassContext, PassResult, Rewrite, Skip,
+                                       candidates, replace_module)
 from kernel_pytorch.passes.manager import PassManager
 from kernel_pytorch.passes.registry import get_pass, register_pass, registered_pass_names
 
-__all__ = ["GraphPass", "ModulePass", "PassContext", "PassResult", "Rewrite", "Skip", "PassManager",
-           "get_pass", "register_pass", "registered_pass_names", "replace_module"]
+__all__ = ["Candidate", "GraphPass", "ModulePass", "PassContext", "PassResult", "Rewrite", "Skip", "PassManager",
+           "candidates", "get_pass", "register_pass", "registered_pass_names", "replace_module"]

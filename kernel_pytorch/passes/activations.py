@@ -35,8 +35,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx import Node
 
-from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
-from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of
+from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, candidates
+from kernel_pytorch.passes.graph_utils import erase_unused
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import example_value
@@ -174,6 +174,14 @@ def _match_activation(node: Node) -> _Activation | str | None:
     return None
 
 
+def _match_with_shape(node: Node) -> _Activation | str | None:
+    """The activation at ``node``, provided its input has an example value to size the kernel by."""
+    match = _match_activation(node)
+    if isinstance(match, _Activation) and (not isinstance(example_value(match.x), torch.Tensor) or not match.x.meta):
+        return "no shape metadata"
+    return match
+
+
 # ------------------------------------------------------------------------------------------- gating
 
 def _chunk_half(node: Node) -> Optional[tuple[Node, int]]:
@@ -215,21 +223,8 @@ class ActivationPass(GraphPass):
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
-        graph = gm.graph
-        for node in list(graph.nodes):
-            if node.graph is not graph:  # erased by an earlier rewrite
-                continue
-            match = _match_activation(node)
-            if match is None:
-                continue
-            location = module_path_of(node, "(model)")
-            if isinstance(match, str):
-                result.skip(location, match)
-                continue
-            if not isinstance(example_value(match.x), torch.Tensor) or not match.x.meta:
-                result.skip(location, "no shape metadata")
-                continue
-            result.rewrite(location, self._rewrite(graph, match))
+        for found in candidates(gm.graph.nodes, _match_with_shape, result):
+            result.rewrite(found.location, self._rewrite(gm.graph, found.match))
         return result
 
     @staticmethod

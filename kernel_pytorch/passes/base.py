@@ -6,19 +6,26 @@ Both return a :class:`PassResult` saying what they rewrote and what they skipped
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Protocol, TypeVar, Union
 
 import torch.fx
 import torch.nn as nn
+from torch.fx import Node
+
+from kernel_pytorch.passes.graph_utils import module_path_of
 
 if TYPE_CHECKING:
     from kernel_pytorch.config import OptimizeConfig
     from kernel_pytorch.hardware import HardwareInfo
 
-__all__ = ["GraphPass", "ModulePass", "PassContext", "PassResult", "Rewrite", "Skip", "RuntimeGuard",
-           "replace_module"]
+__all__ = ["Candidate", "GraphPass", "ModulePass", "PassContext", "PassResult", "Rewrite", "Skip", "RuntimeGuard",
+           "candidates", "replace_module"]
+
+M = TypeVar("M")
+# What a pass's matcher answers for one node: None (not a candidate), a reason to leave it alone, or the match.
+MatchOrReason = Union[M, str, None]
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,45 @@ class PassResult:
 
     def skip(self, location: str, reason: str) -> None:
         self.skipped.append(Skip(location, reason))
+
+
+@dataclass(frozen=True)
+class Candidate(Generic[M]):
+    """A node a pass's matcher accepted: the node, where it is in the model, and what the matcher found."""
+
+    node: Node
+    location: str
+    match: M
+
+
+def candidates(nodes: Iterable[Node], match: Callable[[Node], MatchOrReason[M]],
+               result: PassResult) -> Iterator[Candidate[M]]:
+    """The nodes of ``nodes`` that ``match`` accepts, each as a :class:`Candidate`: the loop that opens a
+    graph pass's ``run``.
+
+    ``match(node)`` answers None for a node that is no candidate, a string for one the pass leaves alone
+    (recorded in ``result`` as a skip at the node's module path, with that string as the reason), and
+    anything else for a match. ``nodes`` is read up front, so the loop's body may rewrite the graph; nodes
+    a rewrite erased are passed over when their turn comes. Each node is matched when its turn comes, so a
+    matcher sees the rewrites done before it.
+
+    Example::
+
+        result = PassResult()
+        for found in candidates(gm.graph.nodes, match_norm, result):
+            result.rewrite(found.location, rewrite_norm(gm, found.match))
+    """
+    for node in list(nodes):
+        if node._erased:  # by an earlier rewrite (torch.fx's own flag: an erased node keeps its .graph)
+            continue
+        found = match(node)
+        if found is None:
+            continue
+        location = module_path_of(node, "(model)")
+        if isinstance(found, str):
+            result.skip(location, found)
+            continue
+        yield Candidate(node, location, found)
 
 
 @dataclass(frozen=True)

@@ -45,10 +45,10 @@ from torch.fx import Node
 
 from kernel_pytorch.float8_conversion import PASS_NAME, measured_decision
 from kernel_pytorch.ops.float8_linear import FP8_ALIGNMENT, float8_dtypes_for, float8_linear
-from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
+from kernel_pytorch.passes.base import Candidate, GraphPass, PassContext, PassResult, candidates
 from kernel_pytorch.passes.fp8_grad_amax import consumer_name, grad_amax_consumer, wire_grad_amax
 from kernel_pytorch.passes.fp8_input_amax import amax_producer, producer_amax
-from kernel_pytorch.passes.graph_utils import FUSED_LINEARS, erase_unused, gemm_rows, module_path_of, set_example_value
+from kernel_pytorch.passes.graph_utils import FUSED_LINEARS, erase_unused, gemm_rows, set_example_value
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import example_value
@@ -77,18 +77,15 @@ class Float8LinearPass(GraphPass):
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
-        autocast = 0
-        for node in list(gm.graph.nodes):
-            name = getattr(node.target, "__name__", "")
-            autocast += (name == _AUTOCAST_ENTER) - (name == _AUTOCAST_EXIT)
-            if is_call(node, F.linear):
-                self._convert_or_skip(gm, node, ctx, result, under_autocast=autocast > 0)
+        for found in candidates(gm.graph.nodes, _AutocastDepth().linear, result):
+            self._convert_or_skip(gm, found, ctx, result)
         return result
 
-    def _convert_or_skip(self, gm: torch.fx.GraphModule, node: Node, ctx: PassContext, result: PassResult,
-                         under_autocast: bool) -> None:
-        members = node.meta.get(FUSED_LINEARS) or [module_path_of(node, "(model)")]
-        location = module_path_of(node, "(model)") if len(members) > 1 else members[0]
+    def _convert_or_skip(self, gm: torch.fx.GraphModule, found: Candidate[bool], ctx: PassContext,
+                         result: PassResult) -> None:
+        node, under_autocast = found.node, found.match
+        members = node.meta.get(FUSED_LINEARS) or [found.location]
+        location = found.location if len(members) > 1 else members[0]
         names = " + ".join(m.rpartition(".")[2] for m in members) if len(members) > 1 else ""
         shape, reason = _candidate(node, members, ctx, under_autocast)
         producer = amax_producer(node.args[0]) if ctx.config.fp8_recipe == "tensorwise" else None
@@ -105,6 +102,20 @@ class Float8LinearPass(GraphPass):
             fused += f"; its gradient's maximum from the {consumer_name(consumer)} backward kernel"
         result.rewrite(location, f"{names + ' ' if names else ''}-> float8_linear ({ctx.config.fp8_recipe}): "
                                  f"{reason}{fused}")
+
+
+class _AutocastDepth:
+    """Follows the autocast regions of a graph read in order: the FP8 op would compute in the weight's
+    dtype, not autocast's, so a linear inside one is no candidate."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def linear(self, node: Node) -> bool | None:
+        """For a linear, whether it runs under autocast; None for any other node."""
+        name = getattr(node.target, "__name__", "")
+        self.depth += (name == _AUTOCAST_ENTER) - (name == _AUTOCAST_EXIT)
+        return self.depth > 0 if is_call(node, F.linear) else None
 
 
 def _decision(node: Node, shape: tuple[int, int, int], ctx: PassContext, input_amax_fused: bool,

@@ -75,7 +75,7 @@ from torch import nn
 from torch.fx import Node
 from torch.utils.checkpoint import CheckpointPolicy
 
-from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
+from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, candidates
 from kernel_pytorch.passes.graph_utils import (
     FUSED_LINEARS,
     blocks_reordering,
@@ -274,13 +274,7 @@ class HorizontalGemmPass(GraphPass):
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
         for x, linears in self._linears_by_input(gm.graph).items():
-            members = []
-            for linear in linears:
-                member = _member(linear, gm, ctx)
-                if isinstance(member, str):
-                    result.skip(module_path_of(linear, "(model)"), member)
-                else:
-                    members.append(member)
+            members = [found.match for found in candidates(linears, lambda linear: _member(linear, gm, ctx), result)]
             if len(members) == 1:
                 result.skip(members[0].path, "the only linear left to fuse with on this input")
                 continue

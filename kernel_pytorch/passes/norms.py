@@ -32,12 +32,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx import Node
 
-from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
-from kernel_pytorch.passes.graph_utils import (
-    erase_unused,
-    module_path_of,
-    set_example_value,
-)
+from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, candidates
+from kernel_pytorch.passes.graph_utils import erase_unused, set_example_value
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
 
@@ -215,33 +211,19 @@ class NormPass(GraphPass):
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
-        for node in list(gm.graph.nodes):
-            if node.graph is not gm.graph:  # erased by an earlier rewrite
-                continue
-            match = self._match(node)
-            if match is None:
-                continue
-            location = module_path_of(node, "(model)")
-            if isinstance(match, str):
-                result.skip(location, match)
-                continue
-            reason = _unsupported(match)
-            if reason:
-                result.skip(location, reason)
-                continue
-            result.rewrite(location, self._rewrite(gm, match))
+        for found in candidates(gm.graph.nodes, self._match, result):
+            result.rewrite(found.location, self._rewrite(gm, found.match))
         return result
 
     @staticmethod
     def _match(node: Node) -> _NormMatch | str | None:
-        functional = _functional_match(node)
-        if functional is not None:
-            return functional
-        if not is_call(node, torch.rsqrt, torch.sqrt):
-            return None
-        match = _match_statistics(node)
+        match = _functional_match(node)
+        if match is None and is_call(node, torch.rsqrt, torch.sqrt):
+            match = _match_statistics(node)
+            if isinstance(match, _NormMatch):
+                _absorb_affine(match)
         if isinstance(match, _NormMatch):
-            _absorb_affine(match)
+            return _unsupported(match) or match
         return match
 
     @staticmethod

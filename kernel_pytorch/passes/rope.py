@@ -78,7 +78,7 @@ import torch.fx
 from torch.fx import Node
 
 from kernel_pytorch.ops.rope import apply_rope
-from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
+from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, candidates
 from kernel_pytorch.passes.graph_utils import (
     blocks_reordering,
     erase_unused,
@@ -160,6 +160,23 @@ class _Order:
         return min(self.position[n] for n in nodes if n in self.position)
 
 
+def _checked_match(node: Node, order: _Order) -> tuple[RopeMatch, str | None] | str | None:
+    """The rotation whose output is ``node``, with a note when a partial rotary was folded in; or why
+    it is left alone; None when ``node`` is no rotation's output."""
+    match = match_rope_formula(node)
+    if match is None or isinstance(match, str):
+        return match
+    reason = validate_match(match)
+    if reason is not None:
+        return reason
+    note = fold_partial_rotary(match)
+    # The op reads x, cos and sin where the output was; the original read them from its first product
+    # on: nothing may write, or switch grad or autocast mode, in between.
+    if order.barrier_between(order.span(match.internal), order.position[match.output]):
+        return "an in-place operation or a grad/autocast mode switch lies among the rotation's reads"
+    return match, note
+
+
 def _pair_key(match: RopeMatch) -> tuple:
     value = tensor_of(match.x)
     return (match.interleaved, match.rotary_dim, match.head_dim, match.dtype, value.device)
@@ -203,27 +220,17 @@ class RopePass(GraphPass):
         matches: list[RopeMatch] = []
         notes: dict[int, str] = {}
         claimed: set[Node] = set()
-        for node in order.nodes:
-            if node in claimed:  # the inner add of a folded partial rotary is not a second candidate
-                continue
-            match = match_rope_formula(node)
-            if match is None:
-                continue
-            location = module_path_of(node, "(model)")
-            reason = match if isinstance(match, str) else validate_match(match)
-            if reason is None:
-                note = fold_partial_rotary(match)
-                # The op reads x, cos and sin where the output was; the original read them from its
-                # first product on: nothing may write, or switch grad or autocast mode, in between.
-                if order.barrier_between(order.span(match.internal), order.position[match.output]):
-                    reason = "an in-place operation or a grad/autocast mode switch lies among the rotation's reads"
-            if reason is not None:
-                result.skip(location, reason)
-                continue
+
+        def match(node: Node) -> tuple[RopeMatch, str | None] | str | None:
+            # The inner add of a folded partial rotary is not a second candidate.
+            return None if node in claimed else _checked_match(node, order)
+
+        for found in candidates(order.nodes, match, result):
+            rope, note = found.match
             if note:
-                notes[id(match)] = note
-            claimed.update(match.internal)
-            matches.append(match)
+                notes[id(rope)] = note
+            claimed.update(rope.internal)
+            matches.append(rope)
 
         matches.sort(key=lambda m: order.position[m.output])
         done: set[int] = set()
