@@ -23,37 +23,13 @@ from pydantic import (
 )
 
 from kernel_pytorch.config_model import ConfigModel, allowed_values, not_allowed
+from kernel_pytorch.device_names import DEVICE_ALIASES, DeviceName, Vendor  # re-exported: their old home
+from kernel_pytorch.pass_names import check_pass_names
 
 __all__ = ["OptimizeConfig", "SparseAttentionConfig", "Tolerance", "DEFAULT_TOLERANCES", "Vendor", "DEVICE_ALIASES",
            "DeviceName", "CompileMode"]
 
-Vendor = Literal["nvidia", "amd", "tpu", "intel", "cpu"]
-
-# Spellings users reach for, mapped to the vendor names used everywhere else.
-DEVICE_ALIASES: dict[str, str] = {
-    "cuda": "nvidia",
-    "rocm": "amd",
-    "hip": "amd",
-    "xla": "tpu",
-    "xpu": "intel",
-}
-
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
-
-
-class DeviceName(str):
-    """What ``OptimizeConfig.device`` holds: the vendor name (``"nvidia"`` for ``"cuda"``), which every
-    comparison and lookup sees, plus ``written``, the value as the user gave it, for messages to echo."""
-
-    written: str
-
-    def __new__(cls, vendor: str, written: str | None = None) -> DeviceName:
-        name = super().__new__(cls, vendor)
-        name.written = vendor if written is None else written
-        return name
-
-    def __getnewargs__(self) -> tuple[str, str]:  # pickle and copy rebuild it with both names
-        return str(self), self.written
 
 
 class Tolerance(ConfigModel):
@@ -307,13 +283,7 @@ class OptimizeConfig(ConfigModel):
     @field_validator("disable_passes", "extra_passes")
     @classmethod
     def _known_passes(cls, names: tuple[str, ...]) -> tuple[str, ...]:
-        from kernel_pytorch.passes.registry import registered_pass_names
-
-        known = registered_pass_names()
-        unknown = [name for name in names if name not in known]
-        if unknown:
-            raise ValueError(f"unknown pass name(s) {unknown}; registered passes: {sorted(known)}")
-        return names
+        return check_pass_names(names)
 
     @model_validator(mode="after")
     def _emulation_converts_everything(self) -> OptimizeConfig:

@@ -22,13 +22,12 @@ from typing import Any, Callable, NamedTuple, Optional, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kernel_pytorch.config import DEVICE_ALIASES, DeviceName, Vendor
+from kernel_pytorch.device_names import DEVICE_ALIASES, VENDORS, DeviceName, Vendor
 from kernel_pytorch.errors import HardwareUnavailableError
 
 __all__ = ["HardwareInfo", "detect_hardware"]
 
 ENV_DEVICE = "KERNEL_PYTORCH_DEVICE"
-_VENDORS: tuple[str, ...] = ("nvidia", "amd", "tpu", "intel", "cpu")
 
 # PyTorch's FP8 dtype names. NVIDIA (sm_89+) and AMD gfx950 / RDNA4 use the OCP formats; MI300 (gfx942)
 # uses the "fnuz" variants (no negative zero, no infinities, exponent bias one higher), which are not
@@ -448,8 +447,8 @@ def _requested_device(device: str) -> _Request:
         if env_value.strip():
             requested, written, source = env_value.strip().lower(), env_value, f"{ENV_DEVICE}={env_value!r}"
     requested = DEVICE_ALIASES.get(requested, requested)
-    if requested != "auto" and requested not in _VENDORS:
-        valid = ["auto", *_VENDORS, *DEVICE_ALIASES]
+    if requested != "auto" and requested not in VENDORS:
+        valid = ["auto", *VENDORS, *DEVICE_ALIASES]
         raise ValueError(f"unknown device {written!r} (from {source}); valid names: {valid}")
     return _Request(requested, written, source)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from kernel_pytorch.errors import UnknownPassError
+from kernel_pytorch.pass_names import record_pass_name, registered_pass_names
 from kernel_pytorch.passes.base import GraphPass, ModulePass
 
 __all__ = ["register_pass", "get_pass", "registered_pass_names"]
@@ -32,23 +33,14 @@ def register_pass(cls: P) -> P:
     if existing is not None and type(existing).__qualname__ != cls.__qualname__:
         raise ValueError(f"a pass named '{name}' is already registered ({type(existing).__qualname__})")
     _PASSES[name] = cls()
+    record_pass_name(name)  # what the config checks its pass names against
     return cls
 
 
 def get_pass(name: str) -> GraphPass | ModulePass:
-    _load_builtin_passes()
+    """The registered pass named ``name``. The built-in ones are all here: importing this module runs
+    ``kernel_pytorch/passes/__init__.py`` first, which registers them."""
     try:
         return _PASSES[name]
     except KeyError:
         raise UnknownPassError(f"no pass named '{name}'; registered: {sorted(_PASSES)}") from None
-
-
-def registered_pass_names() -> frozenset[str]:
-    _load_builtin_passes()
-    return frozenset(_PASSES)
-
-
-def _load_builtin_passes() -> None:
-    # Importing the package registers the built-in passes; done lazily so that config validation
-    # and the registry can be imported without a cycle.
-    import kernel_pytorch.passes  # noqa: F401
