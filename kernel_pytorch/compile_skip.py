@@ -3,9 +3,9 @@
 A graph whose compute is one of our attention calls (``kernel`` other than ``"flex"``, which Inductor
 generates) plus views gives Inductor nothing to fuse: it would call the same cuDNN/flash kernel as an extern
 op. What it does add is the compiled wrapper's host time on each call (AOTAutograd's runtime wrapper and
-Inductor's generated caller, forward and backward). H100, ``benchmarks/attention.py``, hd64 L=1024 causal
-fwd+bwd, per call against the fastest SDPA kernel: 0.96 when the graph ran eagerly, 0.81 through Inductor,
-on the same kernels (0.997 on GPU time). Such graphs run eagerly, with a report note.
+Inductor's generated caller, forward and backward): per call, measured slower through Inductor than eager on
+the same kernels (``benchmarks/attention.py``, figures in docs/passes.md). Such graphs run eagerly, with a
+report note.
 """
 
 from __future__ import annotations

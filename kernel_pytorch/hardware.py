@@ -73,8 +73,8 @@ class HardwareInfo(BaseModel):
 
     Only ``vendor`` and ``device_name`` are required, so tests can describe hardware they do not have::
 
-        h100 = HardwareInfo(vendor="nvidia", device_name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0),
-                            bf16=True, fp8=True, fp8_formats=("float8_e4m3fn", "float8_e5m2"))
+        gpu = HardwareInfo(vendor="nvidia", device_name="an sm_90 GPU", compute_capability=(9, 0),
+                           bf16=True, fp8=True, fp8_formats=("float8_e4m3fn", "float8_e5m2"))
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -116,7 +116,8 @@ class HardwareInfo(BaseModel):
         return self
 
     def summary(self) -> str:
-        """One line, e.g. ``nvidia: NVIDIA H100 80GB HBM3 x1, sm_90, 79.1 GiB, fp8 (...), cuDNN attention``."""
+        """One line, e.g. ``cpu: AMD EPYC x1, 23.5 GiB, bf16, torch:AVX512``; a GPU's is in
+        ``benchmarks/results/info_h100.txt``."""
         parts = [f"{self.device_name} x{self.device_count}"]
         if self.compute_capability is not None:
             parts.append(f"sm_{self.compute_capability[0]}{self.compute_capability[1]}")
@@ -466,8 +467,8 @@ def detect_hardware(device: str = "auto") -> HardwareInfo:
     Example::
 
         >>> info = detect_hardware()
-        >>> info.summary()
-        'nvidia: NVIDIA H100 80GB HBM3 x1, sm_90, 79.1 GiB, bf16, fp8 (float8_e4m3fn, float8_e5m2), cuDNN attention'
+        >>> info.summary()   # on a GPU machine: benchmarks/results/info_h100.txt
+        'cpu: AMD EPYC x1, 23.5 GiB, bf16, torch:AVX512'
         >>> info.probes["rocm"]
         'unavailable: torch.version.hip is None (not a ROCm build of torch)'
     """

@@ -10,9 +10,9 @@ linears the model will really run::
 Why in the graph and not by swapping modules before capture (as :func:`~kernel_pytorch.float8_conversion.
 convert_to_float8` does): a swapped ``Float8Linear`` is no longer an ``F.linear`` the horizontal fusion can
 concatenate, so an FP8 model lost the q/k/v and gate/up fusions, and each FP8 decision was taken on the
-small unfused shapes, where FP8 loses (H100, forward + backward, GPU time: 0.82x at (M, K, N) =
-(8192, 2048, 2048), benchmarks/results/fp8.json). Converted here, the decision is taken on the fused
-shape (gate/up of DESIGN.md's model: (8192, 2048, 11264)), and the fusion stays.
+small unfused shapes, where FP8 loses (``benchmarks/results/fp8.json``, ``sweep``; docs/passes.md).
+Converted here, the decision is taken on the fused shape (gate/up of the Llama-style model of
+docs/design.md: (8192, 2048, 11264)), and the fusion stays.
 
 Which linears. A linear is a candidate when every ``nn.Linear`` it computes (one, or the members of a
 horizontally fused group, recorded in ``node.meta["fused_linears"]``) is a candidate of

@@ -32,34 +32,17 @@ reading the same input (those that agree are still fused); a linear left alone b
 modified in place (autograd forbids in-place edits of ``split``'s views); an in-place write or a
 grad/autocast switch between the linears; and groups too small for the weight copy to pay (below).
 
-Cost. The ``cat`` copies the weights at every call (read + write: ``2·N·K·e`` bytes for out-features N,
+Cost. The ``cat`` copies the weights at every call (``2·N·K·e`` bytes read and written, for out-features N,
 in-features K and element size e); the fused GEMM does ``2·T·N·K`` FLOPs for T tokens. The copy's share
-of the GEMM time is ``(2·N·K·e / BW) / (2·T·N·K / PEAK) = e·(PEAK/BW) / T``: N and K cancel, so the
-threshold on tokens·out-features against weight bytes is a threshold on tokens. For DESIGN.md's Llama
-block (d 2048, 16 heads / 4 kv, ffn 5632) in bf16 at batch 4 x 2048 (T = 8192) on an H100 (776 TFLOP/s
-bf16 GEMM, 3.00 TB/s copy: PEAK/BW = 259 FLOP/byte):
-
-=========  ============  ==============  ==========  ================  =================================
-group      fused weight  copied / call   copy time   GEMM fwd          copy share: fwd / fwd+bwd
-=========  ============  ==============  ==========  ================  =================================
-q/k/v      3072 x 2048   25.2 MB         8.4 us      103 GFLOP, 133 us 6.3% / 2.1%
-gate/up    11264 x 2048  92.3 MB         30.8 us     378 GFLOP, 487 us 6.3% / 2.1%
-=========  ============  ==============  ==========  ================  =================================
-
-39 us per block forward, 0.47 ms per 12-layer training step (eager step: 192.8 ms). At batch 1 x 128
-tokens the same copy is 4.0x the GEMM's FLOP time, and the projections are memory-bound (the GEMM reads
-the 12.6 MB q/k/v weight once, 4.2 us; the cat reads and writes it again, 8.4 us): there it cannot pay.
-So a group is fused only when the copy's estimated share, ``e·balance / (passes·T)`` with ``passes`` 3
-in training (the backward's two GEMMs share the forward's copy) and 1 in inference, is at most
-:data:`MAX_COPY_SHARE`: in bf16 on NVIDIA at least 5180 tokens in inference, 1727 in training.
-
-Not in that estimate: in training the backward of ``split`` concatenates the parts' gradients
-(``2·T·N·e`` bytes, e.g. 101 MB for q/k/v at T = 8192: 34 us, ``e·balance/(3·K)`` = 8.4% of the q/k/v
-GEMMs' fwd+bwd time). Inductor writes the producers of those gradients into the concatenated buffer
-directly, and for gate/up the packed activation's backward already writes one tensor, so it is a cost
-only of eager graphs (``compile=False``) and only for q/k/v. The constants are to be tuned with
-``benchmarks/block_fusion.py`` on the GPU (not yet measured there). Inference at small batch would need
-the other design of the issue (the originals as views of one fused storage, no copy), not this pass.
+of the GEMM time is ``e·balance / (passes·T)``, with ``balance`` the device's GEMM FLOP/s over its copy
+bytes/s (:data:`MACHINE_BALANCE`) and ``passes`` 3 in training (the backward's two GEMMs share the
+forward's copy), 1 in inference: N and K cancel, so the threshold is one on tokens. A group is fused only
+when that share is at most :data:`MAX_COPY_SHARE`; at small batch the copy costs more than the GEMM and
+the group is skipped. Not in the estimate: in training the backward of ``split`` concatenates the parts'
+gradients, a cost of eager graphs only (Inductor writes them into one buffer). The worked figures for a
+Llama block and the GPU measurement (``benchmarks/results/block_fusion.json``) are in ``docs/passes.md``.
+Inference at small batch would need another design (the originals as views of one fused storage, no
+copy), not this pass.
 """
 
 from __future__ import annotations
@@ -95,22 +78,18 @@ from kernel_pytorch.passes.shape_constants import describe_node
 __all__ = ["MACHINE_BALANCE", "MAX_COPY_SHARE", "HorizontalGemmPass", "weight_copy_share"]
 
 # The largest share of the fused GEMM's time the weight copy may take. The fusion's gain (fewer
-# launches, bigger GEMM tiles, x read once) is not modelled; 10% is a starting point for the GPU
-# measurement (benchmarks/block_fusion.py), not a measured optimum.
+# launches, bigger GEMM tiles, x read once) is not modelled; 10% is a starting point, not a tuned optimum
+# (one GPU measurement: benchmarks/results/block_fusion.json, docs/passes.md).
 MAX_COPY_SHARE = 0.10
 
-# GEMM FLOP/s per copy byte/s (bytes read + written), by vendor, for 16-bit weights and for wider ones.
-# nvidia 16-bit: 776 TFLOP/s bf16 matmul / 3.00 TB/s copy, measured on an H100 (DESIGN.md). The others
-# are not measured: H100 fp32 without TF32 (torch's default) from its spec sheet, 67 TFLOP/s / 3.0;
-# AMD and Intel GPUs as NVIDIA (MI300X: 1307 TFLOP/s bf16 / 5.3 TB/s, about the same ratio); a server
-# CPU at ~2 TFLOP/s over ~100 GB/s.
+# GEMM FLOP/s per copy byte/s (bytes read + written), by vendor, for 16-bit weights and for wider ones:
+# nvidia 16-bit from a measured bf16 matmul and copy, the rest estimated from spec sheets (docs/passes.md).
 MACHINE_BALANCE: dict[str, tuple[float, float]] = {
     "nvidia": (259.0, 22.0),
     "amd": (259.0, 22.0),
     "intel": (259.0, 22.0),
     "cpu": (20.0, 20.0),
 }
-
 
 
 @dataclass(frozen=True)
@@ -369,7 +348,7 @@ class HorizontalGemmPass(GraphPass):
 def _recomputed(concatenation: Node) -> Node:
     """Tags the weight concatenation for AOTAutograd's partitioner to recompute in the backward rather than
     save: the partitioner otherwise keeps each block's concatenated weights alive from forward to backward
-    (H100, the 12-layer Llama-style train step: 1.4 GB of peak memory, 117 MB per block). The recompute
+    (the peak memory it cost is in docs/passes.md). The recompute
     costs one more weight copy per block in the backward; the tag is the one selective activation
     checkpointing uses, which node metadata carries from this graph to the traced ATen graph."""
     concatenation.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE

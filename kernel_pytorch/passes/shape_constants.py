@@ -24,9 +24,9 @@ __all__ = ["Bindings", "ConstantEvaluator", "Evaluation", "example_value", "desc
            "static_int", "static_numel", "same_shape", "MAX_EVALUATED_ELEMENTS"]
 
 # A mask intermediate bigger than this (elements) is not evaluated to check causality. 2**28 covers
-# L = 16384 (a 1 GiB float32 intermediate, evaluated once per capture on the host); at 2**26 the H100
-# benchmark's L = 16384 causal attention ran with a mask tensor at 0.22-0.29 of cuDNN's is_causal speed
-# (with 2**28: 1.04 of sdpa-cudnn, fwd+bwd, results/attention.json).
+# L = 16384 (a 1 GiB float32 intermediate, evaluated once per capture on the host), where a smaller cap
+# left causal attention with a mask tensor, several times slower (benchmarks/results/attention.json,
+# docs/passes.md).
 MAX_EVALUATED_ELEMENTS = 1 << 28
 
 
