@@ -265,13 +265,13 @@ def test_refusals_that_would_otherwise_compute_something_else():
 def test_efficient_bias_is_expanded_and_row_aligned(mask_shape):
     # The CUDA efficient kernel raises unless the bias is (B, H, Lq, Lk) with every stride but the last a
     # multiple of 8; this layout step is plain tensor code, so it is checked here, on the CPU.
-    from kernel_pytorch.ops.attention import _efficient_bias
+    from kernel_pytorch.attention.kernels.aten_sdpa import efficient_bias
 
     seq_k = mask_shape[-1] if mask_shape[-1] != 1 else 29
     q, k = torch.empty(2, 3, 13, 8), torch.empty(2, 3, seq_k, 8)
     mask = torch.randn(mask_shape)
     mask = mask[(None,) * (4 - mask.dim())]
-    bias = _efficient_bias(mask, q, k)
+    bias = efficient_bias(mask, q, k)
     assert bias.shape == (2, 3, 13, seq_k)
     assert bias.stride(-1) == 1 and all(s % 8 == 0 for s in bias.stride()[:-1]), bias.stride()
     assert torch.equal(bias, mask.expand(2, 3, 13, seq_k))

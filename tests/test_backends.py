@@ -79,9 +79,9 @@ def test_h100_plan_has_cudnn_attention_fp8_and_inductor(monkeypatch):
     hardware = detect_hardware()
     hardware = hardware.model_copy(update={"triton_usable": True, "triton_version": "3.6.0"})
     plan = _plan(get_backend(hardware))
-    for kernel in ("sdpa-cudnn", "sdpa-flash", "fp8-scaled-mm", "triton", "flex-attention"):
+    for kernel in ("cudnn", "flash", "fp8-scaled-mm", "triton", "flex"):
         assert plan[kernel].applies, kernel
-    assert not plan["flash-attn"].applies and "not installed" in plan["flash-attn"].reason
+    assert not plan["flash_attn"].applies and "not installed" in plan["flash_attn"].reason
     assert "inductor (default)" in plan
 
 
@@ -90,7 +90,7 @@ def test_a100_plan_has_no_fp8_and_says_why(monkeypatch):
     plan = _plan(get_backend(detect_hardware()))
     assert not plan["fp8-scaled-mm"].applies
     assert "8.9" in plan["fp8-scaled-mm"].reason and "(8, 0)" in plan["fp8-scaled-mm"].reason
-    assert plan["sdpa-cudnn"].applies
+    assert plan["cudnn"].applies
 
 
 def test_gpu_without_triton_runs_graphs_eagerly_and_says_why():

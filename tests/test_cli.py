@@ -32,7 +32,7 @@ def test_info_json_for_a_simulated_h100(monkeypatch, capsys):
     assert data["hardware"]["vendor"] == "nvidia"
     assert data["hardware"]["compute_capability"] == [9, 0]
     assert data["hardware"]["fp8"] and data["hardware"]["cudnn_attention"]
-    assert {item["name"]: item["applies"] for item in data["plan"]}["sdpa-cudnn"]
+    assert {item["name"]: item["applies"] for item in data["plan"]}["cudnn"]
 
 
 def test_info_with_an_unavailable_forced_device_fails_clearly(capsys):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kernel_pytorch.backends.base import Backend, Kernel
-from kernel_pytorch.backends.kernels import flash_attn_kernel, sdpa_kernel, triton_kernel
+from kernel_pytorch.backends.kernels import attention_kernels, triton_kernel
 
 __all__ = ["AmdBackend"]
 
@@ -14,10 +14,7 @@ class AmdBackend(Backend):
     compile_by_default = True
     kernels = (
         triton_kernel,
-        sdpa_kernel,
-        Kernel("flex-attention", "FlexAttention block-sparse kernels (Triton)",
-               lambda hw: None if hw.triton_usable else "needs Triton"),
+        *attention_kernels("amd"),
         Kernel("fp8-scaled-mm", "FP8 matmuls through torch._scaled_mm (fnuz formats on MI300)",
                lambda hw: None if hw.fp8 else f"no FP8 matrix cores on {hw.gfx_arch or 'this GPU'}"),
-        flash_attn_kernel,
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kernel_pytorch.backends.base import Backend
-from kernel_pytorch.backends.kernels import sdpa_kernel
+from kernel_pytorch.backends.kernels import attention_kernels
 
 __all__ = ["IntelBackend"]
 
@@ -12,4 +12,4 @@ class IntelBackend(Backend):
     vendor = "intel"
     compiler = "inductor"
     compile_by_default = True
-    kernels = (sdpa_kernel,)
+    kernels = attention_kernels("intel")

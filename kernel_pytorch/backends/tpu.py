@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kernel_pytorch.backends.base import Backend
-from kernel_pytorch.backends.kernels import sdpa_kernel
+from kernel_pytorch.backends.kernels import attention_kernels
 
 __all__ = ["TpuBackend"]
 
@@ -15,4 +15,4 @@ class TpuBackend(Backend):
     # No norms, activations or rope passes: their ops are Triton or native custom ops, opaque to XLA,
     # which fuses such elementwise and row-wise code itself.
     graph_passes = ("normalize", "attention")
-    kernels = (sdpa_kernel,)
+    kernels = attention_kernels("tpu")

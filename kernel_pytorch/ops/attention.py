@@ -13,29 +13,16 @@ Both fake implementations are the real implementations run on fake tensors: ever
 with a registered meta kernel, so the fake shapes and strides (the efficient kernel's logsumexp padded to
 a multiple of 32, its BLHE-strided output, ...) are the kernels' own, not hand-written rules.
 
-What each kernel supports (the dispatcher chooses; anything unsupported raises, nothing is computed
-differently from SDPA). Measured on torch 2.11 (H100, cuDNN 9.19) and, for cpu_flash, 2.11 and 2.13:
+What each kernel supports is its record (:mod:`kernel_pytorch.attention.kernels.registry`; a table in
+``docs/attention.md``): device, dtypes, native GQA, ``attn_mask``, a mask gradient, dropout. The dispatcher
+chooses; anything unsupported raises, nothing is computed differently from SDPA. ``flash`` and ``flash_attn``
+refuse ``is_causal`` with ``Lq != Lk``: FlashAttention-2 aligns the causal mask to the bottom right, SDPA to
+the top left (SDPA does not pick flash for that either). Dropout inside a fused kernel draws from the
+kernel's own Philox stream, so its mask differs from eager ``F.dropout``'s (and from the math backend's) for
+the same seed; it equals what SDPA gives when PyTorch picks the same kernel.
 
-=============  ======  ===========  ==========  ===========  ===========  =============================
-kernel         device  native GQA   attn_mask   mask grad    dropout      dtypes
-=============  ======  ===========  ==========  ===========  ===========  =============================
-``cudnn``      cuda    yes          yes         no (raises)  yes          fp16, bf16 (we raise on fp32:
-                                                                          the aten kernel takes it and
-                                                                          returns wrong numbers)
-``flash``      cuda    yes          no (raises) --           yes          fp16, bf16 (aten raises)
-``efficient``  cuda    no (expand)  yes         yes          yes          fp16, bf16, fp32
-``cpu_flash``  cpu     yes          yes         no (raises)  no (aten     fp16, bf16, fp32, fp64
-                                                             raises)
-=============  ======  ===========  ==========  ===========  ===========  =============================
-
-``flash`` also refuses ``is_causal`` with ``Lq != Lk``: FlashAttention-2 aligns the causal mask to the
-bottom right, SDPA to the top left (SDPA does not pick flash for that either). Dropout inside a fused kernel
-draws from the kernel's own Philox stream, so its mask differs from eager ``F.dropout``'s (and from the
-math backend's) for the same seed; it equals what SDPA gives when PyTorch picks the same kernel.
-
-Head-dim and sequence-length limits are the dispatcher's business: the aten kernel raises on them (on
-2.11, E % 8 != 0 in fp16/bf16 for cudnn and efficient; flash gets E padded to a multiple of 8, as SDPA
-does it).
+Head-dim and sequence-length limits are the dispatcher's business: the aten kernel raises on them (E % 8 != 0
+in fp16/bf16 for cudnn and efficient; flash gets E padded to a multiple of 8, as SDPA does it).
 
 Three kernels do not go through the custom ops, because they already trace and differentiate under
 torch.compile on their own:
@@ -63,48 +50,67 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernel_pytorch.attention.kernels.cudnn_band import band_window, cudnn_band_forward
-from kernel_pytorch.attention.kernels.flash_attn import flash_attn_forward
-from kernel_pytorch.attention.kernels.flex import flex_attention_forward
+from kernel_pytorch.attention.kernels.record import AttentionKernel
+from kernel_pytorch.attention.kernels.registry import KERNELS, PATTERN_KERNELS, kernel_record
 
 __all__ = ["attention", "sparse_or_dense_attention", "ATTENTION_KERNELS", "PATTERN_KERNELS", "kernel_device",
            "to_4d"]
 
-ATTENTION_KERNELS = ("sdpa", "cudnn", "flash", "efficient", "cpu_flash", "flex", "flash_attn", "cudnn_band")
-
-# "flex" is "any": FlexAttention runs where PyTorch has it (CUDA/ROCm fused when compiled; CPU forward only).
-_DEVICE = {"sdpa": "any", "cudnn": "cuda", "flash": "cuda", "efficient": "cuda", "cpu_flash": "cpu", "flex": "any",
-           "flash_attn": "cuda", "cudnn_band": "cuda"}
-# Kernels called directly by attention(), not through the custom ops: each traces under torch.compile and
-# has its own autograd (FlexAttention's higher-order op; flash-attn's custom ops; cudnn_band's Function).
-_DIRECT = frozenset({"flex", "flash_attn", "cudnn_band"})
-# Kernels given a recognized mask pattern instead of a mask tensor (the dispatcher and the pass ask here).
-PATTERN_KERNELS = frozenset({"flex", "cudnn_band"})
-_FLASH_ATTN_MAX_HEAD_DIM = 256
-
-# Kernels whose aten forward and backward take Hk != Hq (K/V head h serving query heads h*G .. h*G+G-1),
-# each checked against the float64 reference, forward and gradients: flash and cudnn on torch 2.11 (H100,
-# cuDNN 9.19), cpu_flash on 2.11 and 2.13. efficient raises "Expected query.size(2) == key.size(2)".
-_NATIVE_GQA = frozenset({"flash", "cudnn", "cpu_flash"})
-_TAKES_MASK = frozenset({"cudnn", "efficient", "cpu_flash"})
-# Only the efficient backward returns a gradient for the additive mask (grad_input_mask[3]).
-_MASK_GRAD = frozenset({"efficient"})
-# Kernels that compute in fp16/bf16 only. cuDNN's aten kernel accepts float32 but returns wrong numbers for
-# it (rel. error ~1 on torch 2.11, H100); flash-attn and the cuDNN frontend's band refuse it themselves.
-_HALF_ONLY = frozenset({"cudnn", "flash_attn", "cudnn_band"})
-_HALF = (torch.float16, torch.bfloat16)
+ATTENTION_KERNELS = tuple(KERNELS)
 
 
 def kernel_device(kernel: str) -> str:
     """The device type a kernel runs on: ``"cuda"`` (also ROCm), ``"cpu"``, or ``"any"`` (``"sdpa"``, and
     ``"flex"``, which is fused on GPUs and forward-only on the CPU)."""
-    _check_kernel_name(kernel)
-    return _DEVICE[kernel]
+    return kernel_record(kernel).device
 
 
-def _check_kernel_name(kernel: str) -> None:
-    if kernel not in ATTENTION_KERNELS:
-        raise ValueError(f"unknown attention kernel {kernel!r}; valid kernels: {', '.join(ATTENTION_KERNELS)}")
+def _kernels_with(feature: str) -> str:
+    """The kernels (but "sdpa") that have ``feature``, for the errors: "cpu_flash, cudnn, efficient"."""
+    return ", ".join(sorted(name for name, k in KERNELS.items() if getattr(k, feature) and k.route != "sdpa"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What a kernel would compute differently from SDPA, or not at all, is refused here with a clear message, in
+# this order for every kernel; record.op_checks names the limits a kernel leaves to its own errors.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _refuse_unsupported(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                        dropout_p: float, is_causal: bool, pattern: Optional[tuple] = None,
+                        pattern_tensor: Optional[Tensor] = None) -> None:
+    if attn_mask is not None and not kernel.takes_mask:
+        # FlexAttention could read a mask tensor in a score_mod, but slower than the kernels taking a bias.
+        raise ValueError(f"attention kernel {kernel.name!r} takes no attn_mask; use one of "
+                         f"{_kernels_with('takes_mask')} or 'sdpa'")
+    if "dropout" in kernel.op_checks and not kernel.dropout and dropout_p != 0.0:
+        raise ValueError(f"attention kernel {kernel.name!r} has no dropout (got dropout_p={dropout_p}); "
+                         "use another kernel")
+    if kernel.pattern_check is not None:
+        kernel.pattern_check(q, k, is_causal, pattern, pattern_tensor)
+    if kernel.bottom_right_causal and is_causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"attention kernel {kernel.name!r} aligns is_causal to the bottom right when Lq != Lk, SDPA "
+                         f"to the top left (got Lq={q.shape[-2]}, Lk={k.shape[-2]}); use another kernel")
+    if "dtype" in kernel.op_checks and q.dtype not in kernel.dtypes:
+        names = " and ".join(str(dtype).removeprefix("torch.") for dtype in kernel.dtypes)
+        raise ValueError(f"attention kernel {kernel.name!r} supports {names}, got {q.dtype}")
+    if "head_dims" in kernel.op_checks:
+        _refuse_head_dims(kernel, q, v)
+    if "device" in kernel.op_checks:  # last, so the refusals above also show on CPU tensors
+        _refuse_device(kernel, q)
+
+
+def _refuse_head_dims(kernel: AttentionKernel, q: Tensor, v: Tensor) -> None:
+    high = kernel.head_dims.high
+    if (high is not None and q.shape[-1] > high) or (kernel.head_dims.value_equal and v.shape[-1] != q.shape[-1]):
+        raise ValueError(f"attention kernel {kernel.name!r} needs head dims <= {high}, equal for q/k and v "
+                         f"(got {q.shape[-1]} and {v.shape[-1]})")
+
+
+def _refuse_device(kernel: AttentionKernel, q: Tensor) -> None:
+    """``"meta"`` tensors (shape propagation) pass: they reach fake implementations, which answer for any kernel."""
+    if q.device.type not in (kernel.device, "meta"):
+        raise ValueError(f"attention kernel {kernel.name!r} runs on {kernel.device} tensors, got {q.device.type}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -115,38 +121,21 @@ def _check_kernel_name(kernel: str) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _check_supported(kernel: str, q: Tensor, k: Tensor, attn_mask: Optional[Tensor], is_causal: bool) -> None:
-    """Refuse what a kernel would compute differently from SDPA (or not at all) with a clear message."""
-    _check_kernel_name(kernel)
-    if kernel == "sdpa" or kernel in _DIRECT:
+def _custom_op_kernel(kernel: str, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                      is_causal: bool) -> AttentionKernel:
+    """The record of ``kernel``, refusing what it would compute differently from SDPA (or not at all)."""
+    record = kernel_record(kernel)
+    if record.route != "custom_op":
         raise ValueError(f"kernel {kernel!r} does not go through the custom ops; "
                          f"call attention(..., kernel={kernel!r})")
-    if attn_mask is not None and kernel not in _TAKES_MASK:
-        raise ValueError(f"attention kernel {kernel!r} takes no attn_mask; use one of "
-                         f"{', '.join(sorted(_TAKES_MASK))} or 'sdpa'")
-    if kernel == "flash" and is_causal and q.shape[-2] != k.shape[-2]:
-        raise ValueError("attention kernel 'flash' aligns is_causal to the bottom right when Lq != Lk, SDPA to "
-                         f"the top left (got Lq={q.shape[-2]}, Lk={k.shape[-2]}); use another kernel")
-    _check_dtype(kernel, q)
-    # Last, so the refusals above also show on CPU tensors.
-    _check_device(kernel, q)
+    _refuse_unsupported(record, q, k, v, attn_mask, 0.0, is_causal)
+    return record
 
 
-def _check_dtype(kernel: str, q: Tensor) -> None:
-    if kernel in _HALF_ONLY and q.dtype not in _HALF:
-        raise ValueError(f"attention kernel {kernel!r} supports float16 and bfloat16, got {q.dtype}")
-
-
-def _check_device(kernel: str, q: Tensor) -> None:
-    """``"meta"`` tensors (shape propagation) pass: they reach fake implementations, which answer for any kernel."""
-    if q.device.type not in (_DEVICE[kernel], "meta"):
-        raise ValueError(f"attention kernel {kernel!r} runs on {_DEVICE[kernel]} tensors, got {q.device.type}")
-
-
-def _expand_kv(kernel: str, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+def _expand_kv(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """K/V with Hq heads for kernels without native GQA (SDPA's repeat_interleave on the head dim)."""
     groups = q.shape[1] // k.shape[1]
-    if groups == 1 or kernel in _NATIVE_GQA:
+    if groups == 1 or kernel.native_gqa:
         return k, v
     return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
@@ -156,22 +145,6 @@ def _reduce_kv_grad(grad: Tensor, heads_kv: int) -> Tensor:
     if grad.shape[1] == heads_kv:
         return grad
     return grad.unflatten(1, (heads_kv, grad.shape[1] // heads_kv)).sum(2)
-
-
-def _efficient_bias(attn_mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
-    """SDPA's preprocess_mask: the efficient kernel takes the bias only as (B, H, Lq, Lk) (expanded views
-    are fine) with every stride but the last a multiple of 8 ("attn_bias is not correctly aligned"
-    otherwise). A misaligned mask is copied, its broadcast dims left at size 1, into a buffer whose rows
-    are padded to a multiple of 8, sliced back to Lk and expanded."""
-    if attn_mask is None:
-        return None
-    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    bias = attn_mask.expand(shape)
-    if bias.stride(-1) == 1 and all(stride % 8 == 0 for stride in bias.stride()[:-1]):
-        return bias
-    seq_k = shape[-1]
-    materialized = bias[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in bias.stride()[:-1])]
-    return F.pad(materialized, (0, 8 - seq_k % 8))[..., :seq_k].expand(shape)
 
 
 def _rng_outputs(q: Tensor, seed: Optional[Tensor], offset: Optional[Tensor], dropout_p: float):
@@ -201,26 +174,9 @@ def _attention_fwd(
     compute_log_sumexp: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(output, logsumexp, rng_state_a, rng_state_b) of the aten forward kernel named by ``kernel``."""
-    _check_supported(kernel, q, k, attn_mask, is_causal)
-    k, v = _expand_kv(kernel, q, k, v)
-    aten = torch.ops.aten
-    seed = offset = None
-    if kernel == "cpu_flash":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-    elif kernel == "flash":
-        # -> (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_attn_mask);
-        # cum_seq_* are None for dense (non-nested) inputs.
-        out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-            q, k, v, dropout_p, is_causal, False,  # return_debug_mask
-            scale=scale)
-    elif kernel == "cudnn":
-        out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
-            q, k, v, attn_mask, compute_log_sumexp, dropout_p, is_causal, False,  # return_debug_mask
-            scale=scale)
-    else:  # efficient; logsumexp comes padded to a multiple of 32 queries (empty without compute_log_sumexp)
-        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
-            q, k, v, _efficient_bias(attn_mask, q, k), compute_log_sumexp, dropout_p, is_causal, scale=scale)
+    record = _custom_op_kernel(kernel, q, k, v, attn_mask, is_causal)
+    k, v = _expand_kv(record, q, k, v)
+    out, lse, seed, offset = record.forward(q, k, v, attn_mask, dropout_p, is_causal, scale, compute_log_sumexp)
     return (out, lse, *_rng_outputs(q, seed, offset, dropout_p))
 
 
@@ -242,37 +198,13 @@ def _attention_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad_q, grad_k, grad_v, grad_mask) from the aten backward kernel; grad_mask is empty unless
     ``mask_grad`` (efficient only). ``k``/``v`` are the unexpanded inputs of attention_fwd."""
-    _check_supported(kernel, q, k, attn_mask, is_causal)
-    if mask_grad and kernel not in _MASK_GRAD:
+    record = _custom_op_kernel(kernel, q, k, v, attn_mask, is_causal)
+    if mask_grad and not record.mask_grad:
         raise ValueError(f"attention kernel {kernel!r} cannot return a gradient for attn_mask")
     heads_kv = k.shape[1]
-    k, v = _expand_kv(kernel, q, k, v)  # again, rather than saving Hq/Hk times more K/V in the forward
-    aten = torch.ops.aten
-    max_q, max_k = q.shape[2], k.shape[2]  # the padded-batch sequence lengths; dense inputs: the lengths
-    grad_mask = None
-    if kernel == "cpu_flash":
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-    elif kernel == "flash":
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, k, v, out, lse,
-            None, None,  # cum_seq_q, cum_seq_k: undefined selects the dense (non-varlen) kernel
-            max_q, max_k, dropout_p, is_causal,
-            rng_a, rng_b,  # "philox_seed, philox_offset": the forward's (rng_state, unused)
-            scale=scale)
-    elif kernel == "cudnn":
-        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-            grad_out, q, k, v, out, lse, rng_a, rng_b,
-            attn_mask,  # declared `Tensor attn_bias` (not optional); None passes an undefined tensor
-            None, None,  # cum_seq_q, cum_seq_k, as for flash
-            max_q, max_k, dropout_p, is_causal, scale=scale)
-    else:
-        dq, dk, dv, grad_mask = aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k, v,
-            _efficient_bias(attn_mask, q, k),  # `Tensor attn_bias` here too; None when there is no mask
-            out, lse, rng_a, rng_b, dropout_p,
-            [True, True, True, mask_grad],  # grad_input_mask: which of q, k, v, attn_bias to differentiate
-            is_causal, scale=scale)
+    k, v = _expand_kv(record, q, k, v)  # again, rather than saving Hq/Hk times more K/V in the forward
+    dq, dk, dv, grad_mask = record.backward(grad_out, q, k, v, attn_mask, out, lse, rng_a, rng_b, dropout_p,
+                                            is_causal, scale, mask_grad)
     if grad_mask is None:
         grad_mask = q.new_empty(0)  # a custom op returns tensors only; the autograd formula maps it to None
     else:  # (B, Hq, Lq, Lk) -> the mask's own broadcast shape
@@ -291,7 +223,7 @@ def _attention_fwd_fake(q, k, v, attn_mask, dropout_p, is_causal, scale, kernel,
     CUDA-graph capture; PyTorch's own fake-tensor cross-checks exempt exactly these outputs)."""
     out, lse, rng_a, rng_b = _attention_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, kernel,
                                             compute_log_sumexp)
-    if kernel == "efficient" and dropout_p != 0.0:
+    if kernel_record(kernel).rng_on_host and dropout_p != 0.0:
         rng_a, rng_b = rng_a.to("cpu"), rng_b.to("cpu")
     return out, lse, rng_a, rng_b
 
@@ -358,28 +290,28 @@ def attention(
         k = v = torch.randn(2, 2, 128, 64)
         out = attention(q, k, v, is_causal=True, enable_gqa=True, kernel="cpu_flash")  # (2, 8, 128, 64)
     """
-    _check_kernel_name(kernel)
-    if (pattern is not None or pattern_tensor is not None) and kernel not in PATTERN_KERNELS:
+    record = kernel_record(kernel)
+    if (pattern is not None or pattern_tensor is not None) and not record.takes_pattern:
         raise ValueError(f"a mask pattern is computed by kernels {' and '.join(map(repr, sorted(PATTERN_KERNELS)))} "
                          f"only (got kernel={kernel!r}); pass the mask as attn_mask to the other kernels")
-    if kernel == "sdpa":
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if record.route == "sdpa":
+        return record.forward(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     _check_shapes(q, k, v, enable_gqa)
-    if kernel in _DIRECT:
-        return _direct_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, kernel, pattern, pattern_tensor)
-    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled() and kernel not in _MASK_GRAD:
+    if record.route == "direct":
+        return _direct_attention(record, q, k, v, attn_mask, dropout_p, is_causal, scale, pattern, pattern_tensor)
+    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled() and not record.mask_grad:
         raise ValueError(f"attention kernel {kernel!r} cannot return a gradient for attn_mask, which requires "
-                         f"grad; use one of {', '.join(sorted(_MASK_GRAD))} or 'sdpa', or detach the mask")
+                         f"grad; use one of {_kernels_with('mask_grad')} or 'sdpa', or detach the mask")
     out_shape = (*q.shape[:-1], v.shape[-1])
     mask = _prepare_mask(attn_mask, q, k)
     q, k, v = to_4d(q), to_4d(k), to_4d(v)
     head_dim, value_dim = q.shape[-1], v.shape[-1]
-    if kernel == "flash" and head_dim % 8:
-        # As SDPA does: FlashAttention-2 needs E % 8 == 0, zero columns change no score; the scale stays
-        # that of the real head dim. Done out here so autograd handles the pad and the slice.
+    multiple = record.head_dims.multiple_of
+    if record.head_dims.padded and head_dim % multiple:
+        # As SDPA does for flash: zero columns change no score; the scale stays that of the real head dim.
+        # Done out here so autograd handles the pad and the slice.
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        q, k, v = (F.pad(t, (0, 8 - head_dim % 8)) for t in (q, k, v))
+        q, k, v = (F.pad(t, (0, multiple - head_dim % multiple)) for t in (q, k, v))
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, mask))
     out = attention_fwd(q, k, v, mask, dropout_p, is_causal, scale, kernel, needs_grad)[0]
@@ -408,51 +340,17 @@ def sparse_or_dense_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Option
     return attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernel=kernel)
 
 
-def _direct_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
-                      is_causal: bool, scale: Optional[float], kernel: str, pattern: Optional[tuple] = None,
+def _direct_attention(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                      dropout_p: float, is_causal: bool, scale: Optional[float], pattern: Optional[tuple] = None,
                       pattern_tensor: Optional[Tensor] = None) -> Tensor:
-    """``flex`` and ``flash_attn``: refuse what they would compute differently from SDPA, call them on
-    (B, H, L, E) views (autograd and tracing are theirs), and give the output q's leading dims back."""
-    if attn_mask is not None:
-        # FlexAttention could read a mask tensor in a score_mod, but slower than the kernels taking a bias.
-        raise ValueError(f"attention kernel {kernel!r} takes no attn_mask; use one of "
-                         f"{', '.join(sorted(_TAKES_MASK))} or 'sdpa'")
-    if kernel in ("flex", "cudnn_band") and dropout_p != 0.0:
-        raise ValueError(f"attention kernel {kernel!r} has no dropout (got dropout_p={dropout_p}); use another kernel")
-    window = _cudnn_band_window(q, k, is_causal, pattern, pattern_tensor) if kernel == "cudnn_band" else None
-    if kernel == "flash_attn":
-        if is_causal and q.shape[-2] != k.shape[-2]:
-            raise ValueError("attention kernel 'flash_attn' aligns is_causal to the bottom right when Lq != Lk, SDPA "
-                             f"to the top left (got Lq={q.shape[-2]}, Lk={k.shape[-2]}); use another kernel")
-        _check_dtype(kernel, q)
-        if q.shape[-1] > _FLASH_ATTN_MAX_HEAD_DIM or v.shape[-1] != q.shape[-1]:
-            raise ValueError(f"attention kernel 'flash_attn' needs head dims <= {_FLASH_ATTN_MAX_HEAD_DIM}, equal for "
-                             f"q/k and v (got {q.shape[-1]} and {v.shape[-1]})")
-        # The device is flash-attn's own check ("Input tensor must be on CUDA device"), which also keeps
-        # the adapter testable on the CPU with a stand-in flash_attn module.
+    """``flex``, ``flash_attn`` and ``cudnn_band``: refuse what they would compute differently from SDPA, call
+    them on (B, H, L, E) views (autograd and tracing are theirs), and give the output q's leading dims back."""
+    _refuse_unsupported(kernel, q, k, v, attn_mask, dropout_p, is_causal, pattern, pattern_tensor)
     out_shape = (*q.shape[:-1], v.shape[-1])
     q, k, v = to_4d(q), to_4d(k), to_4d(v)
-    if kernel == "flex":
-        out = flex_attention_forward(q, k, v, is_causal=is_causal, scale=scale, pattern=pattern,
-                                     pattern_tensor=pattern_tensor)
-    elif kernel == "cudnn_band":
-        out = cudnn_band_forward(q, k, v, window=window, scale=scale)
-    else:
-        out = flash_attn_forward(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    out = kernel.forward(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, pattern=pattern,
+                         pattern_tensor=pattern_tensor)
     return out.reshape(out_shape)
-
-
-def _cudnn_band_window(q: Tensor, k: Tensor, is_causal: bool, pattern: Optional[tuple],
-                       pattern_tensor: Optional[Tensor]) -> int:
-    """The window of a ``cudnn_band`` call, refusing what it does not compute (see the module docstring)."""
-    window = band_window(pattern, q.shape[-2], k.shape[-2])
-    if window is None or is_causal or pattern_tensor is not None:
-        raise ValueError("attention kernel 'cudnn_band' computes a causal sliding window given as the pattern "
-                         f"('band', 0, w - 1) with Lq == Lk and no is_causal (got pattern={pattern!r}, "
-                         f"is_causal={is_causal}, Lq={q.shape[-2]}, Lk={k.shape[-2]})")
-    _check_dtype("cudnn_band", q)
-    _check_device("cudnn_band", q)
-    return window
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None:

@@ -87,9 +87,10 @@ import torch.fx
 from torch.fx import Node
 
 from kernel_pytorch.attention import dispatch
-from kernel_pytorch.attention.kernels.flex import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM
+from kernel_pytorch.attention.kernels.eligibility import dtype_names
+from kernel_pytorch.attention.kernels.registry import KERNELS, PATTERN_KERNELS
 from kernel_pytorch.attention.kernels.topk_sparse import TOPK_ERROR_QUERY_BLOCKS, topk_relative_error
-from kernel_pytorch.ops.attention import PATTERN_KERNELS, attention, sparse_or_dense_attention, to_4d
+from kernel_pytorch.ops.attention import attention, sparse_or_dense_attention, to_4d
 from kernel_pytorch.passes.attention_match import AttentionMatch, NotAttention, Operand, match_attention
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, Rewrite
 from kernel_pytorch.passes.causal_mask import CausalMaskGuard, decide_causal
@@ -120,7 +121,7 @@ def _choose_kernel(q, k, v, mask, *, is_causal, dropout_p, enable_gqa, ctx: Pass
         return "sdpa", f"the kernel dispatcher failed ({type(error).__name__}: {error}); PyTorch's SDPA dispatch"
 
 
-_SPARSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # FlexAttention's fused kernels (CPU and GPU)
+_FLEX = KERNELS["flex"]  # top-k sparse attention runs on FlexAttention's kernels (CPU and GPU)
 
 
 def _topk_refusal(q, k, v, mask: Optional[Node], plan: "_MaskPlan", dropout_p: float, ctx: PassContext) -> str:
@@ -133,11 +134,11 @@ def _topk_refusal(q, k, v, mask: Optional[Node], plan: "_MaskPlan", dropout_p: f
         return "the call has dropout"
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "q, k, v have no example values"
-    if q.dtype not in _SPARSE_DTYPES:
-        return f"FlexAttention's kernels take fp16/bf16/fp32, not {q.dtype}"
-    dims = (q.shape[-1], v.shape[-1])
-    if not all(isinstance(d, int) and FLEX_MIN_HEAD_DIM <= d <= FLEX_MAX_HEAD_DIM for d in dims):
-        return f"FlexAttention needs head dims in [{FLEX_MIN_HEAD_DIM}, {FLEX_MAX_HEAD_DIM}] (got {dims[0]}, {dims[1]})"
+    if q.dtype not in _FLEX.dtypes:
+        return f"FlexAttention's kernels take {dtype_names(_FLEX.dtypes)}, not {q.dtype}"
+    dims, low, high = (q.shape[-1], v.shape[-1]), _FLEX.head_dims.low, _FLEX.head_dims.high
+    if not all(isinstance(d, int) and low <= d <= high for d in dims):
+        return f"FlexAttention needs head dims in [{low}, {high}] (got {dims[0]}, {dims[1]})"
     return ""
 
 

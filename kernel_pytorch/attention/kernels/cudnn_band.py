@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["cudnn_band_forward", "band_window", "load_cudnn_frontend"]
+__all__ = ["cudnn_band_forward", "band_window", "check_band_call", "load_cudnn_frontend"]
 
 # Operand ids inside our graphs, by operand name (any distinct integers; one numbering for both directions).
 # The names, of the operands and of the two nodes ("sdpa_fwd", "sdpa_bwd"), and the explicit no-padding
@@ -89,6 +89,16 @@ def band_window(pattern: Optional[tuple], lq: int, lk: int) -> Optional[int]:
         return None
     return hi + 1
 
+
+
+def check_band_call(q: Tensor, k: Tensor, is_causal: bool, pattern: Optional[tuple],
+                    pattern_tensor: Optional[Tensor]) -> None:
+    """Refuse a call this kernel would not compute as SDPA: only the pattern ``("band", 0, w - 1)``, with
+    Lq == Lk and no ``is_causal`` (the band is causal) and no pattern tensor."""
+    if band_window(pattern, q.shape[-2], k.shape[-2]) is None or is_causal or pattern_tensor is not None:
+        raise ValueError("attention kernel 'cudnn_band' computes a causal sliding window given as the pattern "
+                         f"('band', 0, w - 1) with Lq == Lk and no is_causal (got pattern={pattern!r}, "
+                         f"is_causal={is_causal}, Lq={q.shape[-2]}, Lk={k.shape[-2]})")
 
 # ----------------------------------------------------------------------------------- graphs and handles
 
