@@ -183,12 +183,12 @@ def _compact_value(v: Node, builder: _Builder, training: bool) -> tuple[Node, in
 
     The kernel saves its V input, and a view keeps its base's whole storage alive. V reached through views
     of a larger tensor (the q/k/v split of one fused projection, :mod:`horizontal_gemm`) would keep that
-    tensor until the backward: in DESIGN.md's Llama-style train step the fused q/k/v output is 50 MB per
-    layer, V 8 MB. In training such a V is copied once (8 MB per layer, a few microseconds on an H100) into
-    a tensor of its own. Walks back through view ops, whose example values may predate earlier rewrites,
-    to the first whose value is a view of a larger storage, and copies that one, so the views after it
-    give V the stride order it had. A V copied instead into contiguous (B, H, L, D) order gave wrong
-    gradients in the H100 12-layer train step under Inductor (the verification rolled the attention
+    tensor until the backward: in the Llama-style train step of ``benchmarks/e2e.py`` that tensor is about six
+    times V per layer (docs/attention.md, "V copied out of a fused projection"). In training such a V is
+    copied once into a tensor of its own. Walks back through view ops, whose example values may predate
+    earlier rewrites, to the first whose value is a view of a larger storage, and copies that one, so the
+    views after it give V the stride order it had. A V copied instead into contiguous (B, H, L, D) order gave
+    wrong gradients in the GPU 12-layer train step under Inductor (the verification rolled the attention
     rewrite back; the mechanism was not isolated: the attention kernels alone passed with either
     layout); this copy passes the GPU tests and the train step's verification."""
     node, child = v, None

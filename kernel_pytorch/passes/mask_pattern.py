@@ -45,10 +45,10 @@ __all__ = ["MaskPattern", "PatternDecision", "decide_pattern", "allowed_position
            "block_density", "SPARSE_MAX_DENSITY"]
 
 # A general ("blocks") mask is sent to a block-sparse kernel only when at most this fraction of its
-# 128x128 tiles hold an allowed entry. A guess to be measured on the H100 (benchmarks/sparse_attention.py):
-# FlexAttention's dense rate is ~0.66 of cuDNN's (DESIGN.md: 407 vs 613 TFLOP/s), so it needs to skip at
-# least ~1/3 of the tiles to break even; 0.5 leaves margin. Bands and documents are recognized at any
-# density; the dispatcher measures whether FlexAttention wins.
+# 128x128 tiles hold an allowed entry. A guess, from FlexAttention's dense forward rate of about two thirds of
+# cuDNN's (docs/attention.md, "Preference order"): it needs to skip at least a third of the tiles to break
+# even; 0.5 leaves margin (benchmarks/sparse_attention.py measures it). Bands and documents are recognized at
+# any density; the dispatcher measures whether FlexAttention wins.
 SPARSE_MAX_DENSITY = 0.5
 
 _VIEW_OPS = (operator.getitem, torch.unsqueeze, torch.reshape, torch.flatten, torch.broadcast_to, "view", "reshape",

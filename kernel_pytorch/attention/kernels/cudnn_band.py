@@ -3,13 +3,9 @@ band), built as a cuDNN graph through the cuDNN frontend's Python API (the ``nvi
 package, >= 1.32; extra ``cudnn``).
 
 PyTorch's own cuDNN SDPA takes a causal flag or a mask tensor, not a window: a sliding window there is a
-dense masked attention. cuDNN skips the tiles outside the band itself. H100, bf16, hd128, 16 heads,
-batch x L = 16384, causal window 1024 (GPU time, CUDA-graph replays), against cuDNN's dense causal kernel
-through SDPA and FlexAttention with the window's BlockMask:
-
-    L        band fwd   dense causal fwd   flex fwd   |  band fwd+bwd   dense causal   flex
-    2048     0.221 ms   0.256              0.396      |  0.968          1.128          1.633
-    16384    0.274      1.727              0.490      |  1.154          7.026          1.984
+dense masked attention. cuDNN skips the tiles outside the band itself, which made it faster than cuDNN's
+dense causal kernel and than FlexAttention with the window's BlockMask, forward and backward
+(``benchmarks/results/sparse_attention.json``; the figures in ``docs/attention.md``, "cuDNN's sliding window").
 
 What it computes is SDPA's with the mask ``0 <= i - j < window`` (query i sees itself and the
 ``window - 1`` keys before it): the graph's ``diagonal_band_left_bound`` is the band's length, checked
@@ -18,9 +14,8 @@ against a masked float32 SDPA (a bound of ``w`` matched the band ``0 <= i - j <=
 of :mod:`kernel_pytorch.attention.kernels.flex` with ``window = hi + 1``. The dispatcher sends nothing else here.
 
 Why our own graphs rather than the frontend's ``torch.ops.cudnn.sdpa_fwd``: that op covers every SDPA
-variant (sinks, padding, varlen) and checks and normalizes its arguments on each call. On the H100 machine
-its host time per forward before the cuDNN launch was 59 us, 79 us through the dispatcher, against a GPU
-time of 0.22 ms at L=2048; ours is 35 us through the dispatcher. This module builds one forward and one
+variant (sinks, padding, varlen) and checks and normalizes its arguments on each call, which cost about
+twice our host time per call (docs/attention.md, "cuDNN's sliding window"). This module builds one forward and one
 backward graph per (shapes, strides, dtype, window, scale), keeps them, and each call only allocates the
 outputs and executes (``_execute``). Two ops in PyTorch's dispatcher make it traceable by torch.compile;
 the autograd formula is SDPA's (forward saves the log-sum-exp, backward is cuDNN's). The frontend is
@@ -41,12 +36,11 @@ __all__ = ["cudnn_band_forward", "band_window", "check_band_call", "load_cudnn_f
 
 # Operand ids inside our graphs, by operand name (any distinct integers; one numbering for both directions).
 # The names, of the operands and of the two nodes ("sdpa_fwd", "sdpa_bwd"), and the explicit no-padding
-# arguments in ``_build`` are those of the frontend's own torch ops. With others ("do", "band_bwd", the
+# arguments in ``_build`` are those of the frontend's own torch ops: with others ("do", "band_bwd", the
 # padding arguments left to their defaults), a forward + backward warmed up eagerly and then captured into
-# a CUDA graph failed the capture on the H100 ("operation would make the legacy stream depend on a
-# capturing blocking stream") in every one of 20-odd tries at (2, 8, 512, 64), while the frontend's op
-# captured; with these names it captured in 7 of 7, two shapes (the ids made no difference). Once another
-# band problem has run in the process, the backward's capture fails with either (the dispatcher's rule).
+# a CUDA graph failed the capture, with these it captured (docs/attention.md, "cuDNN's sliding window and
+# CUDA graphs"). Once another band problem has run in the process, the backward's capture fails with
+# either (the dispatcher's rule: its record's trains_in_cuda_graphs).
 _UIDS = {name: uid for uid, name in enumerate(("q", "k", "v", "o", "stats", "dO", "dq", "dk", "dv"), start=1)}
 _MAX_GRAPHS = 256  # built graphs kept; one per distinct problem, oldest dropped past this
 
@@ -190,9 +184,9 @@ def _descriptor_ready(t: Tensor) -> Tensor:
 # -------------------------------------------------------------------------------------- the two ops
 #
 # Two ops in the dispatcher (so torch.compile traces them, with the fake implementations below) and an
-# autograd.Function over them, not ``torch.library.custom_op``: the latter's Python layers cost 46.6 us per
-# call against 9.2 us for an op registered with ``Library.impl`` (measured on the development CPU with a
-# no-op body), and the compiled module pays that on every call.
+# autograd.Function over them, not ``torch.library.custom_op``, whose Python layers cost several times the
+# host time per call of an op registered with ``Library.impl`` (docs/attention.md), which the compiled
+# module pays on every call.
 
 _lib = torch.library.Library("kernel_pytorch", "FRAGMENT")
 _lib.define("cudnn_band_fwd(Tensor q, Tensor k, Tensor v, int window, float scale) -> (Tensor, Tensor)")

@@ -29,7 +29,7 @@ _FLASH_ATTN_MIN_VERSION = (2, 7)
 # nvidia-cudnn-frontend 1.32: the release cudnn_band's graphs are built and tested with (pygraph.sdpa's diagonal
 # band bounds, execute with ordered tensor_uids).
 _CUDNN_FRONTEND_MIN_VERSION = (1, 32)
-# flash-attn's README: head dim > 192 backward with dropout needs A100/H100-class shared memory (sm80/sm90).
+# flash-attn's README: head dim > 192 backward with dropout needs the shared memory of sm80/sm90 GPUs.
 _FLASH_ATTN_BIG_HEAD_BWD_CC = ((8, 0), (9, 0))
 _SHORT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 

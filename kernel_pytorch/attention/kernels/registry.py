@@ -4,7 +4,7 @@ the dispatcher (:mod:`kernel_pytorch.attention.dispatch`) and the backends' plan
 its name everywhere: ``attention(..., kernel=name)``, the report's ``attention[name]``, the plan's line.
 
 How each record's facts were found, and the measurements behind the preference order: ``docs/attention.md``.
-Adding a kernel: ``docs/design.md``, "Adding a pass / kernel / backend / feature".
+Adding a kernel: ``docs/design.md``, "Adding a kernel".
 
 Example::
 
