@@ -281,8 +281,8 @@ def model_step(quick: bool, runs: int) -> dict:
     config = LlamaStyleConfig(n_layers=2 if quick else 12)
     batch, seq = (2, 1024) if quick else (4, 2048)
     out: dict = {"layers": config.n_layers, "batch": batch, "seq": seq, "results": {}}
-    for name, options in (("bf16", {}), ("fp8 tensorwise", {"fp8": True}), ("fp8 rowwise", {"fp8": True,
-                          "fp8_recipe": "rowwise"}), ("fp8 auto", {"fp8": "auto"})):
+    for name, options in (("bf16", {}), ("fp8 tensorwise", {"fp8": True}),
+                          ("fp8 rowwise", {"fp8": {"mode": True, "recipe": "rowwise"}}), ("fp8 auto", {"fp8": "auto"})):
         result: dict = {}
         try:
             torch.manual_seed(0)

@@ -152,7 +152,7 @@ def random_tokens(config: LlamaStyleConfig, batch: int, seq: int) -> torch.Tenso
 def optimized(config: LlamaStyleConfig, tokens: torch.Tensor, compile_setting: bool | str,
               **memory_options: Any) -> torch.nn.Module:
     model = build(config)
-    return optimize(model, example_inputs=(tokens,), verify=False, compile=compile_setting, **memory_options)
+    return optimize(model, example_inputs=(tokens,), verify=False, compile=compile_setting, memory=memory_options)
 
 
 @dataclasses.dataclass

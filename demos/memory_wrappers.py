@@ -110,7 +110,7 @@ def checkpointing_rows(s: Setup, reference: torch.nn.Module, batch: torch.Tensor
     for policy in ("off", "full"):
         # Selective under optimize is left out: after the fusion passes its pointwise ops are gone (fused),
         # so it keeps about what the unwrapped optimized model keeps, and it compiles for seconds more.
-        model = optimize(copy.deepcopy(reference), example_inputs=inputs, checkpointing=policy)
+        model = optimize(copy.deepcopy(reference), example_inputs=inputs, memory={"checkpointing": policy})
         problem = _rolled_back(model)
         name = "optimize" + (f" + checkpointing {policy}" if policy != "off" else "")
         rows.append(Row(name, "saved for backward", before, saved_activation_bytes(model, inputs),
@@ -145,7 +145,8 @@ def activation_offload_row(s: Setup, reference: torch.nn.Module, batch: torch.Te
     # compile=False: the rewritten graphs run eagerly (fused kernels, no Inductor), minutes of compiling
     # saved; the offload hooks sit around the call either way.
     plain = optimize(copy.deepcopy(reference), example_inputs=inputs, compile=False)
-    offloaded = optimize(copy.deepcopy(reference), example_inputs=inputs, compile=False, offload_activations=True)
+    offloaded = optimize(copy.deepcopy(reference), example_inputs=inputs, compile=False,
+                         memory={"offload_activations": True})
     error = _gradient_error(offloaded, plain, batch)
     peaks = [_peak_step_bytes(model, batch) for model in (plain, offloaded)]
     record = next(r for r in report_of(offloaded).memory if r.wrapper == "activation_offload")
@@ -159,7 +160,8 @@ def offloaded_optimizer_row(s: Setup, reference: torch.nn.Module, batches: list[
     fp32 = copy.deepcopy(reference).float()
     inputs = (batches[0][:, :-1],)
     models = {"adamw": optimize(copy.deepcopy(fp32), example_inputs=inputs, compile=False),
-              "offloaded": optimize(copy.deepcopy(fp32), example_inputs=inputs, compile=False, offload_optimizer=True)}
+              "offloaded": optimize(copy.deepcopy(fp32), example_inputs=inputs, compile=False,
+                                    memory={"offload_optimizer": True})}
     resident = {}
     for name, model in models.items():
         optimizer = make_optimizer(model, lr=1e-3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kernel_pytorch.api import optimize, report_of
 from kernel_pytorch.backends import Backend, get_backend
 from kernel_pytorch.compiled_call import RecompileLimitWarning, UnoptimizedCallWarning
-from kernel_pytorch.config import OptimizeConfig, SparseAttentionConfig, Tolerance
+from kernel_pytorch.config import Float8Config, MemoryConfig, OptimizeConfig, SparseAttentionConfig, Tolerance
 from kernel_pytorch.errors import ConfigError, HardwareUnavailableError, KernelPytorchError, PassError, UnknownPassError
 from kernel_pytorch.hardware import HardwareInfo, detect_hardware
 from kernel_pytorch.report import OptimizationReport
@@ -16,6 +16,8 @@ __all__ = [
     "optimize",
     "report_of",
     "OptimizeConfig",
+    "Float8Config",
+    "MemoryConfig",
     "SparseAttentionConfig",
     "Tolerance",
     "detect_hardware",

@@ -9,7 +9,7 @@ from typing import Any
 import torch.nn as nn
 
 from kernel_pytorch.backends import OptimizationState, get_backend
-from kernel_pytorch.config import OptimizeConfig
+from kernel_pytorch.config import DEPRECATED_FLAT_OPTIONS, OptimizeConfig
 from kernel_pytorch.features import OptimizeRun, enabled_features
 from kernel_pytorch.hardware import detect_hardware
 from kernel_pytorch.report import OptimizationReport
@@ -68,7 +68,8 @@ def optimize(
         started = time.perf_counter()
         optimized = end_to_end.first_call(model)
         run.report.add_time("first call (capture, passes, compile)", time.perf_counter() - started)
-        if end_to_end.judge(model, optimized, model._kernel_pytorch.graph_optimizer.judging_config(run.report.rewrites)):
+        judged_by = model._kernel_pytorch.graph_optimizer.judging_config(run.report.rewrites)
+        if end_to_end.judge(model, optimized, judged_by):
             for feature in features:
                 feature.after_check(model, run)
     return model
@@ -88,7 +89,7 @@ def _config_with(config: OptimizeConfig | None, overrides: dict[str, Any]) -> Op
         raise TypeError(f"config must be an OptimizeConfig, got {type(config).__name__}")
     fields = OptimizeConfig.model_fields
     for name in overrides:
-        if name not in fields:
+        if name not in fields and name not in DEPRECATED_FLAT_OPTIONS:  # those warn, in OptimizeConfig
             close = difflib.get_close_matches(name, [*fields, "example_inputs"], n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise TypeError(f"optimize() got an unknown option '{name}'{hint} (options: {', '.join(fields)})")

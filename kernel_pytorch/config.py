@@ -7,6 +7,7 @@ the value given and the values its annotation allows, in place of pydantic's one
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -26,8 +27,8 @@ from kernel_pytorch.config_model import ConfigModel, allowed_values, not_allowed
 from kernel_pytorch.device_names import DEVICE_ALIASES, DeviceName, Vendor  # re-exported: their old home
 from kernel_pytorch.pass_names import check_pass_names
 
-__all__ = ["OptimizeConfig", "SparseAttentionConfig", "Tolerance", "DEFAULT_TOLERANCES", "Vendor", "DEVICE_ALIASES",
-           "DeviceName", "CompileMode"]
+__all__ = ["OptimizeConfig", "Float8Config", "MemoryConfig", "SparseAttentionConfig", "Tolerance",
+           "DEPRECATED_FLAT_OPTIONS", "DEFAULT_TOLERANCES", "Vendor", "DEVICE_ALIASES", "DeviceName", "CompileMode"]
 
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
@@ -124,6 +125,93 @@ class SparseAttentionConfig(ConfigModel):
                 f"local, from {self.min_length} tokens")
 
 
+class Float8Config(ConfigModel):
+    """FP8 linear layers: ``optimize(model, fp8=Float8Config(mode="auto", recipe="rowwise"))``, or a dict of these
+    fields; ``fp8=True`` / ``"auto"`` / ``False`` are short for ``Float8Config(mode=...)``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Union[bool, Literal["auto"]] = Field(
+        False, description="Run eligible linear layers as FP8 matmuls (the 'fp8' graph pass, after the q/k/v and "
+        "gate/up fusion: kernel_pytorch.passes.fp8_linear): True converts every candidate; 'auto' times each "
+        "linear's real (M, K, N) on this GPU and converts only where FP8 is faster. Off by default: FP8 changes "
+        "results (~28 dB SQNR) beyond the bf16 tolerances, so the checks then use fp8.tolerance instead."
+    )
+    emulate: bool = Field(
+        False, description="With mode=True: run FP8's quantization numerics in fp32 on any device (CPU included), "
+        "for testing a model's FP8 accuracy; no speedup."
+    )
+    recipe: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise", description="Dynamic scaling: one scale per tensor, or one per row along each matmul's "
+        "reduction dimension (more robust to outliers, slower)."
+    )
+    filter: Union[Callable[[Any, str], bool], None] = Field(
+        None, description="filter(module, fqn) -> bool: which candidate linear layers may convert."
+    )
+    include_output_head: bool = Field(
+        False, description="Also convert the output head (the last linear the forward calls)."
+    )
+    tolerance: Tolerance = Field(
+        Tolerance(outputs=0.1, gradients=0.15),
+        description="Relative errors accepted end to end when layers run in FP8 (0.1 is 20 dB, torchao's output "
+        "floor; 0.15 ~ 16.5 dB for gradients, summed over layers)."
+    )
+
+    @model_validator(mode="after")
+    def _emulation_converts_everything(self) -> Float8Config:
+        if self.emulate and self.mode is not True:
+            raise ValueError(f"fp8 emulate=True runs FP8 numerics without FP8 speed, so there is nothing for "
+                             f"mode={self.mode!r} to measure or decide: use fp8={{'mode': True, 'emulate': True}}")
+        return self
+
+
+class MemoryConfig(ConfigModel):
+    """The memory wrappers: ``optimize(model, memory=MemoryConfig(checkpointing="full", offload_optimizer=True))``,
+    or a dict of these fields (``kernel_pytorch.memory.options`` applies them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    checkpointing: Literal["off", "full", "selective"] = Field(
+        "off", description="Activation checkpointing of the model's repeated blocks (kernel_pytorch.memory."
+        "apply_checkpointing): 'full' recomputes whole blocks, 'selective' saves matmul/attention outputs."
+    )
+    budget_gb: PositiveFloat | None = Field(
+        None, description="The GiB of saved activations to fit. With checkpointing: measured on the example "
+        "inputs, just enough blocks are checkpointed (None: all of them). With offload_activations='auto': "
+        "activations are offloaded if the model still saves more than this at its first training call."
+    )
+    offload_activations: bool | Literal["auto"] = Field(
+        False, description="Saved activations of at least 1 MiB go to pinned host memory during the forward and "
+        "come back for the backward (kernel_pytorch.memory.install_activation_offload, around the compiled "
+        "model). True: always; 'auto': only if the saved activations measured at the first training call exceed "
+        "budget_gb, or without a budget, the GPU memory the rest of the step needs. Without a CUDA GPU: "
+        "a report line, nothing offloaded (there is no device memory to save)."
+    )
+    offload_optimizer: bool | Literal["auto"] = Field(
+        False, description="Optimizer states in pinned host memory: kernel_pytorch.memory.make_optimizer(model, "
+        "lr=...) returns an OffloadedOptimizer (True: every state on the host; 'auto': gpu_fraction='auto', the "
+        "states that fit after the first step stay on the GPU) instead of torch.optim.AdamW. True needs a CUDA "
+        "GPU (optimize raises HardwareUnavailableError without one); 'auto' falls back to AdamW with a report line."
+    )
+
+    @model_validator(mode="after")
+    def _budget_has_a_user(self) -> MemoryConfig:
+        if self.budget_gb is not None and self.checkpointing == "off" and self.offload_activations != "auto":
+            raise ValueError("memory budget_gb applies to activation checkpointing and to offload_activations='auto'; "
+                             "set checkpointing='full' or 'selective', or offload_activations='auto', too")
+        return self
+
+
+# The options that became fields of a section: flat name -> (section, field). Accepted for one release, with a
+# FutureWarning naming the new spelling (shown to users, unlike a DeprecationWarning raised inside pydantic).
+DEPRECATED_FLAT_OPTIONS: dict[str, tuple[str, str]] = {
+    "fp8_emulate": ("fp8", "emulate"), "fp8_recipe": ("fp8", "recipe"), "fp8_filter": ("fp8", "filter"),
+    "fp8_include_output_head": ("fp8", "include_output_head"), "fp8_tolerance": ("fp8", "tolerance"),
+    "checkpointing": ("memory", "checkpointing"), "memory_budget_gb": ("memory", "budget_gb"),
+    "offload_activations": ("memory", "offload_activations"), "offload_optimizer": ("memory", "offload_optimizer"),
+}
+
+
 class OptimizeConfig(ConfigModel):
     """Options of :func:`kernel_pytorch.optimize`.
 
@@ -161,58 +249,19 @@ class OptimizeConfig(ConfigModel):
     strict: bool = Field(
         False, description="Raise when a pass fails instead of skipping it with a report line (for development)."
     )
-    fp8: Union[bool, Literal["auto"]] = Field(
-        False, description="Run eligible linear layers as FP8 matmuls (the 'fp8' graph pass, after the q/k/v and "
-        "gate/up fusion: kernel_pytorch.passes.fp8_linear): True converts every candidate; 'auto' times each "
-        "linear's real (M, K, N) on this GPU and converts only where FP8 is faster. Off by default: FP8 changes "
-        "results (~28 dB SQNR) beyond the bf16 tolerances, so the checks then use fp8_tolerance instead."
+    fp8: Float8Config = Field(
+        default_factory=Float8Config, description="FP8 linear layers (Float8Config, a dict of its fields, or "
+        "True / 'auto' / False for its mode): off by default."
     )
-    fp8_emulate: bool = Field(
-        False, description="With fp8=True: run FP8's quantization numerics in fp32 on any device (CPU included), "
-        "for testing a model's FP8 accuracy; no speedup."
-    )
-    fp8_recipe: Literal["tensorwise", "rowwise"] = Field(
-        "tensorwise", description="Dynamic scaling: one scale per tensor, or one per row along each matmul's "
-        "reduction dimension (more robust to outliers, slower)."
-    )
-    fp8_filter: Union[Callable[[Any, str], bool], None] = Field(
-        None, description="fp8_filter(module, fqn) -> bool: which candidate linear layers may convert."
-    )
-    fp8_include_output_head: bool = Field(
-        False, description="Also convert the output head (the last linear the forward calls)."
-    )
-    fp8_tolerance: Tolerance = Field(
-        Tolerance(outputs=0.1, gradients=0.15),
-        description="Relative errors accepted end to end when layers run in FP8 (0.1 is 20 dB, torchao's output "
-        "floor; 0.15 ~ 16.5 dB for gradients, summed over layers)."
+    memory: MemoryConfig = Field(
+        default_factory=MemoryConfig, description="Activation checkpointing, activation and optimizer-state "
+        "offload (MemoryConfig, or a dict of its fields): off by default."
     )
     context_parallel: Any = Field(
         None, description="A torch.distributed ProcessGroup (or None: off) whose ranks share each sequence: every "
         "rank passes the full inputs; the model runs on its zigzag shard of the sequence (dim 1 of each tensor "
         "input) with causal attention as ring attention and RoPE tables at the global positions, and the "
         "outputs are gathered back (kernel_pytorch.distributed.context_parallel)."
-    )
-    checkpointing: Literal["off", "full", "selective"] = Field(
-        "off", description="Activation checkpointing of the model's repeated blocks (kernel_pytorch.memory."
-        "apply_checkpointing): 'full' recomputes whole blocks, 'selective' saves matmul/attention outputs."
-    )
-    memory_budget_gb: PositiveFloat | None = Field(
-        None, description="The GiB of saved activations to fit. With checkpointing: measured on the example "
-        "inputs, just enough blocks are checkpointed (None: all of them). With offload_activations='auto': "
-        "activations are offloaded if the model still saves more than this at its first training call."
-    )
-    offload_activations: bool | Literal["auto"] = Field(
-        False, description="Saved activations of at least 1 MiB go to pinned host memory during the forward and "
-        "come back for the backward (kernel_pytorch.memory.install_activation_offload, around the compiled "
-        "model). True: always; 'auto': only if the saved activations measured at the first training call exceed "
-        "memory_budget_gb, or without a budget, the GPU memory the rest of the step needs. Without a CUDA GPU: "
-        "a report line, nothing offloaded (there is no device memory to save)."
-    )
-    offload_optimizer: bool | Literal["auto"] = Field(
-        False, description="Optimizer states in pinned host memory: kernel_pytorch.memory.make_optimizer(model, "
-        "lr=...) returns an OffloadedOptimizer (True: every state on the host; 'auto': gpu_fraction='auto', the "
-        "states that fit after the first step stay on the GPU) instead of torch.optim.AdamW. True needs a CUDA "
-        "GPU (optimize raises HardwareUnavailableError without one); 'auto' falls back to AdamW with a report line."
     )
 
     sparse_attention: Optional[SparseAttentionConfig] = Field(
@@ -222,6 +271,30 @@ class OptimizeConfig(ConfigModel):
         "FlexAttention takes) in inference only; calls shorter than min_length stay dense. Turns verify='auto' off "
         "(verification would roll the approximation back); the report gives its measured error instead."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_options_into_sections(cls, data: Any) -> Any:
+        """The flat spellings of section fields (``fp8_recipe=``, ``checkpointing=``...) for one more release."""
+        if not isinstance(data, dict) or not DEPRECATED_FLAT_OPTIONS.keys() & data.keys():
+            return data
+        data = dict(data)
+        for flat in [name for name in data if name in DEPRECATED_FLAT_OPTIONS]:
+            section, field = DEPRECATED_FLAT_OPTIONS[flat]
+            warnings.warn(f"OptimizeConfig option {flat!r} is deprecated and goes in the next release: write "
+                          f"{section}={{{field!r}: ...}}", FutureWarning, stacklevel=4)
+            data[section] = {**_section_fields(section, data.get(section)), field: data.pop(flat)}
+        return data
+
+    @field_validator("fp8", mode="before")
+    @classmethod
+    def _fp8_mode_shorthand(cls, value: object) -> object:
+        if isinstance(value, bool) or value == "auto":
+            return {"mode": value}
+        if isinstance(value, str):
+            raise ValueError(not_allowed("fp8", value, (True, False, "auto")) + ", or a Float8Config (or a dict of "
+                             "its fields)")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -285,20 +358,26 @@ class OptimizeConfig(ConfigModel):
     def _known_passes(cls, names: tuple[str, ...]) -> tuple[str, ...]:
         return check_pass_names(names)
 
-    @model_validator(mode="after")
-    def _emulation_converts_everything(self) -> OptimizeConfig:
-        if self.fp8_emulate and self.fp8 is not True:
-            raise ValueError(f"fp8_emulate=True runs FP8 numerics without FP8 speed, so there is nothing for "
-                             f"fp8={self.fp8!r} to measure or decide: use fp8=True with it")
-        return self
-
-    @model_validator(mode="after")
-    def _memory_budget_has_a_user(self) -> OptimizeConfig:
-        if self.memory_budget_gb is not None and self.checkpointing == "off" and self.offload_activations != "auto":
-            raise ValueError("memory_budget_gb applies to activation checkpointing and to offload_activations='auto'; "
-                             "set checkpointing='full' or 'selective', or offload_activations='auto', too")
-        return self
+    def __getattr__(self, name: str) -> Any:
+        """Reads of the flat spellings (``config.fp8_recipe``), for one more release."""
+        if name in DEPRECATED_FLAT_OPTIONS:
+            section, field = DEPRECATED_FLAT_OPTIONS[name]
+            warnings.warn(f"OptimizeConfig.{name} is deprecated and goes in the next release: read "
+                          f"config.{section}.{field}", FutureWarning, stacklevel=2)
+            return getattr(getattr(self, section), field)
+        return super().__getattr__(name)
 
     def tolerance_for(self, dtype: torch.dtype) -> Tolerance | None:
         """The tolerance for ``dtype``; ``None`` (exact match required) for dtypes without an entry."""
         return self.tolerances.get(str(dtype).removeprefix("torch."))
+
+
+def _section_fields(section: str, value: object) -> dict[str, Any]:
+    """A section's value as given (None, a dict, a section object, or fp8's mode shorthand) as a dict of fields."""
+    if value is None:
+        return {}
+    if isinstance(value, ConfigModel):
+        return {name: getattr(value, name) for name in type(value).model_fields}
+    if section == "fp8" and (isinstance(value, bool) or value == "auto"):
+        return {"mode": value}
+    return dict(value) if isinstance(value, dict) else {}

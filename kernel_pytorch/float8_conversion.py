@@ -163,7 +163,7 @@ def linear_targets(model: nn.Module, config, example_inputs: Any = None) -> dict
     """What the graph pass (:mod:`kernel_pytorch.passes.fp8_linear`) may convert, per ``config.fp8*``:
     every ``nn.Linear``'s path, with None for a candidate or the reason it is not one (not eligible, the
     output head, ``fp8_filter``)."""
-    _, reasons, _ = _survey(model, example_inputs, config.fp8_filter, config.fp8_include_output_head)
+    _, reasons, _ = _survey(model, example_inputs, config.fp8.filter, config.fp8.include_output_head)
     return reasons
 
 
@@ -322,7 +322,7 @@ def judging_config(config, rewriting_passes: Iterable[str]):
     benchmark (docs/kernels.md, "FP8 conversion")."""
     if PASS_NAME not in set(rewriting_passes):
         return config
-    return config.model_copy(update={"tolerances": {name: config.fp8_tolerance for name in config.tolerances}})
+    return config.model_copy(update={"tolerances": {name: config.fp8.tolerance for name in config.tolerances}})
 
 
 # The Llama-style training step with fp8="auto" ran faster with compile="reduce-overhead" than through

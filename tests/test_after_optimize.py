@@ -80,7 +80,8 @@ def test_backward_hooks_added_after_optimize_run():
 def test_global_module_hooks_added_after_optimize_run():
     model, reference, x = _optimized()
     seen = []
-    handle = nn.modules.module.register_module_forward_hook(lambda module, args, out: seen.append(type(module).__name__))
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: seen.append(type(module).__name__))
     try:
         model(x)
     finally:
@@ -131,7 +132,7 @@ def test_a_copy_stays_optimized_with_a_report_of_its_own(make_copy):
 
 
 def test_a_copy_that_cannot_carry_the_optimization_is_plain_and_says_so():
-    model, reference, x = _optimized(fp8_filter=lambda module, name: True)  # a lambda: pickle refuses it
+    model, reference, x = _optimized(fp8={"filter": lambda module, name: True})  # a lambda: pickle refuses it
     loaded = _saved_and_loaded(model)
     assert loaded._compiled_call_impl is None
     assert any("runs unoptimized" in note and "optimize(copy)" in note for note in report_of(loaded).notes)

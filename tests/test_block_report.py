@@ -18,7 +18,7 @@ def _report(**options):
     return kernel_pytorch.report_of(kernel_pytorch.optimize(model, example_inputs=(tokens,), **options))
 
 
-@pytest.mark.parametrize("options", ({}, {"checkpointing": "full"}), ids=("plain", "checkpointed"))
+@pytest.mark.parametrize("options", ({}, {"memory": {"checkpointing": "full"}}), ids=("plain", "checkpointed"))
 def test_each_block_lists_its_rewrites_and_fewer_ops(options):
     report = _report(**options)
     blocks = {b.block: b for b in report.blocks}

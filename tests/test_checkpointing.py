@@ -467,7 +467,7 @@ def test_optimize_config_applies_checkpointing_and_reports_it():
     tokens = torch.randint(0, 100, (2, 16))
     model = LlamaStyleLM(config).train()
     full = saved_activation_bytes(copy.deepcopy(model), (tokens,))
-    optimize(model, example_inputs=(tokens,), checkpointing="full", memory_budget_gb=full * 0.6 / 2**30)
+    optimize(model, example_inputs=(tokens,), memory={"checkpointing": "full", "budget_gb": full * 0.6 / 2**30})
     record = next(r for r in report_of(model).memory if r.wrapper == "checkpointing")
     note = record.description
     assert note.startswith("checkpointing (full)") and record.applied, note
@@ -476,9 +476,9 @@ def test_optimize_config_applies_checkpointing_and_reports_it():
     # Measured on the example inputs: what the wrapped blocks no longer keep, under the budget.
     assert full * 0.4 <= record.device_bytes_saved < full, (record.device_bytes_saved, full)
     with pytest.raises(ValueError, match="memory_budget_gb needs example_inputs"):
-        optimize(LlamaStyleLM(config), checkpointing="selective", memory_budget_gb=1.0)
+        optimize(LlamaStyleLM(config), memory={"checkpointing": "selective", "budget_gb": 1.0})
     with pytest.raises(ValueError, match="set checkpointing"):
-        optimize(LlamaStyleLM(config), memory_budget_gb=1.0)
+        optimize(LlamaStyleLM(config), memory={"budget_gb": 1.0})
 
 
 def test_selective_policy_keeps_the_library_attention_and_fp8_outputs():
@@ -539,7 +539,7 @@ def test_optimize_without_compiler_runs_checkpointed_regions_like_the_blocks():
     model = _DropoutNet().train()
     reference = twin(model)
     x = torch.randn(64, 16)
-    model = optimize(model, example_inputs=(x,), checkpointing="full", compile=False, verify=False)
+    model = optimize(model, example_inputs=(x,), memory={"checkpointing": "full"}, compile=False, verify=False)
 
     torch.manual_seed(5)
     model(x).square().sum().backward()

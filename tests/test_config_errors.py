@@ -52,15 +52,18 @@ def test_config_error_is_a_value_error_of_this_library_not_pydantics():
     ({"verify": "sometimes"}, "verify='sometimes' is not allowed; use one of: True, False, 'auto'"),
     ({"dynamic": "maybe"}, "dynamic='maybe' is not allowed; use one of: True, False, None"),
     ({"strict": "maybe"}, "strict='maybe' is not allowed; use one of: True, False"),
-    ({"fp8": "fast"}, "fp8='fast' is not allowed; use one of: True, False, 'auto'"),
-    ({"fp8_recipe": "blockwise"}, "fp8_recipe='blockwise' is not allowed; use one of: 'tensorwise', 'rowwise'"),
-    ({"checkpointing": "partial"}, "checkpointing='partial' is not allowed; use one of: 'off', 'full', 'selective'"),
-    ({"offload_optimizer": "cpu"}, "offload_optimizer='cpu' is not allowed; use one of: True, False, 'auto'"),
-    ({"memory_budget_gb": 0}, "memory_budget_gb=0 is not allowed: input should be greater than 0 (or None)"),
-    ({"fp8_filter": 3}, "fp8_filter=3 is not allowed: input should be callable (or None)"),
+    ({"fp8": "fast"}, "fp8='fast' is not allowed; use one of: True, False, 'auto', or a Float8Config (or a dict of "
+                      "its fields)"),
+    ({"fp8": {"recipe": "blockwise"}}, "fp8.recipe='blockwise' is not allowed; use one of: 'tensorwise', 'rowwise'"),
+    ({"memory": {"checkpointing": "partial"}},
+     "memory.checkpointing='partial' is not allowed; use one of: 'off', 'full', 'selective'"),
+    ({"memory": {"offload_optimizer": "cpu"}},
+     "memory.offload_optimizer='cpu' is not allowed; use one of: True, False, 'auto'"),
+    ({"memory": {"budget_gb": 0}}, "memory.budget_gb=0 is not allowed: input should be greater than 0 (or None)"),
+    ({"fp8": {"filter": 3}}, "fp8.filter=3 is not allowed: input should be callable (or None)"),
     ({"disable_passes": "normalize"}, "disable_passes='normalize' is not allowed: input should be a valid tuple"),
-    ({"fp8_tolerance": 3}, "fp8_tolerance=3 is not allowed: input should be a valid dictionary or instance of "
-                           "Tolerance"),
+    ({"fp8": {"tolerance": 3}}, "fp8.tolerance=3 is not allowed: input should be a valid dictionary or instance "
+                                "of Tolerance"),
 ])
 def test_each_wrong_option_reads_as_one_line_from_its_annotation(fields, line):
     assert str(config_error(lambda: OptimizeConfig(**fields))) == line
@@ -119,8 +122,8 @@ def test_a_frozen_option_says_it_cannot_be_set():
 
 
 @pytest.mark.parametrize("fields, line", [
-    ({"fp8_emulate": True}, "fp8_emulate=True runs FP8 numerics without FP8 speed, so there is nothing for "
-                            "fp8=False to measure or decide: use fp8=True with it"),
+    ({"fp8": {"emulate": True}}, "fp8 emulate=True runs FP8 numerics without FP8 speed, so there is nothing for "
+                                 "mode=False to measure or decide: use fp8={'mode': True, 'emulate': True}"),
     ({"sparse_attention": {"block": 100}}, "block must be a multiple of 128 (FlexAttention's tile), got 100"),
     ({"sparse_attention": {"topk": 4, "keep_ratio": 0.1}}, "set topk or keep_ratio, not both"),
     ({"tolerances": {"f32": {"outputs": 1, "gradients": 1}}},
@@ -196,3 +199,36 @@ def test_cli_info_echoes_the_alias_given(no_gpu, capsys):
     output = capsys.readouterr().out
     assert "device='cuda' was requested (by device='cuda') but the CUDA probe failed" in output
     assert "'nvidia'" not in output
+
+
+# ------------------------------------------------------------------------------------ deprecated flat options
+
+
+@pytest.mark.parametrize("flat, section, field, value", [
+    ("fp8_recipe", "fp8", "recipe", "rowwise"),
+    ("fp8_emulate", "fp8", "emulate", True),
+    ("checkpointing", "memory", "checkpointing", "full"),
+    ("memory_budget_gb", "memory", "budget_gb", 1.5),
+    ("offload_activations", "memory", "offload_activations", "auto"),
+    ("offload_optimizer", "memory", "offload_optimizer", "auto"),
+])
+def test_flat_options_still_work_for_a_release_with_a_warning_naming_the_new_spelling(flat, section, field, value):
+    extra = {"fp8": True} if flat == "fp8_emulate" else {"memory": {"checkpointing": "full"}} if flat == \
+        "memory_budget_gb" else {}
+    with pytest.warns(FutureWarning, match=f"'{flat}' is deprecated.*{section}={{'{field}': ...}}"):
+        config = OptimizeConfig(**extra, **{flat: value})
+    assert getattr(getattr(config, section), field) == value
+    with pytest.warns(FutureWarning, match=f"config.{section}.{field}"):
+        assert getattr(config, flat) == value
+
+
+def test_flat_options_through_optimize_keep_the_other_section_fields():
+    with pytest.warns(FutureWarning, match="fp8_recipe"):
+        config = kernel_pytorch.api._config_with(OptimizeConfig(fp8={"mode": "auto", "include_output_head": True}),
+                                                 {"fp8_recipe": "rowwise"})
+    assert (config.fp8.mode, config.fp8.recipe, config.fp8.include_output_head) == ("auto", "rowwise", True)
+
+
+def test_fp8_mode_shorthand_needs_no_section():
+    assert OptimizeConfig(fp8="auto").fp8.mode == "auto"
+    assert OptimizeConfig(fp8=True).fp8 == OptimizeConfig(fp8={"mode": True}).fp8

@@ -204,7 +204,7 @@ def test_gpu_optimize_fp8_true(recipe):
     device = cuda_device()
     model = _llama(dim=256, ffn=512, vocab=512, device=device, dtype=torch.bfloat16).train()
     tokens = _tokens(model, batch=4, seq=64, device=device)
-    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_recipe=recipe, example_inputs=(tokens,))
+    optimized = kernel_pytorch.optimize(model, fp8={"mode": True, "recipe": recipe}, example_inputs=(tokens,))
     report = kernel_pytorch.report_of(optimized)
     assert report.verification.passed, report.verification
     assert sum(r.pass_name == "fp8" for r in report.rewrites) == 14, report.skipped  # 256 tokens: no q/k/v fusion

@@ -39,7 +39,7 @@ def test_emulated_fp8_converts_the_fused_linears_and_keeps_the_head():
     model = _llama().train()
     tokens = _tokens(model, batch=FUSED_BATCH, seq=64)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, example_inputs=(tokens,))
+    optimized = kernel_pytorch.optimize(model, fp8={"mode": True, "emulate": True}, example_inputs=(tokens,))
     report = kernel_pytorch.report_of(optimized)
     rewrites = _fp8_rewrites(report)
     # per layer: q+k+v fused (N = 64 + 32 + 32), o, gate+up fused (N = 2 x 128), down
@@ -58,7 +58,7 @@ def test_emulated_fp8_converts_the_fused_linears_and_keeps_the_head():
 def test_linears_inside_checkpointed_blocks_convert():
     """Full checkpointing puts each block in a checkpointed region: the pass runs in the regions' bodies too."""
     model = _llama().train()
-    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, checkpointing="full",
+    optimized = kernel_pytorch.optimize(model, fp8={"mode": True, "emulate": True}, memory={"checkpointing": "full"},
                                         example_inputs=(_tokens(model, batch=FUSED_BATCH, seq=64),))
     report = kernel_pytorch.report_of(optimized)
     assert len(_fp8_rewrites(report)) == 8 and not report.rollbacks, report.rollbacks
@@ -73,7 +73,7 @@ def test_per_graph_checks_judge_the_kernel_passes_with_the_fp8_tolerance(monkeyp
     graphs = importlib.import_module("kernel_pytorch.verify.graphs")
     monkeypatch.setattr(graphs, "float32_fits", lambda *a, **k: "no float32 referee in this test")
     model = _llama(dtype=torch.bfloat16).train()
-    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, example_inputs=(_tokens(model),))
+    optimized = kernel_pytorch.optimize(model, fp8={"mode": True, "emulate": True}, example_inputs=(_tokens(model),))
     report = kernel_pytorch.report_of(optimized)
     assert not report.rollbacks, report.rollbacks
     assert {"norms", "rope", "attention", "activations", "fp8"} <= {r.pass_name for r in report.rewrites}
@@ -82,13 +82,13 @@ def test_per_graph_checks_judge_the_kernel_passes_with_the_fp8_tolerance(monkeyp
 
 def test_the_fp8_tolerance_applies_only_to_graphs_with_fp8_rewrites():
     model = _llama().train()
-    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, example_inputs=(_tokens(model),))
+    optimized = kernel_pytorch.optimize(model, fp8={"mode": True, "emulate": True}, example_inputs=(_tokens(model),))
     optimizer = optimized._kernel_pytorch.graph_optimizer  # its FP8 feature gives the tolerance rule
     fp8, norms = get_pass("fp8"), get_pass("norms")
     unchanged = optimizer._judged_by([(norms, PassResult(changed=3)), (fp8, PassResult())])
     assert unchanged is optimizer.config
     judged = optimizer._judged_by([(norms, PassResult(changed=3)), (fp8, PassResult(changed=1))])
-    assert judged.tolerance_for(torch.float32) == judged.fp8_tolerance == optimizer.config.fp8_tolerance
+    assert judged.tolerance_for(torch.float32) == judged.fp8.tolerance == optimizer.config.fp8.tolerance
     assert optimizer.config.tolerance_for(torch.float32) == kernel_pytorch.config.DEFAULT_TOLERANCES["float32"]
 
 
@@ -97,7 +97,7 @@ def test_a_conversion_beyond_the_fp8_tolerance_is_rolled_back():
     tokens = _tokens(model)
     expected = model(tokens)
     tight = Tolerance(outputs=1e-6, gradients=1e-6)  # FP8 cannot meet it
-    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, fp8_tolerance=tight,
+    optimized = kernel_pytorch.optimize(model, fp8={"mode": True, "emulate": True, "tolerance": tight},
                                         example_inputs=(tokens,))
     report = kernel_pytorch.report_of(optimized)
     assert [r.pass_name for r in report.rollbacks] == ["fp8"], report.rollbacks
@@ -117,9 +117,9 @@ def test_on_a_cpu_without_emulation_the_pass_is_skipped_with_the_reason():
 
 
 def test_emulation_needs_fp8_true():
-    with pytest.raises(ValueError, match="fp8_emulate=True"):
-        OptimizeConfig(fp8="auto", fp8_emulate=True)
-    assert OptimizeConfig(fp8=True, fp8_emulate=True).fp8_emulate
+    with pytest.raises(ValueError, match="emulate=True runs FP8 numerics"):
+        OptimizeConfig(fp8={"mode": "auto", "emulate": True})
+    assert OptimizeConfig(fp8={"mode": True, "emulate": True}).fp8.emulate
 
 
 # --------------------------------------------------------------------------- the pass on hand-captured graphs
@@ -185,7 +185,7 @@ class DirectLinear(nn.Module):
 
 def test_linears_that_are_not_candidates_are_left_with_the_reason():
     model = DirectLinear()
-    result = _run_passes(model, (torch.randn(8, 32),), OptimizeConfig(fp8=True, fp8_emulate=True),
+    result = _run_passes(model, (torch.randn(8, 32),), OptimizeConfig(fp8={"mode": True, "emulate": True}),
                          names=("normalize", "fp8"))["fp8"]
     assert not result.rewrites
     reasons = {s.location: s.reason for s in result.skipped}
@@ -198,7 +198,7 @@ def test_the_rewritten_graph_calls_float8_linear_with_the_recipe():
     model = _llama().train()
     tokens = _tokens(model, batch=FUSED_BATCH, seq=64)
     gm, example = capture_graph(model, (tokens,))
-    config = OptimizeConfig(fp8=True, fp8_emulate=True, fp8_recipe="rowwise")
+    config = OptimizeConfig(fp8={"mode": True, "emulate": True, "recipe": "rowwise"})
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     ctx = PassContext(hardware=detect_hardware("cpu"), config=config, training=True,
                       example_inputs=dict(zip(placeholders, example)), fp8_targets=FC.linear_targets(model, config))
@@ -236,7 +236,7 @@ class NormThenLinears(nn.Module):
 def test_norm_and_gated_activation_compute_their_fp8_linears_input_maximum():
     torch.manual_seed(0)
     model, x = NormThenLinears().train(), torch.randn(4, 24, 64)
-    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, example_inputs=(x,),
+    optimized = kernel_pytorch.optimize(model, fp8={"mode": True, "emulate": True}, example_inputs=(x,),
                                         disable_passes=("horizontal_gemm",))
     rewrites = _fp8_rewrites(kernel_pytorch.report_of(optimized))
     assert set(rewrites) == {"a", "b", "down"}, rewrites
@@ -255,7 +255,7 @@ def test_gated_activation_backward_computes_the_fp8_gate_up_gradient_maximum():
     torch.manual_seed(1)
     model, x = NormThenLinears().train(), torch.randn(4, 24, 64)
     reference = copy.deepcopy(model)
-    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, example_inputs=(x,),
+    optimized = kernel_pytorch.optimize(model, fp8={"mode": True, "emulate": True}, example_inputs=(x,),
                                         disable_passes=("horizontal_gemm",))
     rewrites = _fp8_rewrites(kernel_pytorch.report_of(optimized))
     grad_note = "its gradient's maximum from the gated_activation_packed backward kernel"
@@ -273,7 +273,7 @@ def test_gated_activation_backward_computes_the_fp8_gate_up_gradient_maximum():
 
 def test_in_inference_no_gradient_maximum_is_wired():
     model, x = NormThenLinears().eval(), torch.randn(4, 24, 64)
-    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, example_inputs=(x,),
+    optimized = kernel_pytorch.optimize(model, fp8={"mode": True, "emulate": True}, example_inputs=(x,),
                                         disable_passes=("horizontal_gemm",))
     rewrites = _fp8_rewrites(kernel_pytorch.report_of(optimized))
     assert set(rewrites) == {"a", "b", "down"} and not any("gradient's maximum" in r for r in rewrites.values())
@@ -281,7 +281,7 @@ def test_in_inference_no_gradient_maximum_is_wired():
 
 def test_rowwise_fp8_linears_find_their_own_input_maximum():
     model = _llama().train()
-    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True, fp8_recipe="rowwise",
+    optimized = kernel_pytorch.optimize(model, fp8={"mode": True, "emulate": True, "recipe": "rowwise"},
                                         example_inputs=(_tokens(model, batch=FUSED_BATCH, seq=64),))
     rewrites = _fp8_rewrites(kernel_pytorch.report_of(optimized))
     assert len(rewrites) == 8 and not any("maximum from" in r for r in rewrites.values()), rewrites
@@ -289,7 +289,7 @@ def test_rowwise_fp8_linears_find_their_own_input_maximum():
 
 def test_fused_llama_layers_name_the_kernel_that_finds_their_input_maximum():
     model = _llama().train()
-    optimized = kernel_pytorch.optimize(model, fp8=True, fp8_emulate=True,
+    optimized = kernel_pytorch.optimize(model, fp8={"mode": True, "emulate": True},
                                         example_inputs=(_tokens(model, batch=FUSED_BATCH, seq=64),))
     rewrites = _fp8_rewrites(kernel_pytorch.report_of(optimized))
     assert "maximum from the rms_norm kernel" in rewrites["layers.0.attn"]  # q/k/v after input_layernorm

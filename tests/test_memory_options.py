@@ -76,18 +76,19 @@ def gpu_pretended(monkeypatch):
 
 def test_config_fields_default_off_and_take_bool_or_auto():
     config = OptimizeConfig()
-    assert config.offload_activations is False and config.offload_optimizer is False
-    config = OptimizeConfig(offload_activations="auto", offload_optimizer=True, memory_budget_gb=2)
-    assert (config.offload_activations, config.offload_optimizer, config.memory_budget_gb) == ("auto", True, 2.0)
+    assert config.memory.offload_activations is False and config.memory.offload_optimizer is False
+    config = OptimizeConfig(memory={"offload_activations": "auto", "offload_optimizer": True, "budget_gb": 2})
+    assert (config.memory.offload_activations, config.memory.offload_optimizer, config.memory.budget_gb) == \
+        ("auto", True, 2.0)
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"offload_activations": "always"}, "offload_activations"),
-    ({"offload_optimizer": "cpu"}, "offload_optimizer"),
-    ({"memory_budget_gb": 0}, "memory_budget_gb"),
+    ({"memory": {"offload_activations": "always"}}, "memory.offload_activations"),
+    ({"memory": {"offload_optimizer": "cpu"}}, "memory.offload_optimizer"),
+    ({"memory": {"budget_gb": 0}}, "memory.budget_gb"),
     # A budget needs something that can meet it: checkpointing, or activation offload deciding by it.
-    ({"memory_budget_gb": 1.0}, "set checkpointing='full' or 'selective', or offload_activations='auto'"),
-    ({"memory_budget_gb": 1.0, "offload_activations": True}, "offload_activations='auto'"),
+    ({"memory": {"budget_gb": 1.0}}, "set checkpointing='full' or 'selective', or offload_activations='auto'"),
+    ({"memory": {"budget_gb": 1.0, "offload_activations": True}}, "offload_activations='auto'"),
 ])
 def test_config_rejects_bad_memory_options_by_name(fields, message):
     with pytest.raises(ConfigError, match=message):
@@ -95,7 +96,7 @@ def test_config_rejects_bad_memory_options_by_name(fields, message):
 
 
 def test_a_budget_for_auto_offload_alone_is_valid():
-    assert OptimizeConfig(memory_budget_gb=1.0, offload_activations="auto").checkpointing == "off"
+    assert OptimizeConfig(memory={"budget_gb": 1.0, "offload_activations": "auto"}).memory.checkpointing == "off"
 
 
 # -- without a GPU ------------------------------------------------------------------------------------
@@ -106,7 +107,7 @@ def test_offload_optimizer_without_a_gpu_refuses_before_changing_anything():
     model = _lm()
     before = model.state_dict()
     with pytest.raises(HardwareUnavailableError, match="offload_optimizer=True needs a CUDA GPU"):
-        optimize(model, example_inputs=(_tokens(),), offload_optimizer=True, checkpointing="full")
+        optimize(model, example_inputs=(_tokens(),), memory={"offload_optimizer": True, "checkpointing": "full"})
     assert not hasattr(model, "_kernel_pytorch")
     assert all("forward" not in block.__dict__ for block in model.layers)  # not checkpointed either
     _assert_same_state(model, before)
@@ -117,7 +118,7 @@ def test_without_a_gpu_auto_and_activation_offload_fall_back_with_report_lines()
     model = _lm()
     reference = twin(model)
     before = model.state_dict()
-    optimize(model, example_inputs=(_tokens(),), offload_activations=True, offload_optimizer="auto")
+    optimize(model, example_inputs=(_tokens(),), memory={"offload_activations": True, "offload_optimizer": "auto"})
 
     activations = _record(model, "activation_offload")
     assert not activations.applied and "no CUDA GPU" in activations.description
@@ -139,7 +140,7 @@ def test_activation_offload_moves_saved_tensors_and_trains_the_same(gpu_pretende
     model = _lm()
     reference = twin(model)
     before = model.state_dict()
-    optimize(model, example_inputs=(_tokens(),), offload_activations=True)
+    optimize(model, example_inputs=(_tokens(),), memory={"offload_activations": True})
 
     stats = activation_offload_stats(model)
     record = _record(model, "activation_offload")
@@ -164,7 +165,7 @@ def test_activation_offload_moves_saved_tensors_and_trains_the_same(gpu_pretende
 def test_a_deep_copy_offloads_its_own_activations(gpu_pretended):
     model = _lm()
     reference = twin(model)
-    optimize(model, example_inputs=(_tokens(),), offload_activations=True)
+    optimize(model, example_inputs=(_tokens(),), memory={"offload_activations": True})
     copied = copy.deepcopy(model)  # an EMA-style copy: its wrappers are installed again around its own call
     loss, expected = _train_step(copied, _tokens(seed=2)), _train_step(reference, _tokens(seed=2))
     stats = activation_offload_stats(copied)
@@ -180,7 +181,8 @@ def test_activation_offload_composes_with_inductor_and_checkpointing(gpu_pretend
     # checkpointed blocks (regions of that graph).
     model = _lm(n_layers=3)
     reference = twin(model)
-    optimize(model, example_inputs=(_tokens(),), offload_activations=True, checkpointing="full", compile=True)
+    optimize(model, example_inputs=(_tokens(),), memory={"offload_activations": True, "checkpointing": "full"},
+             compile=True)
     report = report_of(model)
     assert report.compiler.startswith("inductor"), report.compiler
     assert {r.wrapper for r in report.memory if r.applied} == {"checkpointing", "activation_offload"}
@@ -198,7 +200,7 @@ def test_activation_offload_composes_with_inductor_and_checkpointing(gpu_pretend
 @pytest.mark.parametrize("budget_gb, applied, reason", [(1e-6, True, "over"), (100.0, False, "within")])
 def test_auto_offloads_only_over_the_budget(gpu_pretended, budget_gb, applied, reason):
     model = _lm()
-    optimize(model, example_inputs=(_tokens(),), offload_activations="auto", memory_budget_gb=budget_gb)
+    optimize(model, example_inputs=(_tokens(),), memory={"offload_activations": "auto", "budget_gb": budget_gb})
     record = _record(model, "activation_offload")
     assert record.applied is applied
     assert f"{reason} memory_budget_gb" in record.description, record.description
@@ -215,7 +217,7 @@ def test_auto_offloads_only_over_the_budget(gpu_pretended, budget_gb, applied, r
 def test_auto_without_example_inputs_decides_at_the_first_training_call(gpu_pretended):
     model = _lm()
     reference = twin(model)
-    optimize(model, offload_activations="auto", memory_budget_gb=1e-6)
+    optimize(model, memory={"offload_activations": "auto", "budget_gb": 1e-6})
     assert "undecided" in _record(model, "activation_offload").description
     with torch.no_grad():
         model(_tokens())  # inference saves nothing: still undecided
@@ -232,7 +234,7 @@ def test_auto_without_example_inputs_decides_at_the_first_training_call(gpu_pret
 
 def test_activation_offload_in_inference_is_not_applied(gpu_pretended):
     model = _lm().eval()
-    optimize(model, example_inputs=(_tokens(),), offload_activations=True)
+    optimize(model, example_inputs=(_tokens(),), memory={"offload_activations": True})
     record = _record(model, "activation_offload")
     assert not record.applied and "inference" in record.description
     assert activation_offload_stats(model) is None
@@ -240,7 +242,7 @@ def test_activation_offload_in_inference_is_not_applied(gpu_pretended):
 
 def test_a_rollback_of_everything_reports_the_offload_gone(gpu_pretended):
     model = _lm()
-    optimize(model, example_inputs=(_tokens(),), offload_activations=True)
+    optimize(model, example_inputs=(_tokens(),), memory={"offload_activations": True})
     report = report_of(model)
     model._kernel_pytorch.roll_back_everything(model, "for the test")
     options.sync_memory_report(model, report)
@@ -264,7 +266,7 @@ def test_sync_memory_report_leaves_an_active_model_alone():
 def test_make_optimizer_builds_the_offloaded_optimizer_the_config_asked_for(gpu_pretended, setting, fraction):
     model = _lm()
     before = model.state_dict()
-    optimize(model, example_inputs=(_tokens(),), offload_optimizer=setting)
+    optimize(model, example_inputs=(_tokens(),), memory={"offload_optimizer": setting})
     _assert_same_state(model, before)
     record = _record(model, "optimizer_offload")
     opt = make_optimizer(model, lr=1e-2, weight_decay=0.1)
@@ -279,7 +281,7 @@ def test_make_optimizer_builds_the_offloaded_optimizer_the_config_asked_for(gpu_
 def test_the_offloaded_optimizer_from_make_optimizer_trains_like_adamw(gpu_pretended):
     model = _lm()
     reference = twin(model)
-    optimize(model, example_inputs=(_tokens(),), offload_optimizer=True)
+    optimize(model, example_inputs=(_tokens(),), memory={"offload_optimizer": True})
     opt = make_optimizer(model, lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     for seed in range(3):
@@ -329,8 +331,8 @@ def test_memory_records_are_in_to_dict_and_the_rendered_report(gpu_pretended):
     from rich.console import Console
 
     model = _lm()
-    optimize(model, example_inputs=(_tokens(),), checkpointing="full", offload_activations=True,
-             offload_optimizer=True)
+    optimize(model, example_inputs=(_tokens(),),
+             memory={"checkpointing": "full", "offload_activations": True, "offload_optimizer": True})
     report = report_of(model)
     assert [r["wrapper"] for r in report.to_dict()["memory"]] == [
         "checkpointing", "optimizer_offload", "activation_offload"]
@@ -373,7 +375,7 @@ def _gpu_lm(cuda: torch.device) -> LlamaStyleLM:
 def test_gpu_activation_offload_through_optimize_trains_the_same(cuda):
     model, plain = _gpu_lm(cuda), _gpu_lm(cuda)
     tokens = torch.randint(0, 512, (4, 512), device=cuda)
-    optimize(model, example_inputs=(tokens,), offload_activations=True)
+    optimize(model, example_inputs=(tokens,), memory={"offload_activations": True})
     optimize(plain, example_inputs=(tokens,))
     record = _record(model, "activation_offload")
     stats = activation_offload_stats(model)
@@ -391,7 +393,8 @@ def test_gpu_activation_offload_through_optimize_trains_the_same(cuda):
 @pytest.mark.gpu
 def test_gpu_auto_activation_offload_without_a_budget_stays_off_when_there_is_room(cuda):
     model = _gpu_lm(cuda)
-    optimize(model, example_inputs=(torch.randint(0, 512, (4, 512), device=cuda),), offload_activations="auto")
+    optimize(model, example_inputs=(torch.randint(0, 512, (4, 512), device=cuda),),
+             memory={"offload_activations": "auto"})
     record = _record(model, "activation_offload")
     assert not record.applied and "enough for" in record.description, record.description
 
@@ -401,7 +404,7 @@ def test_gpu_make_optimizer_offloads_and_matches_adamw(cuda):
     model = _gpu_lm(cuda)
     reference = copy.deepcopy(model)
     tokens = torch.randint(0, 512, (2, 128), device=cuda)
-    optimize(model, example_inputs=(tokens,), offload_optimizer=True)
+    optimize(model, example_inputs=(tokens,), memory={"offload_optimizer": True})
     opt = make_optimizer(model, lr=1e-3)
     assert isinstance(opt, OffloadedOptimizer)
     assert _record(model, "optimizer_offload").host_bytes == opt.pinned_bytes

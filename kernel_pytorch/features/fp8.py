@@ -22,7 +22,7 @@ class Float8Feature(Feature):
 
     @classmethod
     def enabled(cls, config: OptimizeConfig) -> bool:
-        return config.fp8 is not False
+        return config.fp8.mode is not False
 
     def pass_inputs(self, model: nn.Module, run: OptimizeRun, passes: Sequence[str]) -> dict[str, Any]:
         """The candidate linears and their shapes, read on the example inputs before capture (where the fp8

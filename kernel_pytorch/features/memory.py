@@ -1,5 +1,5 @@
-"""The memory wrappers as a feature: ``optimize(model, checkpointing=..., memory_budget_gb=...,
-offload_activations=..., offload_optimizer=...)`` (``kernel_pytorch.memory.options`` applies them)."""
+"""The memory wrappers as a feature: ``optimize(model, memory={"checkpointing": ..., "budget_gb": ...,
+"offload_activations": ..., "offload_optimizer": ...})`` (``kernel_pytorch.memory.options`` applies them)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ class MemoryFeature(Feature):
 
     @classmethod
     def enabled(cls, config: OptimizeConfig) -> bool:
-        return (config.checkpointing != "off" or config.offload_activations is not False
-                or config.offload_optimizer is not False)
+        return (config.memory.checkpointing != "off" or config.memory.offload_activations is not False
+                or config.memory.offload_optimizer is not False)
 
     def check(self, config: OptimizeConfig) -> None:
         options.check_memory_options(config)

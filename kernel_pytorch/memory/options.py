@@ -1,6 +1,7 @@
 """``OptimizeConfig``'s memory options as ``kernel_pytorch.optimize`` applies them, and ``make_optimizer``.
 
-``optimize(model, checkpointing=..., memory_budget_gb=..., offload_activations=..., offload_optimizer=...)``:
+``optimize(model, memory=MemoryConfig(checkpointing=..., budget_gb=..., offload_activations=...,
+offload_optimizer=...))``:
 
 * **Before capture**: ``offload_optimizer=True`` without a CUDA GPU is refused (``HardwareUnavailableError``)
   before anything is changed; the repeated blocks are checkpointed (``apply_checkpointing``), so that
@@ -109,7 +110,7 @@ def _size(nbytes: int) -> str:
 def check_memory_options(config: OptimizeConfig) -> None:
     """Refuse, before anything is changed, what this machine cannot do: ``offload_optimizer=True``
     without a CUDA GPU."""
-    if config.offload_optimizer is True and not _cuda_available():
+    if config.memory.offload_optimizer is True and not _cuda_available():
         raise HardwareUnavailableError(
             "offload_optimizer=True needs a CUDA GPU: the optimizer states go to pinned host memory and the "
             f"gradients stream from the GPU, but torch.cuda.is_available() is False (torch {torch.__version__}). "
@@ -118,12 +119,12 @@ def check_memory_options(config: OptimizeConfig) -> None:
 
 def checkpoint_for_config(model: nn.Module, config: OptimizeConfig, example_inputs: Any) -> CheckpointPlan | None:
     """Wrap the repeated blocks before capture, so that Dynamo records each as a checkpointed region
-    (whose body the passes rewrite too). ``None`` when ``config.checkpointing`` is off."""
-    if config.checkpointing == "off":
+    (whose body the passes rewrite too). ``None`` when ``config.memory.checkpointing`` is off."""
+    if config.memory.checkpointing == "off":
         return None
-    if config.memory_budget_gb is not None and example_inputs is None:
+    if config.memory.budget_gb is not None and example_inputs is None:
         raise ValueError("memory_budget_gb needs example_inputs: the activation bytes per block are measured on them")
-    return apply_checkpointing(model, policy=config.checkpointing, budget_gb=config.memory_budget_gb,
+    return apply_checkpointing(model, policy=config.memory.checkpointing, budget_gb=config.memory.budget_gb,
                                example_inputs=example_inputs)
 
 
@@ -138,11 +139,11 @@ def install_memory_options(model: nn.Module, config: OptimizeConfig, report: Opt
     offload around the model's (compiled) call, on it and on its copies (``OptimizationState.add_around``)."""
     if plan is not None:
         report.set_memory(_checkpointing_record(plan))
-    fraction = _optimizer_fraction(config.offload_optimizer)
+    fraction = _optimizer_fraction(config.memory.offload_optimizer)
     object.__setattr__(model, _INTENT_ATTR, _MemoryIntent(fraction))
-    if config.offload_optimizer is not False:
+    if config.memory.offload_optimizer is not False:
         report.set_memory(_optimizer_record(_trainable(model), fraction))
-    if config.offload_activations is not False:
+    if config.memory.offload_activations is not False:
         model._kernel_pytorch.add_around(functools.partial(_install_activation_offload, config=config,
                                                            training=training))
 
@@ -231,7 +232,7 @@ def make_optimizer(model: nn.Module, params: Iterable[Any] | None = None, *, lr:
 
     Example::
 
-        model = kernel_pytorch.optimize(model, example_inputs=(tokens,), offload_optimizer=True)
+        model = kernel_pytorch.optimize(model, example_inputs=(tokens,), memory={"offload_optimizer": True})
         opt = make_optimizer(model, lr=3e-4, weight_decay=0.1)
         loss_fn(model(tokens)).backward()
         opt.step()
@@ -288,7 +289,7 @@ class _AtFirstTrainingCall:
 
 def _install_activation_offload(model: nn.Module, report: OptimizationReport, *, config: OptimizeConfig,
                                 training: bool) -> None:
-    label = "activation offload ('auto')" if config.offload_activations == "auto" else "activation offload"
+    label = "activation offload ('auto')" if config.memory.offload_activations == "auto" else "activation offload"
     if not training:
         report.set_memory(MemoryRecord(wrapper="activation_offload", applied=False,
                                        description=f"{label}: not applied: in inference no activations are saved"))
@@ -297,7 +298,7 @@ def _install_activation_offload(model: nn.Module, report: OptimizationReport, *,
             wrapper="activation_offload", applied=False,
             description=f"{label}: not applied: no CUDA GPU (torch.cuda.is_available() is False); saved "
             "activations stay where they are"))
-    elif config.offload_activations is True:
+    elif config.memory.offload_activations is True:
         _offload_and_count(model, report)
     else:
         _AtFirstTrainingCall(model, _measure_then_decide(model, config, report))
@@ -366,8 +367,8 @@ def _measure_then_decide(model: nn.Module, config: OptimizeConfig,
 
 def _too_much(model: nn.Module, config: OptimizeConfig, saved: int) -> tuple[bool, str]:
     """Whether ``saved`` activation bytes call for offloading, and why (for the report)."""
-    if config.memory_budget_gb is not None:
-        budget = int(config.memory_budget_gb * _GIB)
+    if config.memory.budget_gb is not None:
+        budget = int(config.memory.budget_gb * _GIB)
         return saved > budget, f"{'over' if saved > budget else 'within'} memory_budget_gb ({_size(budget)})"
     devices = sorted({p.device for p in model.parameters() if p.device.type == "cuda"}, key=str)
     if not devices:
@@ -386,5 +387,5 @@ def _gpu_room(device: torch.device, model: nn.Module, config: OptimizeConfig) ->
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     params = _trainable(model)
     grads = _nbytes(p for p in params if p.grad is None)
-    states = 0 if config.offload_optimizer is not False else 2 * _nbytes(params)
+    states = 0 if config.memory.offload_optimizer is not False else 2 * _nbytes(params)
     return free + cached, grads + states + int(_AUTO_MARGIN_FRACTION * total)

@@ -42,7 +42,7 @@ def grad_amax_consumer(linear: Node, ctx: PassContext) -> Node | None:
     """The kernel call that is the linear's output's only user and whose backward writes that output's whole
     gradient (a packed gated activation taking it as gate_up, an RMSNorm taking it as x or as the residual),
     in a training graph with the tensorwise recipe; else None."""
-    if not ctx.training or ctx.config.fp8_recipe != "tensorwise" or len(linear.users) != 1:
+    if not ctx.training or ctx.config.fp8.recipe != "tensorwise" or len(linear.users) != 1:
         return None
     (user,) = linear.users
     if user.op != "call_function" or user.target not in _CONSUMERS or not user.args \

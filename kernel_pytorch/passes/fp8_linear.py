@@ -67,9 +67,9 @@ class Float8LinearPass(GraphPass):
     description = "linear layers (after q/k/v and gate/up fusion) -> FP8 matmuls where measured faster"
 
     def reason_not_to_run(self, hardware, config) -> str | None:
-        if config.fp8 is False:
+        if config.fp8.mode is False:
             return "fp8=False (the default: FP8 changes results beyond the bf16 tolerances)"
-        if config.fp8_emulate or hardware.fp8:
+        if config.fp8.emulate or hardware.fp8:
             return None
         what = f"{hardware.vendor} ({hardware.device_name})" if hardware.device_name else hardware.vendor
         return (f"FP8 matmuls need an NVIDIA GPU of compute capability >= 8.9 or an AMD MI300; this is {what} "
@@ -88,7 +88,7 @@ class Float8LinearPass(GraphPass):
         location = found.location if len(members) > 1 else members[0]
         names = " + ".join(m.rpartition(".")[2] for m in members) if len(members) > 1 else ""
         shape, reason = _candidate(node, members, ctx, under_autocast)
-        producer = amax_producer(node.args[0]) if ctx.config.fp8_recipe == "tensorwise" else None
+        producer = amax_producer(node.args[0]) if ctx.config.fp8.recipe == "tensorwise" else None
         consumer = grad_amax_consumer(node, ctx)
         convert = False
         if reason is None:
@@ -100,7 +100,7 @@ class Float8LinearPass(GraphPass):
         fused = f"; its input's maximum from the {producer} kernel" if producer else ""
         if consumer is not None:
             fused += f"; its gradient's maximum from the {consumer_name(consumer)} backward kernel"
-        result.rewrite(location, f"{names + ' ' if names else ''}-> float8_linear ({ctx.config.fp8_recipe}): "
+        result.rewrite(location, f"{names + ' ' if names else ''}-> float8_linear ({ctx.config.fp8.recipe}): "
                                  f"{reason}{fused}")
 
 
@@ -122,12 +122,12 @@ def _decision(node: Node, shape: tuple[int, int, int], ctx: PassContext, input_a
               grad_amax_fused: bool) -> tuple[bool, str]:
     """Whether the candidate converts, and why."""
     config = ctx.config
-    if config.fp8_emulate:
+    if config.fp8.emulate:
         return True, f"fp8_emulate=True (FP8 numerics in fp32) at (M, K, N) = {shape}"
-    if config.fp8 is True:
+    if config.fp8.mode is True:
         return True, f"fp8=True at (M, K, N) = {shape}"
     x = example_value(node.args[0])
-    convert, reason, _, _ = measured_decision(shape, x.dtype, config.fp8_recipe, ctx.training, x.device, ctx.compiled,
+    convert, reason, _, _ = measured_decision(shape, x.dtype, config.fp8.recipe, ctx.training, x.device, ctx.compiled,
                                               input_amax_fused, grad_amax_fused)
     return convert, reason
 
@@ -163,7 +163,7 @@ def _replace(gm: torch.fx.GraphModule, node: Node, ctx: PassContext, fuse_input_
              consumer: Node | None) -> None:
     x = example_value(node.args[0])
     forward_dtype, backward_dtype = float8_dtypes_for(x.device)
-    kwargs: dict[str, Any] = {"recipe": ctx.config.fp8_recipe, "emulate": ctx.config.fp8_emulate,
+    kwargs: dict[str, Any] = {"recipe": ctx.config.fp8.recipe, "emulate": ctx.config.fp8.emulate,
                               "forward_dtype": forward_dtype, "backward_dtype": backward_dtype}
     if fuse_input_amax:
         kwargs["x_amax"] = producer_amax(gm, node.args[0])
