@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -195,8 +195,9 @@ class GraphOptimizer:
         results = []
         for graph_pass in passes:
             trial = clone_graph_module(current)
+            earlier = {done.name: result for done, result in results}
             try:
-                result = PassManager.run_one(graph_pass, trial, ctx)
+                result = PassManager.run_one(graph_pass, trial, replace(ctx, earlier_results=earlier))
             except PassError as error:
                 if self.config.strict:
                     raise

@@ -48,10 +48,11 @@ def test_simulated_vendor_gets_its_backend_and_pass_list(monkeypatch, vendor):
     assert hardware.vendor == vendor and type(backend) is backend_type
     assert backend.compiler == compiler and backend.compile_by_default
     passes = [item.name for item in backend.plan() if item.kind == "pass" and item.applies]
-    by_default = [name for name in backend_type.graph_passes if name != "fp8"]  # fp8=False by default
+    # fp8=False and no context_parallel group by default: those two passes are off.
+    by_default = [name for name in backend_type.graph_passes if name not in ("fp8", "context_parallel")]
     assert passes == by_default and passes[0] == "normalize"
     with_fp8 = [item.name for item in backend.plan(OptimizeConfig(fp8=True)) if item.kind == "pass" and item.applies]
-    assert with_fp8 == (list(backend_type.graph_passes) if hardware.fp8 else by_default)
+    assert with_fp8 == (by_default + ["fp8"] if hardware.fp8 else by_default)
 
 
 @pytest.mark.parametrize("vendor", SIMULATIONS)

@@ -64,9 +64,11 @@ class Backend:
     # does from any other node (either order matches; this one keeps attention's Q, K operands final).
     # "horizontal_gemm" before "activations": a gate/up pair it fuses is split with chunk(gate_up, 2, -1),
     # which the activations pass then turns into one packed gated activation.
+    # "context_parallel" after both (with the context_parallel option only): it makes the fused RoPE tables and
+    # attention calls global.
     # "fp8" last: it converts the linears as the horizontal fusion left them (passes/fp8_linear.py: why).
     graph_passes: ClassVar[tuple[str, ...]] = ("normalize", "norms", "horizontal_gemm", "activations", "rope",
-                                               "attention", "fp8")
+                                               "attention", "context_parallel", "fp8")
     module_passes: ClassVar[tuple[str, ...]] = ()
     kernels: ClassVar[tuple[Kernel, ...]] = ()
 

@@ -11,7 +11,7 @@ What the wrapper in ``model._compiled_call_impl`` does per call:
 1. checks that every rank passed the same input shapes (one small all_gather: mismatched ranks raise the
    same error everywhere instead of hanging later);
 2. shards dim 1 (batch-first sequence) of every tensor input to this rank's zigzag part (no communication);
-3. runs the compiled model on it: the attention and RoPE passes (see ``context_parallel_graph``) made its
+3. runs the compiled model on it: the context_parallel pass (``kernel_pytorch.passes.context_parallel``) made its
    causal attention ring attention and its RoPE tables the rows of the tokens' global positions;
 4. gathers dim 1 of every tensor output back into the full sequence (differentiable).
 
@@ -43,7 +43,7 @@ __all__ = ["ContextParallelCall", "ContextParallelError", "backend_config", "ins
 _SEQUENCE_DIM = 1
 # Passes the rewrite needs: without them attention and RoPE would run on the local shard as if it were the
 # whole sequence.
-_REQUIRED_PASSES = ("normalize", "rope", "attention")
+_REQUIRED_PASSES = ("normalize", "rope", "attention", "context_parallel")
 
 
 class ContextParallelError(KernelPytorchError, ValueError):

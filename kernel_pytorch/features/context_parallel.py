@@ -1,5 +1,6 @@
 """Context parallelism as a feature: ``optimize(model, context_parallel=group)``
-(``kernel_pytorch.distributed.context_parallel`` holds the boundary, ``context_parallel_graph`` the graph side)."""
+(``kernel_pytorch.distributed.context_parallel`` holds the boundary, the ``context_parallel`` pass the graph
+side)."""
 
 from __future__ import annotations
 

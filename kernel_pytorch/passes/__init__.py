@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kernel_pytorch.passes import activations, attention, fp8_linear, horizontal_gemm, normalize, norms, rope  # noqa: F401  (register them)
+from kernel_pytorch.passes import (activations, attention, context_parallel, fp8_linear,  # noqa: F401 (registers them)
+                                   horizontal_gemm, normalize, norms, rope)
 from kernel_pytorch.passes.base import (Candidate, GraphPass, ModulePass, PassContext, PassResult, Rewrite, Skip,
                                        candidates, replace_module)
 from kernel_pytorch.passes.manager import PassManager

@@ -78,6 +78,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import Any, Callable, Optional
@@ -92,9 +93,9 @@ from kernel_pytorch.attention.kernels.registry import KERNELS, PATTERN_KERNELS
 from kernel_pytorch.attention.kernels.topk_sparse import TOPK_ERROR_QUERY_BLOCKS, topk_relative_error
 from kernel_pytorch.ops.attention import attention, sparse_or_dense_attention, to_4d
 from kernel_pytorch.passes.attention_match import AttentionMatch, NotAttention, Operand, match_attention
-from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, Rewrite
+from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, Rewrite, candidates
 from kernel_pytorch.passes.causal_mask import CausalMaskGuard, decide_causal
-from kernel_pytorch.passes.graph_utils import erase_unused, is_view, module_path_of, set_example_value
+from kernel_pytorch.passes.graph_utils import erase_unused, is_view, set_example_value
 from kernel_pytorch.passes.mask_pattern import PatternDecision, decide_pattern
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
@@ -290,6 +291,16 @@ def _pattern_arguments(decision: PatternDecision, mask: Node, builder: _Builder)
     return {"pattern": pattern.spec, "pattern_tensor": tensor}
 
 
+def _match_or_reason(node: Node, constants: ConstantEvaluator) -> Optional[AttentionMatch | str]:
+    """The attention around a ``torch.softmax`` call, or why it is not attention (None: not a softmax)."""
+    if not is_call(node, torch.softmax):
+        return None
+    try:
+        return match_attention(node, constants)
+    except NotAttention as reason:
+        return str(reason)
+
+
 @register_pass
 class AttentionPass(GraphPass):
     """Replace hand-written attention with one fused ``attention(q, k, v, mask, ...)`` call (module docstring)."""
@@ -303,35 +314,21 @@ class AttentionPass(GraphPass):
         constants = ConstantEvaluator(known=ctx.constant_inputs)
         bindings = Bindings.from_graph(graph, ctx.example_inputs)
         mask_candidates: list[Node] = []
-        erased: set[Node] = set()
         sparse_calls: list[tuple[Node, int]] = []  # top-k calls and the index of their rewrite record
-        for softmax in [n for n in graph.nodes if is_call(n, torch.softmax)]:
-            if softmax in erased:
-                continue
-            location = module_path_of(softmax, "(model)")
-            try:
-                match = match_attention(softmax, constants)
-            except NotAttention as reason:
-                result.skip(location, str(reason))
-                continue
-            description, plan, removed = self._rewrite(gm, match, constants, bindings, ctx)
+        for found in candidates(graph.nodes, functools.partial(_match_or_reason, constants=constants), result):
+            description, plan, removed = self._rewrite(gm, found.match, constants, bindings, ctx)
             if plan.sparse_call is not None:
                 sparse_calls.append((plan.sparse_call, len(result.rewrites)))
-            erased |= removed
             mask_candidates += plan.dead_when_causal
             if plan.guard is not None:
                 result.guards.append(plan.guard)
             for note in plan.notes:
-                result.skip(location, note)
-            result.rewrite(location, description)
+                result.skip(found.location, note)
+            result.rewrite(found.location, description)
             result.changed += len(removed)
         result.changed += erase_unused(graph, mask_candidates)
         if sparse_calls:
             _report_topk_errors(gm, ctx, sparse_calls, result)
-        if ctx.config.context_parallel is not None:  # ring attention over the sequence shards, or a refusal
-            from kernel_pytorch.distributed.context_parallel_graph import shard_attention_calls
-
-            shard_attention_calls(gm, ctx.config.context_parallel, result, _attention_op())
         return result
 
     @staticmethod

@@ -143,6 +143,9 @@ class PassContext:
     # The model's nn.Linear paths, each with None (an FP8 candidate) or why not (float8_conversion.linear_targets);
     # empty unless fp8 is on.
     fp8_targets: Mapping[str, str | None] = field(default_factory=dict)
+    # What the passes that ran before this one did to this graph, by pass name (the context_parallel pass reads
+    # the attention pass's guards and skips).
+    earlier_results: Mapping[str, PassResult] = field(default_factory=dict)
 
 
 class _Pass(abc.ABC):

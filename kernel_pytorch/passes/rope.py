@@ -252,10 +252,6 @@ class RopePass(GraphPass):
             for later in matches[i + 1:]:  # a rotation of a rotation reads the new output now
                 later.x, later.cos, later.sin = (replaced.get(n, n) for n in (later.x, later.cos, later.sin))
             order = _Order(graph)  # nodes were added and erased
-        if ctx.config.context_parallel is not None:  # the tables at the global positions of this rank's tokens
-            from kernel_pytorch.distributed.context_parallel_graph import shard_rope_tables
-
-            shard_rope_tables(gm, ctx.config.context_parallel, result, _rope_op())
         return result
 
     @staticmethod

@@ -1,14 +1,23 @@
-"""The graph side of ``optimize(model, context_parallel=group)``: what the RoPE and attention passes do to a
-graph that will run on this rank's zigzag shard of the sequence (the boundary is ``context_parallel.py``).
+"""Pass ``context_parallel``, after the rope and attention passes: the graph side of ``optimize(model,
+context_parallel=group)``, for a graph that will run on this rank's zigzag shard of the sequence (the boundary,
+sharding inputs and gathering outputs, is ``kernel_pytorch.distributed.context_parallel``).
+
+Before::
+
+    cos = rope_cos[:n]; q = apply_rope(q, k, cos, sin); out = attention(q, k, v, is_causal=True)
+
+After::
+
+    cos = rows_at_global_positions(rope_cos, n); ...; out = ring_attention_fwd(q, k, v, group, True, ...)[0]
 
 The captured graph sees only the local shard, so everything that depends on positions must be made global:
 
-* **RoPE** (after the rope pass): the ``cos``/``sin`` of each ``apply_rope`` call must be the rows of the
+* **RoPE**: the ``cos``/``sin`` of each ``apply_rope`` call must be the rows of the
   tokens' global positions. Proven, and rewritten, when a table is the first ``n`` rows of a 2-D graph input
   (a buffer ``rope_cos[:n]``, ``n`` the local length) reaching ``apply_rope`` through casts and leading
   unsqueezes only, with its rows at q's sequence dim (-2): the slice becomes ``rows at the zigzag
   positions`` of the same table.
-* **Attention** (after the attention pass): a fused ``attention`` call that is causal, or unmasked over
+* **Attention**: a fused ``attention`` call that is causal, or unmasked over
   equal query and key lengths, without dropout, becomes ``ring_attention(q, k, v, causal=...)`` over the
   group.
 
@@ -19,6 +28,8 @@ tables computed in the graph (Hugging Face's from ``position_ids``), other posit
 (a pass that raises is skipped, which would leave local attention running silently), so a node inserted at
 the top of the graph raises :class:`ContextParallelError` naming them all. It runs before any of the
 graph's communication, and every rank captures the same graph, so every rank raises the same error.
+The attention pass's result (``PassContext.earlier_results``) says why a softmax was left as it was, and
+whether a causal mask was proven only behind a runtime guard.
 """
 
 from __future__ import annotations
@@ -37,9 +48,13 @@ from kernel_pytorch.distributed.context_parallel import ContextParallelError
 from kernel_pytorch.distributed.rank_group import RankGroup
 from kernel_pytorch.distributed.ring_attention import ring_attention_fwd  # noqa: F401 (registers the op)
 from kernel_pytorch.distributed.sequence_sharding import shard_sequence
+from kernel_pytorch.ops.attention import attention
+from kernel_pytorch.ops.rope import apply_rope
+from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
 from kernel_pytorch.passes.graph_utils import module_path_of
+from kernel_pytorch.passes.registry import register_pass
 
-__all__ = ["refuse_context_parallel", "shard_attention_calls", "shard_rope_tables"]
+__all__ = ["ContextParallelPass", "refuse_context_parallel", "shard_attention_calls", "shard_rope_tables"]
 
 # Ops after which row i of the result is row i of the operand: casts, and (checked by shape) leading unsqueezes.
 _ROW_PRESERVING_METHODS = ("to", "float", "double", "half", "bfloat16", "type_as", "contiguous", "unsqueeze")
@@ -49,6 +64,23 @@ _POSITION_METHODS = ("triu", "tril", "cumsum")
 # The op's overload, as graphs hold ops (importing ring_attention_fwd registers it).
 _RING_ATTENTION_FWD = torch.ops.kernel_pytorch.ring_attention_fwd.default
 _REFUSAL_HEADER = "optimize(context_parallel=...): this model cannot run on a shard of the sequence:"
+
+
+@register_pass
+class ContextParallelPass(GraphPass):
+    name = "context_parallel"
+    description = ("context parallelism: RoPE tables at the tokens' global positions, causal attention as ring "
+                   "attention over the group; anything else positional refused")
+
+    def reason_not_to_run(self, hardware, config) -> str | None:
+        return None if config.context_parallel is not None else "context_parallel is off (no process group)"
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        result = PassResult()
+        group = ctx.config.context_parallel
+        shard_rope_tables(gm, group, result, apply_rope)
+        shard_attention_calls(gm, group, result, attention, ctx.earlier_results.get("attention", PassResult()))
+        return result
 
 
 @has_side_effect  # no users: without this, dead-code elimination would drop it
@@ -149,13 +181,13 @@ def _row_stop_of_slice(node: Node):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def shard_attention_calls(gm: torch.fx.GraphModule, group, result, attention_op) -> None:
+def shard_attention_calls(gm: torch.fx.GraphModule, group, result, attention_op, attention_result) -> None:
     """Ring attention for every provable ``attention_op`` call; refuse the graph if anything positional is
-    left (module docstring)."""
+    left (module docstring). ``attention_result``: what the attention pass did to this graph."""
     problems, count = [], 0
     for call in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is attention_op]:
         location = module_path_of(call, "(model)")
-        reason = _unshardable_attention(call, result)
+        reason = _unshardable_attention(call, attention_result)
         if reason is not None:
             problems.append(f"{location}: {reason}")
             continue
@@ -167,7 +199,7 @@ def shard_attention_calls(gm: torch.fx.GraphModule, group, result, attention_op)
         count += 1
     if count:
         result.rewrite("(model)", f"context parallel: {count} attention call(s) -> ring_attention over the group")
-    problems += _positional_leftovers(gm, result)
+    problems += _positional_leftovers(gm, attention_result)
     _refuse_in(gm, problems, result)
 
 
