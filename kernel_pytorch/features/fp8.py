@@ -9,7 +9,7 @@ from typing import Any
 import torch.fx
 import torch.nn as nn
 
-from kernel_pytorch import float8_conversion
+from kernel_pytorch.float8_conversion import PASS_NAME, cuda_graphs_note, judging_config, linear_targets
 from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.features.base import Feature, OptimizeRun, register_feature
 
@@ -27,12 +27,12 @@ class Float8Feature(Feature):
     def pass_inputs(self, model: nn.Module, run: OptimizeRun, passes: Sequence[str]) -> dict[str, Any]:
         """The candidate linears and their shapes, read on the example inputs before capture (where the fp8
         pass runs at all: not on hardware without FP8)."""
-        if float8_conversion.PASS_NAME not in passes:
+        if PASS_NAME not in passes:
             return {}
-        return {"fp8_targets": float8_conversion.linear_targets(model, run.config, run.example_inputs)}
+        return {"fp8_targets": linear_targets(model, run.config, run.example_inputs)}
 
     def judging_config(self, config: OptimizeConfig, rewritten: Iterable[str]) -> OptimizeConfig:
-        return float8_conversion.judging_config(config, rewritten)
+        return judging_config(config, rewritten)
 
     def compile_note(self, gm: torch.fx.GraphModule, training: bool, without_graphs: bool) -> str | None:
-        return float8_conversion.cuda_graphs_note(gm, training, without_graphs)
+        return cuda_graphs_note(gm, training, without_graphs)
