@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.nn.attention.flex_attention import create_mask

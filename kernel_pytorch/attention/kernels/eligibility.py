@@ -53,6 +53,11 @@ def _head_dim_multiple(kernel: AttentionKernel, p: AttentionProblem) -> Optional
     return None
 
 
+def _dtype_and_head_dim(kernel: AttentionKernel, p: AttentionProblem) -> Optional[str]:
+    """The first limits of PyTorch's fused SDPA kernels, in their order."""
+    return _dtype(kernel, p) or _head_dim_multiple(kernel, p)
+
+
 def _bottom_right_causal(kernel: AttentionKernel, p: AttentionProblem) -> Optional[str]:
     if kernel.bottom_right_causal and p.is_causal and p.q_shape[-2] != p.k_shape[-2]:
         return f"{kernel.name}'s causal mask is bottom-right aligned when query and key lengths differ"
@@ -86,13 +91,12 @@ def no_limits(kernel: AttentionKernel, p: AttentionProblem, hardware: HardwareIn
 
 def aten_limits(kernel: AttentionKernel, p: AttentionProblem, hardware: HardwareInfo) -> Optional[str]:
     """PyTorch's memory-efficient and CPU flash kernels."""
-    return _dtype(kernel, p) or _head_dim_multiple(kernel, p) or _mask_grad(kernel, p)
+    return _dtype_and_head_dim(kernel, p) or _mask_grad(kernel, p)
 
 
 def cudnn_limits(kernel: AttentionKernel, p: AttentionProblem, hardware: HardwareInfo) -> Optional[str]:
     """PyTorch's cuDNN kernel; also the limits of cuDNN's fused attention under ``cudnn_band``."""
-    reason = _dtype(kernel, p) or _head_dim_multiple(kernel, p)
-    if reason:
+    if reason := _dtype_and_head_dim(kernel, p):
         return reason
     if not hardware.cudnn_attention:
         return "cuDNN attention unavailable on this GPU"
@@ -105,8 +109,7 @@ def cudnn_limits(kernel: AttentionKernel, p: AttentionProblem, hardware: Hardwar
 
 def flash_limits(kernel: AttentionKernel, p: AttentionProblem, hardware: HardwareInfo) -> Optional[str]:
     """PyTorch's FlashAttention-2 kernel."""
-    reason = _dtype(kernel, p) or _head_dim_multiple(kernel, p)
-    if reason:
+    if reason := _dtype_and_head_dim(kernel, p):
         return reason
     if p.mask is not None:
         return f"{kernel.name} takes no mask"
