@@ -263,7 +263,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_topk_case(length: int, budget_name: str, budget: dict, runs: int) -> dict:
-    from kernel_pytorch.attention.topk_sparse import select_blocks
+    from kernel_pytorch.attention.kernels.topk_sparse import select_blocks
 
     batch = max(1, TOPK_TOKENS // length)
     config = SparseAttentionConfig(**budget, min_length=min(TOPK_LENGTHS))

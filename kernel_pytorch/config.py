@@ -56,7 +56,7 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
 
 class SparseAttentionConfig(ConfigModel):
     """Content-aware (top-k) block-sparse attention for long-context inference: an **approximation**
-    (:mod:`kernel_pytorch.attention.topk_sparse`). Per query block of ``block`` tokens, the key blocks with
+    (:mod:`kernel_pytorch.attention.kernels.topk_sparse`). Per query block of ``block`` tokens, the key blocks with
     the largest pooled q·k scores are attended, plus the first ``sink_blocks`` and the ``local_blocks``
     blocks ending at the diagonal; from ``min_length`` query tokens on, dense below.
 
@@ -86,10 +86,8 @@ class SparseAttentionConfig(ConfigModel):
     local_blocks: NonNegativeInt = Field(1, description="Blocks ending at the diagonal always kept (1: the "
                                          "diagonal block).")
     sink_blocks: NonNegativeInt = Field(1, description="First key blocks always kept.")
-    # Below this, sparse kernels lose: with topk=16 at L = 8192 causal, 48% of the causal tiles are kept and
-    # FlexAttention's dense rate is ~0.71 of cuDNN's (DESIGN.md: 382 vs 538 TFLOP/s causal), so 8192 is about
-    # where it breaks even; at 4096, 80% kept: slower. To be confirmed with benchmarks/sparse_attention.py
-    # --parts topk (its rows run sparse from 4096 on).
+    # Below this, sparse kernels lose: at L = 8192 causal about half the causal tiles are kept at topk=16, and
+    # FlexAttention's dense rate is below cuDNN's (docs/attention.md); benchmarks/sparse_attention.py --parts topk.
     min_length: PositiveInt = Field(8192, description="Query length from which the sparse path runs (a runtime "
                                     "check per call: shorter calls run dense attention).")
 

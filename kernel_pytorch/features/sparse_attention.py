@@ -1,5 +1,5 @@
 """Content-aware top-k sparse attention as a feature: ``optimize(model, sparse_attention="topk")`` (the attention
-pass applies it; ``kernel_pytorch.attention.topk_sparse`` holds the kernel side). An approximation: the config
+pass applies it; ``kernel_pytorch.attention.kernels.topk_sparse`` holds the kernel side). An approximation: the config
 turns ``verify='auto'`` off with it, and the attention rewrite lines give its error measured against dense."""
 
 from __future__ import annotations
