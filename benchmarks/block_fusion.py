@@ -1,4 +1,4 @@
-"""Block-fusion benchmark: the Llama-style block of DESIGN.md (d 2048, 16 heads / 4 kv, ffn 5632), bf16.
+"""Block-fusion benchmark: the Llama-style block of docs/design.md (d 2048, 16 heads / 4 kv, ffn 5632), bf16.
 
     python benchmarks/block_fusion.py [--quick] [--out DIR] [--parts launches train latency epilogue] [--device cpu]
 

@@ -7,7 +7,7 @@
 Models (full size; ``--quick``: 2 layers and smaller batches, by default ``llama_style`` and ``bert`` only, to
 stay under two minutes of compiling; ``--device cpu``: tiny fp32 configs):
 
-- ``llama_style``: DESIGN.md's Llama-style model written the plain way (kernel_pytorch.testing.LlamaStyleLM:
+- ``llama_style``: docs/design.md's Llama-style model written the plain way (kernel_pytorch.testing.LlamaStyleLM:
   hand-written attention with an additive causal mask and an fp32 softmax, RMSNorm, RoPE, SwiGLU), 12 layers,
   d 2048, 16 heads / 4 kv, ffn 5632, vocab 32000, batch 4 x 2048;
 - ``hf_llama``: the same architecture as transformers' ``LlamaForCausalLM`` with ``attn_implementation="eager"``;

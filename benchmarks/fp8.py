@@ -18,7 +18,7 @@ Five tables, bf16 activations and weights throughout:
 4. ``numerics``: SQNR = 20 log10(||ref|| / ||ref - x||) of the output, the weight gradient and the input
    gradient of ``Float8Linear`` (and of bf16 ``nn.Linear``, for scale) against a float64 reference computed
    from the same bf16 inputs. Issue floors: >= 20 dB output, >= 17 dB weight gradient.
-5. ``model``: a training step of DESIGN.md's Llama-style model (12 layers, batch 4 x 2048) through
+5. ``model``: a training step of docs/design.md's Llama-style model (12 layers, batch 4 x 2048) through
    ``kernel_pytorch.optimize`` in bf16, with ``fp8=True`` (each recipe) and ``fp8="auto"``. Target: 1.15x.
 6. ``producers``: quantization fused into the producing kernel, at the model's shapes: RMSNorm -> the fused
    gate/up linear (8192 x 2048 -> 11264) and packed SwiGLU -> down (8192 x 5632 -> 2048), forward +
@@ -271,7 +271,7 @@ def add_auto_decision(row: dict, recipe: str = "tensorwise") -> None:
 # ------------------------------------------------------------------------------------------ 5. model
 
 def model_step(quick: bool, runs: int) -> dict:
-    """A training step (forward, loss, backward, fused AdamW) of DESIGN.md's Llama-style model at batch
+    """A training step (forward, loss, backward, fused AdamW) of docs/design.md's Llama-style model at batch
     4 x 2048 (quick: 2 layers, batch 2 x 1024), through ``kernel_pytorch.optimize`` in bf16, with
     ``fp8=True`` and with ``fp8="auto"``. Issue target: fp8 >= 1.15x the bf16 step."""
     import kernel_pytorch

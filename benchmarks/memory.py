@@ -70,7 +70,7 @@ from kernel_pytorch.testing import LlamaStyleConfig, LlamaStyleLM
 GIB = 2**30
 LR = 1e-4
 
-# The offload model: DESIGN.md's Llama-style model at 20 layers, 1.03B parameters.
+# The offload model: docs/design.md's Llama-style model at 20 layers, 1.03B parameters.
 MODEL_1B = LlamaStyleConfig(n_layers=20, max_seq_len=32768)
 # The search's model: Llama-7B's width, 177M parameters per layer (see the module docstring).
 SEARCH_BASE = LlamaStyleConfig(dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=11008, max_seq_len=4096)

@@ -27,7 +27,7 @@ larger size than the timed ones and compares its measured peak with the model's.
 Part ``model`` (issue 7's target: the longest sequence that fits grows N-fold with N GPUs): the op alone
 grows short of N-fold (1.68x on 2 GPUs, 3.23x on 4, H200) because the ring's transient buffers (K/V in
 flight, fp32 dK/dV travelling with them, the fp32 output/LSE merge) are a large share of its memory; in a
-model, every layer's activations are per token too. Per world size, every rank builds DESIGN.md's
+model, every layer's activations are per token too. Per world size, every rank builds docs/design.md's
 Llama-style model (``kernel_pytorch.testing.LlamaStyleLM``: 12 layers, d 2048, 16 heads / 4 K/V heads,
 hd 128, ffn 5632, vocab 32000, 0.67B parameters; bf16 parameters, same seed on every rank), runs
 ``optimize(model, context_parallel=group, example_inputs=..., compile=False)`` once, and trains at each
@@ -103,7 +103,7 @@ from kernel_pytorch.testing import LlamaStyleConfig, LlamaStyleLM
 BATCH, HEADS_Q, HEADS_KV, HEAD_DIM = 1, 32, 8, 128
 EFFICIENCY_TARGET = 0.85
 PARTS = ("attention", "model")
-# The model part: DESIGN.md's model (module docstring); its max_seq_len is set per run to the longest sequence.
+# The model part: docs/design.md's model (module docstring); its max_seq_len is set per run to the longest sequence.
 MODEL_CONFIG = LlamaStyleConfig()
 # Model target: the longest total sequence on N GPUs at least this fraction of N x the longest on one GPU.
 N_FOLD_FRACTION = 0.9
@@ -268,7 +268,7 @@ def _memory_check(tokens: int, fit: dict, world_size: int, options: dict) -> dic
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The model part: optimize(model, context_parallel=group) on DESIGN.md's Llama-style model.
+# The model part: optimize(model, context_parallel=group) on docs/design.md's Llama-style model.
 # ---------------------------------------------------------------------------------------------------------
 
 

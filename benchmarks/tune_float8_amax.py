@@ -3,7 +3,7 @@ the GPU.
 
     python benchmarks/tune_float8_amax.py [--quick] [--out DIR]
 
-For each bf16 operand shape an FP8 layer of DESIGN.md's Llama-style model (and the 8192^3 benchmark) reduces,
+For each bf16 operand shape an FP8 layer of docs/design.md's Llama-style model (and the 8192^3 benchmark) reduces,
 the tensor's maximum (tensorwise) and the row and column maxima (rowwise, both for a training operand) are
 timed per setting of ``_AMAX_BLOCK_R`` x ``_AMAX_BLOCK_C`` (the tile), ``_AMAX_NUM_WARPS`` and
 ``_AMAX_MIN_PROGRAMS`` (how many tiles each program walks), as GPU time only (``harness.measure_gpu_time``:

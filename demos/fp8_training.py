@@ -49,7 +49,7 @@ def _cpu_config() -> LlamaStyleConfig:
 
 
 def _gpu_sizes(quick: bool) -> tuple[LlamaStyleConfig, int, int]:
-    # DESIGN.md's model, fewer layers: FP8 pays only at large GEMMs (float8_conversion: loses below ~4096^3).
+    # docs/design.md's model, fewer layers: FP8 pays only at large GEMMs (float8_conversion: loses below ~4096^3).
     return LlamaStyleConfig(n_layers=2 if quick else 4, max_seq_len=2048), (2 if quick else 4), (1024 if quick else 2048)
 
 

@@ -44,7 +44,7 @@ class Setup:
     # Relative errors allowed against the original: (wrappers alone, with optimize's fused kernels too).
     # The wrappers recompute or copy the same values: fp32 on a CPU measured 0 (bitwise equal); on a GPU
     # the embedding's backward sums with atomics, in any order. The fused kernels round differently:
-    # DESIGN.md's fp32 tolerances (1e-5 outputs, 1e-4 gradients), bf16's (2e-2 / 1e-1 in fused_kernels.py).
+    # docs/design.md's fp32 tolerances (1e-5 outputs, 1e-4 gradients), bf16's (2e-2 / 1e-1 in fused_kernels.py).
     tolerance: tuple[float, float]
 
 

@@ -6,7 +6,7 @@ captured torch-level graph (one per graph break, and again for new shapes or mod
 inputs; it runs the passes, checks each rewritten graph against the captured one on those inputs, rolls
 back the passes that break tolerance, and hands the result to the hardware's compiler (or runs it eagerly).
 
-DESIGN.md gives the measurement behind this choice: ``torch.fx.symbolic_trace`` fails on Llama, GPT-2
+docs/design.md gives the measurement behind this choice: ``torch.fx.symbolic_trace`` fails on Llama, GPT-2
 and BERT; dynamo captures them.
 """
 

@@ -1,4 +1,4 @@
-"""A Llama-style decoder written by hand: the model of DESIGN.md's baselines.
+"""A Llama-style decoder written by hand: the model of docs/design.md's baselines.
 
 Everything a fused-kernel library has to recognise is spelled out the way model code writes it:
 attention with an additive causal mask and a float32 softmax, RMSNorm with a float upcast, rotate-half
@@ -20,7 +20,7 @@ __all__ = ["LlamaStyleConfig", "LlamaStyleLM", "LlamaStyleBlock", "LlamaStyleAtt
 
 @dataclass(frozen=True)
 class LlamaStyleConfig:
-    """Defaults are DESIGN.md's benchmark model: 12 layers, d 2048, 16 heads (4 kv), ffn 5632, vocab 32000."""
+    """Defaults are docs/design.md's benchmark model: 12 layers, d 2048, 16 heads (4 kv), ffn 5632, vocab 32000."""
 
     vocab_size: int = 32000
     dim: int = 2048
