@@ -23,6 +23,7 @@ import torch.fx
 import torch.utils.checkpoint
 
 from kernel_pytorch.compile_skip import attention_only
+from kernel_pytorch.compiled_call import GraphRun
 from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.errors import PassError
 from kernel_pytorch.features import Feature
@@ -172,8 +173,8 @@ class GraphOptimizer:
         if guards:
             for guard in guards:
                 guard.bind(candidate.graph)
-            return GuardedGraph(compiled, gm, guards, self.report, name)
-        return compiled
+            return GraphRun(GuardedGraph(compiled, gm, guards, self.report, name))
+        return GraphRun(compiled)
 
     def _training(self, example_inputs: Sequence[Any], name: str) -> bool:
         """Whether this graph is rewritten for training: the model's mode at optimize time, or gradients

@@ -37,7 +37,7 @@ from torch._dynamo.exc import TorchDynamoException
 
 from kernel_pytorch.errors import KernelPytorchError
 
-__all__ = ["CompiledCall", "RecompileLimitWarning", "UnoptimizedCallWarning", "install"]
+__all__ = ["CompiledCall", "GraphRun", "RecompileLimitWarning", "UnoptimizedCallWarning", "install"]
 
 # TorchDynamo's default limit (8) is for one function; a model's call contract needs more variants: a
 # transformers generate() alone is captured with and without a cache, for prefill and decode, and at
@@ -108,6 +108,7 @@ class CompiledCall:
         self.entries: dict[tuple[tuple[int, ...], ...], Callable[..., Any]] = {}
         self.limits_reached: set[str] = set()
         self.eager_calls = 0
+        self.graph_ran = False  # in the call in progress: after a graph ran, an eager re-run could update twice
 
     # Opaque to an outer torch.compile(model): it would trace through the entry with its own backend, and the
     # model would run without the rewrites; disabled here, the outer compile calls the optimized model as it is.
@@ -120,6 +121,7 @@ class CompiledCall:
             if len(self.entries) > 1:
                 self._note("global module hooks changed: the model is captured again for them")
         _register_compile_callbacks()
+        self.graph_ran = False
         token = _ACTIVE.set(self)
         try:
             return entry(self.model, *args, **kwargs)
@@ -143,16 +145,21 @@ class CompiledCall:
         warnings.warn(message, RecompileLimitWarning, stacklevel=2)
 
     def _after_compile_failure(self, failure: TorchDynamoException, args: tuple, kwargs: dict) -> Any:
-        """The model's own error for inputs it rejects; else the eager result, said once."""
+        """The model's own error for inputs it rejects; else the eager result, said once. Only before any of the
+        call's graphs ran: after one did (a graph break before the failure), in-place updates (a KV cache,
+        BatchNorm statistics) would be applied twice, so the failure is raised as it is."""
         inner = getattr(failure, "inner_exception", None)
         if isinstance(inner, KernelPytorchError):
             raise inner from None
+        if self.graph_ran:
+            _add_note(failure, f"(in the model optimized by kernel_pytorch, {type(self.model).__name__}, called with "
+                               f"{describe_arguments(args, kwargs)}, after some of its graphs ran)")
+            raise failure
         try:
             out = self.model._call_impl(*args, **kwargs)
         except Exception as error:
-            if hasattr(error, "add_note"):
-                error.add_note(f"(raised by the model optimized by kernel_pytorch, {type(self.model).__name__}, "
-                               f"called with {describe_arguments(args, kwargs)}; it raises the same unoptimized)")
+            _add_note(error, f"(raised by the model optimized by kernel_pytorch, {type(self.model).__name__}, called "
+                             f"with {describe_arguments(args, kwargs)}; it raises the same unoptimized)")
             raise error from None
         if getattr(getattr(self.backend, "config", None), "strict", False):
             raise failure
@@ -167,6 +174,27 @@ class CompiledCall:
     def _note(self, text: str) -> None:
         if text not in self.report.notes:
             self.report.notes.append(text)
+
+
+class GraphRun:
+    """A compiled graph of an optimized model, marking the call in progress as having run one of its graphs
+    (``CompiledCall._after_compile_failure``: why)."""
+
+    __slots__ = ("graph",)
+
+    def __init__(self, graph: Callable[..., Any]):
+        self.graph = graph
+
+    def __call__(self, *args: Any) -> Any:
+        call = _ACTIVE.get()
+        if call is not None:
+            call.graph_ran = True
+        return self.graph(*args)
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    if hasattr(error, "add_note"):  # Python >= 3.11
+        error.add_note(note)
 
 
 def describe_arguments(args: tuple, kwargs: dict) -> str:

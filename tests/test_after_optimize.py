@@ -288,3 +288,51 @@ def test_a_bad_input_to_a_transformers_model_names_the_model_and_argument():
 def test_a_misspelt_example_inputs_suggests_the_right_name():
     with pytest.raises(TypeError, match="did you mean 'example_inputs'"):
         kernel_pytorch.optimize(TwoLayers(), example_input=(torch.randn(2, 8),))
+
+
+class CountsCalls(nn.Module):
+    """Updates a buffer in place, then breaks the graph: a second graph follows the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        y = self.lin(x)
+        torch._dynamo.graph_break()
+        return y.relu()
+
+
+def _failing_backend_at(monkeypatch, failing_graph: int):
+    """The model's backend raises while compiling its ``failing_graph``-th graph (a compiler bug, say)."""
+    from kernel_pytorch.capture import GraphOptimizer
+
+    real = GraphOptimizer._optimized
+
+    def optimized(self, gm, example_inputs):
+        if self.report.graphs == failing_graph:
+            raise RuntimeError("a compiler failure for the test")
+        return real(self, gm, example_inputs)
+
+    monkeypatch.setattr(GraphOptimizer, "_optimized", optimized)
+
+
+def test_a_call_that_fails_to_compile_runs_eagerly_once_with_a_warning(monkeypatch):
+    model = kernel_pytorch.optimize(CountsCalls().eval())
+    _failing_backend_at(monkeypatch, failing_graph=0)
+    x = torch.randn(2, 4)
+    with pytest.warns(kernel_pytorch.UnoptimizedCallWarning, match="could not be compiled"):
+        out = model(x)
+    assert torch.equal(out, model.lin(x).relu()) and model.calls.item() == 1  # the update ran once
+    assert any("ran unoptimized (eager)" in note for note in report_of(model).notes)
+
+
+def test_a_failure_after_a_graph_ran_is_raised_not_run_twice(monkeypatch):
+    model = kernel_pytorch.optimize(CountsCalls().eval())
+    _failing_backend_at(monkeypatch, failing_graph=1)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="a compiler failure for the test") as raised:
+        model(torch.randn(2, 4))
+    assert model.calls.item() == 1  # the first graph's in-place update, not repeated by an eager re-run
+    assert any("after some of its graphs ran" in note for note in getattr(raised.value, "__notes__", []))
