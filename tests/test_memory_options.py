@@ -162,6 +162,28 @@ def test_activation_offload_moves_saved_tensors_and_trains_the_same(gpu_pretende
     assert stats.offloaded_tensors == 2 * moved  # nothing is saved, nothing moves
 
 
+class _OuterCall:
+    """A wrapper installed outside the memory wrappers, as context parallelism's is."""
+
+    def __init__(self, model):
+        self.inner, self.calls = model._compiled_call_impl, 0
+        model._compiled_call_impl = self
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+
+def test_the_first_training_call_keeps_a_wrapper_installed_outside_it(gpu_pretended):
+    model = _lm()
+    optimize(model, memory={"offload_activations": True})  # counted at the first training call
+    outer = _OuterCall(model)
+    _train_step(model, _tokens())
+    _train_step(model, _tokens(seed=1))
+    assert model._compiled_call_impl is outer and outer.calls == 2
+    assert activation_offload_stats(model).offloaded_tensors > 0
+
+
 def test_a_deep_copy_offloads_its_own_activations(gpu_pretended):
     model = _lm()
     reference = twin(model)

@@ -484,7 +484,9 @@ def activation_offload_stats(model: nn.Module) -> OffloadStats | None:
         print(activation_offload_stats(model).describe())
     """
     call = getattr(model, "_compiled_call_impl", None)
-    return call.stats if isinstance(call, _OffloadedCall) else None
+    while call is not None and not isinstance(call, _OffloadedCall):
+        call = getattr(call, "inner", None)  # wrappers outside it (context parallelism)
+    return None if call is None else call.stats
 
 
 # The wrapped module's name; the state_dict hooks hide it so the keys are the module's own.

@@ -278,13 +278,37 @@ class _AtFirstTrainingCall:
         call = self.inner if self.inner is not None else self.model._call_impl
         if not torch.is_grad_enabled():
             return call(*args, **kwargs)
-        self.model._compiled_call_impl = self.inner
+        outer = self._step_aside()
         try:
             return self.first(call, args, kwargs)
         except BaseException:
-            if self.model._compiled_call_impl is self.inner:
-                self.model._compiled_call_impl = self
+            outer.inner = self  # back in place for the next call
             raise
+
+    def _step_aside(self) -> Any:
+        """Unlink this wrapper from the chain of calls, wherever it sits (context parallelism wraps it from
+        outside); returns what held it: a wrapper, or a stand-in for the model's slot."""
+        holder: Any = _ModelSlot(self.model)
+        while holder.inner is not self and holder.inner is not None:
+            holder = holder.inner
+        if holder.inner is self:  # else the chain was replaced (model.compile()): nothing to unlink
+            holder.inner = self.inner
+        return holder
+
+
+class _ModelSlot:
+    """``model._compiled_call_impl`` seen as the ``inner`` of a wrapper, the head of the chain of calls."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    @property
+    def inner(self) -> Any:
+        return self.model._compiled_call_impl
+
+    @inner.setter
+    def inner(self, call: Any) -> None:
+        self.model._compiled_call_impl = call
 
 
 def _install_activation_offload(model: nn.Module, report: OptimizationReport, *, config: OptimizeConfig,
