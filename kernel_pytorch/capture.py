@@ -200,7 +200,7 @@ class GraphOptimizer:
             try:
                 result = PassManager.run_one(graph_pass, trial, replace(ctx, earlier_results=earlier))
             except PassError as error:
-                if self.config.strict:
+                if self.config.strict or not graph_pass.skipped_on_error:
                     raise
                 self.report.skipped.append(SkipRecord(pass_name=graph_pass.name, location="(whole graph)",
                                                       reason=f"the pass raised; skipped: {error}", graph=ctx.graph_name))

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 import kernel_pytorch
 from kernel_pytorch.config import OptimizeConfig
+from kernel_pytorch.distributed import context_parallel
+from kernel_pytorch.distributed.context_parallel import ContextParallelError
 from kernel_pytorch.testing.llama_style import (
     LlamaStyleAttention,
     LlamaStyleConfig,
@@ -270,3 +272,12 @@ def test_context_parallel_takes_only_a_process_group():
     with pytest.raises(ValueError, match="context_parallel takes a torch.distributed ProcessGroup or None, got str"):
         OptimizeConfig(context_parallel="world")
     assert OptimizeConfig().context_parallel is None
+
+
+def test_a_backend_without_the_sharding_passes_is_refused():
+    from kernel_pytorch.backends.base import Backend
+    from kernel_pytorch.backends.tpu import TpuBackend
+
+    context_parallel.require_passes(Backend.graph_passes)  # the default pipeline runs them all
+    with pytest.raises(ContextParallelError, match=r"this backend does not run \['rope', 'context_parallel'\]"):
+        context_parallel.require_passes(TpuBackend.graph_passes)

@@ -68,6 +68,14 @@ class Explodes(GraphPass):
         raise RuntimeError("boom")
 
 
+
+@register_pass
+class ExplodesAndMustNotBeSkipped(Explodes):
+    name = "test_explodes_unskippable"
+    description = "raises, and the graph would be wrong without it (as context parallelism's sharding)"
+    skipped_on_error = False
+
+
 class Tiny(nn.Module):
     def __init__(self):
         super().__init__()
@@ -182,6 +190,11 @@ def test_a_raising_pass_is_skipped_with_a_report_line_and_strict_raises():
     torch._dynamo.reset()
     with pytest.raises(PassError, match="test_explodes"):
         optimize(Tiny(), example_inputs=(torch.randn(3, 6),), extra_passes=("test_explodes",), strict=True)
+
+
+def test_a_pass_that_must_not_be_skipped_stops_the_capture_when_it_raises():
+    with pytest.raises(PassError, match="test_explodes_unskippable"):
+        optimize(Tiny(), example_inputs=(torch.randn(3, 6),), extra_passes=("test_explodes_unskippable",))
 
 
 def test_end_to_end_failure_rolls_back_everything(monkeypatch):

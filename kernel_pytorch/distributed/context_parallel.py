@@ -26,6 +26,7 @@ averages again, which changes nothing.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from kernel_pytorch.distributed.rank_group import RankGroup, require_same_on_all
 from kernel_pytorch.distributed.sequence_sharding import gather_sequence, shard_sequence
 from kernel_pytorch.errors import KernelPytorchError
 
-__all__ = ["ContextParallelCall", "ContextParallelError", "backend_config", "install"]
+__all__ = ["ContextParallelCall", "ContextParallelError", "backend_config", "install", "require_passes"]
 
 # Batch-first models: (batch, sequence, ...) token ids, embeddings and logits.
 _SEQUENCE_DIM = 1
@@ -62,6 +63,14 @@ def backend_config(config):
         raise ContextParallelError(f"context_parallel needs the passes {list(_REQUIRED_PASSES)}; "
                                    f"{disabled} are disabled (config.disable_passes)")
     return config.model_copy(update={"verify": False, "dynamic": False if config.dynamic is None else config.dynamic})
+
+
+def require_passes(selected: Sequence[str]) -> None:
+    """Raise unless the backend runs every pass sharding needs (``selected``: the pass names it runs)."""
+    missing = [name for name in _REQUIRED_PASSES if name not in selected]
+    if missing:
+        raise ContextParallelError(f"context_parallel needs the passes {list(_REQUIRED_PASSES)}; this backend does "
+                                   f"not run {missing} (disabled by config.disable_passes, or not on this hardware)")
 
 
 def install(model: nn.Module, config, report) -> None:

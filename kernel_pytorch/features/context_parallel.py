@@ -4,6 +4,9 @@ side)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch.nn as nn
 
 from kernel_pytorch.config import OptimizeConfig
@@ -23,6 +26,12 @@ class ContextParallelFeature(Feature):
 
     def backend_config(self, config: OptimizeConfig) -> OptimizeConfig:
         return context_parallel.backend_config(config)
+
+    def pass_inputs(self, model: nn.Module, run: OptimizeRun, passes: Sequence[str]) -> dict[str, Any]:
+        """Refuse a backend that would not run the passes sharding needs (TPU's has no rope pass): without them
+        the model would run on its shard as if it were the whole sequence."""
+        context_parallel.require_passes(passes)
+        return {}
 
     def install(self, model: nn.Module, run: OptimizeRun) -> None:
         context_parallel.install(model, run.config, run.report)  # outermost: shard in, gather out

@@ -151,6 +151,9 @@ class PassContext:
 class _Pass(abc.ABC):
     name: ClassVar[str]
     description: ClassVar[str]
+    # A pass that raises is skipped with a report line (the graph stays correct without it), unless skipping it
+    # would leave the graph wrong: then its error stops the capture (context parallelism's sharding).
+    skipped_on_error: ClassVar[bool] = True
 
     def unavailable_reason(self, hardware: HardwareInfo) -> str | None:
         """Why this pass cannot run on ``hardware`` (``None``: it can). Shown by ``kernel-pytorch info``."""

@@ -71,6 +71,7 @@ class ContextParallelPass(GraphPass):
     name = "context_parallel"
     description = ("context parallelism: RoPE tables at the tokens' global positions, causal attention as ring "
                    "attention over the group; anything else positional refused")
+    skipped_on_error = False  # skipped, the graph would run on its shard as if it were the whole sequence
 
     def reason_not_to_run(self, hardware, config) -> str | None:
         return None if config.context_parallel is not None else "context_parallel is off (no process group)"
