@@ -23,8 +23,10 @@ import functools
 import inspect
 import itertools
 import logging
+import os
 import re
 import sys
+import threading
 import types
 import warnings
 from collections.abc import Callable
@@ -35,7 +37,7 @@ import torch.nn as nn
 import torch.nn.modules.module as module_globals
 from torch._dynamo.exc import TorchDynamoException
 
-from kernel_pytorch.errors import KernelPytorchError
+from kernel_pytorch.errors import KernelPytorchError, first_line
 
 __all__ = ["CompiledCall", "GraphRun", "RecompileLimitWarning", "UnoptimizedCallWarning", "install"]
 
@@ -43,6 +45,9 @@ __all__ = ["CompiledCall", "GraphRun", "RecompileLimitWarning", "UnoptimizedCall
 # transformers generate() alone is captured with and without a cache, for prefill and decode, and at
 # batch size 1 and >= 2 (0/1 specialization). 32 per model bounds the recaptures all the same.
 RECOMPILE_LIMIT = 32
+
+# Compiled entries kept per model, one per set of global module hooks (the oldest set's goes first).
+_MAX_ENTRIES = 8
 
 # The global hook dictionaries of torch.nn.Module (mutated in place, never rebound), which TorchDynamo does not
 # guard on.
@@ -85,7 +90,7 @@ def _compiled_entry(model: nn.Module, backend: Callable[..., Any], dynamic: bool
     unique name too: dynamo remembers which sizes changed per (file, line, name) of the code, and with a
     shared name a second model of another size was captured with symbolic sizes at once.
     """
-    name = f"kernel_pytorch_call_{type(model).__name__}_{next(_entry_numbers)}"
+    name = f"{_ENTRY_PREFIX}{type(model).__name__}_{next(_entry_numbers)}"
     names = {"co_name": name, **({"co_qualname": name} if sys.version_info >= (3, 11) else {})}
     entry = types.FunctionType(_call_module.__code__.replace(**names), _call_module.__globals__, name)
     limit = {"recompile_limit": RECOMPILE_LIMIT} if _compile_takes_recompile_limit() else {}
@@ -107,29 +112,39 @@ class CompiledCall:
         self.model, self.backend, self.dynamic, self.report = model, backend, dynamic, report
         self.entries: dict[tuple[tuple[int, ...], ...], Callable[..., Any]] = {}
         self.limits_reached: set[str] = set()
-        self.eager_calls = 0
-        self.graph_ran = False  # in the call in progress: after a graph ran, an eager re-run could update twice
+        # Call signatures that failed to compile and ran eagerly: they go straight to the eager call (Dynamo does
+        # not remember a failure, and each retry would capture, rewrite and verify again).
+        self.eager_signatures: set[tuple] = set()
 
     # Opaque to an outer torch.compile(model): it would trace through the entry with its own backend, and the
     # model would run without the rewrites; disabled here, the outer compile calls the optimized model as it is.
     @torch._dynamo.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        hooks = _global_hook_ids()
-        entry = self.entries.get(hooks)
-        if entry is None:
-            entry = self.entries[hooks] = _compiled_entry(self.model, self.backend, self.dynamic)
-            if len(self.entries) > 1:
-                self._note("global module hooks changed: the model is captured again for them")
+        if self.eager_signatures and _signature(args, kwargs) in self.eager_signatures:
+            return self.model._call_impl(*args, **kwargs)
+        entry = self._entry(_global_hook_ids())
         _register_compile_callbacks()
-        self.graph_ran = False
-        token = _ACTIVE.set(self)
+        flight = _InFlight(self)
+        token = _ACTIVE.set(flight)
         try:
             return entry(self.model, *args, **kwargs)
         except TorchDynamoException as error:
             failure = error
         finally:
             _ACTIVE.reset(token)
-        return self._after_compile_failure(failure, args, kwargs)
+        return self._after_compile_failure(failure, flight.graph_ran, args, kwargs)
+
+    def _entry(self, hooks: tuple) -> Callable[..., Any]:
+        """The compiled entry for this set of global module hooks; at most _MAX_ENTRIES are kept (a tool that
+        adds and removes a global hook at every step would otherwise grow them without bound)."""
+        entry = self.entries.get(hooks)
+        if entry is None:
+            if len(self.entries) >= _MAX_ENTRIES:
+                del self.entries[next(key for key in self.entries if key != ())]
+            entry = self.entries[hooks] = _compiled_entry(self.model, self.backend, self.dynamic)
+            if len(self.entries) > 1:
+                self._note("global module hooks changed: the model is captured again for each new set of them")
+        return entry
 
     def recompile_limit_reached(self, function: str, reason: str) -> None:
         """Dynamo logged that it reached its limit for ``function``: report and warn once per function."""
@@ -144,14 +159,14 @@ class CompiledCall:
         self._note(message)
         warnings.warn(message, RecompileLimitWarning, stacklevel=2)
 
-    def _after_compile_failure(self, failure: TorchDynamoException, args: tuple, kwargs: dict) -> Any:
+    def _after_compile_failure(self, failure: TorchDynamoException, graph_ran: bool, args: tuple, kwargs: dict) -> Any:
         """The model's own error for inputs it rejects; else the eager result, said once. Only before any of the
         call's graphs ran: after one did (a graph break before the failure), in-place updates (a KV cache,
         BatchNorm statistics) would be applied twice, so the failure is raised as it is."""
         inner = getattr(failure, "inner_exception", None)
         if isinstance(inner, KernelPytorchError):
             raise inner from None
-        if self.graph_ran:
+        if graph_ran:
             _add_note(failure, f"(in the model optimized by kernel_pytorch, {type(self.model).__name__}, called with "
                                f"{describe_arguments(args, kwargs)}, after some of its graphs ran)")
             raise failure
@@ -163,17 +178,25 @@ class CompiledCall:
             raise error from None
         if getattr(getattr(self.backend, "config", None), "strict", False):
             raise failure
-        self.eager_calls += 1
-        if self.eager_calls == 1:
-            message = (f"a call of the optimized {type(self.model).__name__} with {describe_arguments(args, kwargs)} "
-                       f"could not be compiled and ran unoptimized (eager): {_first_line(failure)}")
-            self._note(message + "; such calls keep running eagerly")
-            warnings.warn(message, UnoptimizedCallWarning, stacklevel=3)
+        self.eager_signatures.add(_signature(args, kwargs))
+        message = (f"a call of the optimized {type(self.model).__name__} with {describe_arguments(args, kwargs)} "
+                   f"could not be compiled and ran unoptimized (eager): {first_line(inner or failure)}")
+        self._note(message + "; calls with these argument shapes and types run eagerly from now on")
+        warnings.warn(message, UnoptimizedCallWarning, stacklevel=3)
         return out
 
     def _note(self, text: str) -> None:
         if text not in self.report.notes:
             self.report.notes.append(text)
+
+
+class _InFlight:
+    """One call of an optimized model in progress (what ``_ACTIVE`` holds, per thread and task)."""
+
+    __slots__ = ("call", "graph_ran")
+
+    def __init__(self, call: CompiledCall):
+        self.call, self.graph_ran = call, False
 
 
 class GraphRun:
@@ -186,10 +209,20 @@ class GraphRun:
         self.graph = graph
 
     def __call__(self, *args: Any) -> Any:
-        call = _ACTIVE.get()
-        if call is not None:
-            call.graph_ran = True
+        flight = _ACTIVE.get()
+        if flight is not None:
+            flight.graph_ran = True
         return self.graph(*args)
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """A call's arguments as Dynamo tells calls apart, roughly: tensors by shape, dtype and device, anything else
+    by type, keywords by name."""
+    return tuple(map(_leaf_signature, args)) + tuple((name, _leaf_signature(v)) for name, v in kwargs.items())
+
+
+def _leaf_signature(value: Any) -> Any:
+    return (tuple(value.shape), value.dtype, value.device) if isinstance(value, torch.Tensor) else type(value)
 
 
 def _add_note(error: BaseException, note: str) -> None:
@@ -209,11 +242,6 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
-
-
 def _global_hook_ids() -> tuple[tuple[int, ...], ...]:
     """The handle ids of the global module hooks; () for none, the common case, read without building tuples."""
     if not any(_GLOBAL_HOOK_DICTS):
@@ -223,7 +251,9 @@ def _global_hook_ids() -> tuple[tuple[int, ...], ...]:
 
 # -- Dynamo's compile callbacks and logs, attributed to the optimized call in progress -------------------------
 
-_hook_guard_patches: list[Any] = []
+# The config patches entered at compile start, per thread (Dynamo compiles under one lock, start and end in the
+# same thread; an end without a start in this thread finds nothing to exit).
+_compiling = threading.local()
 
 
 def _guard_hooks_while_compiling(*_: Any) -> None:
@@ -231,15 +261,18 @@ def _guard_hooks_while_compiling(*_: Any) -> None:
     patch = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False) if _ACTIVE.get() is not None else None
     if patch is not None:
         patch.__enter__()
-    _hook_guard_patches.append(patch)
+    _compiling.__dict__.setdefault("patches", []).append(patch)
 
 
 def _end_of_compile(*_: Any) -> None:
-    patch = _hook_guard_patches.pop() if _hook_guard_patches else None
+    patches = _compiling.__dict__.get("patches")
+    patch = patches.pop() if patches else None
     if patch is not None:
         patch.__exit__(None, None, None)
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ENTRY_PREFIX = "kernel_pytorch_call_"
 _LIMIT_MESSAGE = re.compile(r"function: (?P<function>.*)\n\s*last reason: (?P<reason>.*)")
 
 
@@ -247,12 +280,14 @@ class _RecompileLimitRecords(logging.Filter):
     """Takes Dynamo's "hit config.recompile_limit" record inside an optimized call (the call warns instead)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        call = _ACTIVE.get()
-        if call is None or not str(record.msg).startswith("torch._dynamo hit config."):
+        flight = _ACTIVE.get()
+        if flight is None or not str(record.msg).startswith("torch._dynamo hit config."):
             return True
         found = _LIMIT_MESSAGE.search(record.getMessage())
         function, reason = (found["function"], found["reason"].strip()) if found else ("a frame", "unknown")
-        call.recompile_limit_reached(function, reason)
+        if _PACKAGE_DIR in function and _ENTRY_PREFIX not in function:
+            return True  # a compile of kernel_pytorch's own (a kernel measured inside the backend), not the model's
+        flight.call.recompile_limit_reached(function, reason)
         return False
 
 

@@ -281,7 +281,11 @@ class OptimizeConfig(ConfigModel):
             section, field = DEPRECATED_FLAT_OPTIONS[flat]
             warnings.warn(f"OptimizeConfig option {flat!r} is deprecated and goes in the next release: write "
                           f"{section}={{{field!r}: ...}}", FutureWarning, stacklevel=4)
-            data[section] = {**_section_fields(section, data.get(section)), field: data.pop(flat)}
+            fields = _section_fields(section, data.get(section))
+            if fields is None:  # the section itself is wrong: left for its own error
+                data.pop(flat)
+                continue
+            data[section] = {**fields, field: data.pop(flat)}
         return data
 
     @field_validator("fp8", mode="before")
@@ -370,12 +374,13 @@ class OptimizeConfig(ConfigModel):
         return self.tolerances.get(str(dtype).removeprefix("torch."))
 
 
-def _section_fields(section: str, value: object) -> dict[str, Any]:
-    """A section's value as given (None, a dict, a section object, or fp8's mode shorthand) as a dict of fields."""
+def _section_fields(section: str, value: object) -> dict[str, Any] | None:
+    """A section's value as given (None, a dict, a section object, or fp8's mode shorthand) as a dict of fields;
+    None for anything else (the section's validation then says what is wrong)."""
     if value is None:
         return {}
     if isinstance(value, ConfigModel):
         return {name: getattr(value, name) for name in type(value).model_fields}
     if section == "fp8" and (isinstance(value, bool) or value == "auto"):
         return {"mode": value}
-    return dict(value) if isinstance(value, dict) else {}
+    return dict(value) if isinstance(value, dict) else None

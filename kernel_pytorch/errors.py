@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["KernelPytorchError", "ConfigError", "HardwareUnavailableError", "PassError", "UnknownPassError"]
+__all__ = ["KernelPytorchError", "ConfigError", "HardwareUnavailableError", "PassError", "UnknownPassError", "first_line"]
 
 
 class KernelPytorchError(Exception):
@@ -39,3 +39,9 @@ class UnknownPassError(KernelPytorchError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0])
+
+
+def first_line(error: BaseException) -> str:
+    """``Type: first line of the message``: CUDA and Dynamo errors append pages of advice to theirs."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else 'no message'}"

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernel_pytorch.errors import first_line
+
 __all__ = ["fastest_cuda_ms", "fastest_cuda_graph_ms", "captured_calls", "median_cuda_ms", "Timings", "GRAPH_TIME", "PER_CALL"]
 
 GRAPH_TIME = "GPU time (CUDA graph)"
@@ -87,7 +89,7 @@ def fastest_cuda_graph_ms(candidates: Mapping[str, Callable[[], object]], rounds
     try:
         graphs = captured_calls(candidates, warmup, calls_per_graph)
     except Exception as error:  # capture is how it times, not what: the per-call timer still answers
-        reason = f"CUDA-graph capture failed ({type(error).__name__}: {_first_line(error)})"
+        reason = f"CUDA-graph capture failed ({first_line(error)})"
         return Timings(fastest_cuda_ms(candidates, rounds, warmup=0, runs=runs), PER_CALL, reason)
     per_call = {name: (lambda graph=graph: median_cuda_ms(graph.replay, warmup=0, runs=runs) / calls_per_graph)
                 for name, graph in graphs.items()}
@@ -138,9 +140,3 @@ def _require_positive(**counts: int) -> None:
     bad = [f"{name}={value!r}" for name, value in counts.items() if not isinstance(value, int) or value < 1]
     if bad:
         raise ValueError(f"timing counts must be integers >= 1: {', '.join(bad)}")
-
-
-def _first_line(error: Exception) -> str:
-    """The first line of an error's message: CUDA errors append pages of advice to it."""
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else "no message"

@@ -336,3 +336,24 @@ def test_a_failure_after_a_graph_ran_is_raised_not_run_twice(monkeypatch):
         model(torch.randn(2, 4))
     assert model.calls.item() == 1  # the first graph's in-place update, not repeated by an eager re-run
     assert any("after some of its graphs ran" in note for note in getattr(raised.value, "__notes__", []))
+
+
+def test_a_call_shape_that_failed_to_compile_is_not_captured_again(monkeypatch):
+    model = kernel_pytorch.optimize(CountsCalls().eval())
+    _failing_backend_at(monkeypatch, failing_graph=0)
+    x = torch.randn(2, 4)
+    with pytest.warns(kernel_pytorch.UnoptimizedCallWarning, match="RuntimeError: a compiler failure for the test"):
+        model(x)
+    graphs = report_of(model).graphs
+    assert torch.equal(model(x), model.lin(x).relu()) and model.calls.item() == 2
+    assert report_of(model).graphs == graphs  # the second call went straight to the eager forward
+
+
+def test_global_hook_sets_keep_a_bounded_number_of_compiled_entries():
+    model, reference, x = _optimized()
+    for _ in range(compiled_call._MAX_ENTRIES + 3):
+        handle = nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+        model(x)
+        handle.remove()
+    assert len(model._compiled_call_impl.entries) <= compiled_call._MAX_ENTRIES
+    assert rel_err(model(x), reference(x)) < 1e-5

@@ -232,3 +232,8 @@ def test_flat_options_through_optimize_keep_the_other_section_fields():
 def test_fp8_mode_shorthand_needs_no_section():
     assert OptimizeConfig(fp8="auto").fp8.mode == "auto"
     assert OptimizeConfig(fp8=True).fp8 == OptimizeConfig(fp8={"mode": True}).fp8
+
+
+def test_a_wrong_section_is_not_hidden_by_a_flat_option():
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="memory='full' is not allowed"):
+        OptimizeConfig(memory="full", checkpointing="full")
