@@ -29,10 +29,11 @@ from rich.table import Table
 
 from _common import RESULT_FILE_ENV, plain, speedup_note
 
-# (title, script): one demo per capability. Sparse attention has no implementation yet, so no demo.
+# (title, script): one demo per capability.
 DEMOS = (
     ("hardware and backends", "hardware_and_backends.py"),
     ("attention rewriting", "attention_rewrite.py"),
+    ("sparse attention", "sparse_attention.py"),
     ("fused kernels, training", "fused_kernels.py"),
     ("FP8 training", "fp8_training.py"),
     ("block fusion", "block_fusion.py"),
