@@ -261,7 +261,7 @@ class GraphOptimizer:
 
     def judging_config(self, rewritten: Iterable[Any]) -> OptimizeConfig:
         """The config whose tolerances judge what ``rewritten`` (pass names, or rewrite records) changed: each
-        feature's ``judging_config`` (with linears in FP8, ``fp8_tolerance``)."""
+        feature's ``judging_config`` (with linears in FP8, ``fp8.tolerance``)."""
         names = [getattr(item, "pass_name", item) for item in rewritten]
         config = self.config
         for feature in self.features:

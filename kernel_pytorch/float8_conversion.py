@@ -162,7 +162,7 @@ def convert_to_float8(
 def linear_targets(model: nn.Module, config, example_inputs: Any = None) -> dict[str, str | None]:
     """What the graph pass (:mod:`kernel_pytorch.passes.fp8_linear`) may convert, per ``config.fp8*``:
     every ``nn.Linear``'s path, with None for a candidate or the reason it is not one (not eligible, the
-    output head, ``fp8_filter``)."""
+    output head, ``fp8.filter``)."""
     _, reasons, _ = _survey(model, example_inputs, config.fp8.filter, config.fp8.include_output_head)
     return reasons
 
@@ -316,7 +316,7 @@ PASS_NAME = "fp8"
 
 def judging_config(config, rewriting_passes: Iterable[str]):
     """The config whose tolerances judge a graph (or model) rewritten by ``rewriting_passes`` (the names of
-    the passes that changed it): ``config`` with ``fp8_tolerance`` for every dtype once the FP8 pass is
+    the passes that changed it): ``config`` with ``fp8.tolerance`` for every dtype once the FP8 pass is
     among them, else ``config``. FP8's rounding amplifies the kernel passes' own small differences too:
     judged with the bf16 tolerances every kernel pass of an FP8 model was rolled back in the end-to-end
     benchmark (docs/kernels.md, "FP8 conversion")."""

@@ -475,7 +475,7 @@ def test_optimize_config_applies_checkpointing_and_reports_it():
     assert "4/4" not in note, note  # a budget of 60% of the unwrapped bytes needs only some blocks
     # Measured on the example inputs: what the wrapped blocks no longer keep, under the budget.
     assert full * 0.4 <= record.device_bytes_saved < full, (record.device_bytes_saved, full)
-    with pytest.raises(ValueError, match="memory_budget_gb needs example_inputs"):
+    with pytest.raises(ValueError, match="memory budget_gb needs example_inputs"):
         optimize(LlamaStyleLM(config), memory={"checkpointing": "selective", "budget_gb": 1.0})
     with pytest.raises(ValueError, match="set checkpointing"):
         optimize(LlamaStyleLM(config), memory={"budget_gb": 1.0})

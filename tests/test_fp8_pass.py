@@ -1,6 +1,6 @@
 """The FP8 graph pass (``kernel_pytorch.passes.fp8_linear``) that ``optimize(model, fp8=...)`` runs, on the CPU.
 
-``fp8_emulate=True`` runs FP8's quantization numerics in fp32, so the whole pipeline (conversion after the
+``fp8={"mode": True, "emulate": True}`` runs FP8's quantization numerics in fp32, so the whole pipeline (conversion after the
 q/k/v and gate/up fusion, per-graph and end-to-end checks with ``fp8_tolerance``, roll-back) runs here; the
 ``"auto"`` decision is checked with scripted timers on graphs captured by hand. The real ``_scaled_mm`` path
 and the measured decision are in test_float8_conversion.py's GPU tests.

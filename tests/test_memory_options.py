@@ -225,7 +225,7 @@ def test_auto_offloads_only_over_the_budget(gpu_pretended, budget_gb, applied, r
     optimize(model, example_inputs=(_tokens(),), memory={"offload_activations": "auto", "budget_gb": budget_gb})
     record = _record(model, "activation_offload")
     assert record.applied is applied
-    assert f"{reason} memory_budget_gb" in record.description, record.description
+    assert f"{reason} memory budget_gb" in record.description, record.description
     stats = activation_offload_stats(model)
     assert (stats is not None) is applied
     # Decided once: after the first training call the model's call is the compiled one, or the offload
@@ -247,7 +247,7 @@ def test_auto_without_example_inputs_decides_at_the_first_training_call(gpu_pret
 
     loss, expected = _train_step(model, _tokens()), _train_step(reference, _tokens())
     record = _record(model, "activation_offload")
-    assert record.applied and "over memory_budget_gb" in record.description
+    assert record.applied and "over memory budget_gb" in record.description
     assert activation_offload_stats(model).offloaded_tensors == 0  # from the next call on
     assert rel_err(loss, expected) < 1e-5
     _train_step(model, _tokens())

@@ -2,7 +2,7 @@
 (``apply_checkpointing``), offloading of saved activations to CPU memory (``offload_activations``,
 ``OffloadActivations``, ``install_activation_offload``) and an AdamW whose fp32 state lives in pinned CPU
 memory (``OffloadedOptimizer``). ``kernel_pytorch.optimize`` applies them from its config
-(``checkpointing``, ``memory_budget_gb``, ``offload_activations``, ``offload_optimizer``), and
+(``memory=MemoryConfig(checkpointing, budget_gb, offload_activations, offload_optimizer)``), and
 ``make_optimizer(model, lr=...)`` builds the optimizer that config chose.
 
 Example::

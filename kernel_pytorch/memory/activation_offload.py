@@ -441,7 +441,7 @@ def install_activation_offload(model: nn.Module, min_bytes: int = DEFAULT_MIN_BY
     Unlike ``OffloadActivations(model)`` nothing is wrapped: ``model`` keeps its class, identity and
     ``state_dict``. Install after compiling (``kernel_pytorch.optimize`` or ``model.compile()``: the
     hooks go around the compiled call, outside the compiled code); compiling afterwards replaces the
-    call and drops the hooks. ``optimize(model, offload_activations=True)`` calls this for you.
+    call and drops the hooks. ``optimize(model, memory={"offload_activations": True})`` calls this for you.
 
     Example::
 
@@ -476,7 +476,7 @@ def remove_activation_offload(model: nn.Module) -> bool:
 
 
 def activation_offload_stats(model: nn.Module) -> OffloadStats | None:
-    """The counters of the offload ``install_activation_offload`` (or ``optimize(offload_activations=...)``)
+    """The counters of the offload ``install_activation_offload`` (or ``optimize(memory={"offload_activations": ...})``)
     put on ``model``; ``None`` when its activations are not offloaded.
 
     Example::

@@ -3,7 +3,7 @@
 ``optimize(model, memory=MemoryConfig(checkpointing=..., budget_gb=..., offload_activations=...,
 offload_optimizer=...))``:
 
-* **Before capture**: ``offload_optimizer=True`` without a CUDA GPU is refused (``HardwareUnavailableError``)
+* **Before capture**: ``offload_optimizer=True`` (the ``memory`` section's fields, named alone here) without a CUDA GPU is refused (``HardwareUnavailableError``)
   before anything is changed; the repeated blocks are checkpointed (``apply_checkpointing``), so that
   TorchDynamo records each as a checkpointed region whose body the passes rewrite too.
 * **After capture**: activation offload is installed in place around the compiled call
@@ -11,7 +11,7 @@ offload_optimizer=...))``:
   rewrites are the same with or without them, and every tensor the compiled graph saves for backward
   goes through them. ``offload_activations="auto"`` measures the saved activations at the first training
   call (during ``optimize`` when ``example_inputs`` are given) and offloads from the next call on if they
-  exceed ``memory_budget_gb`` (or, without a budget, if the GPU memory left after that forward is less
+  exceed ``budget_gb`` (or, without a budget, if the GPU memory left after that forward is less
   than the gradients, AdamW's states and a 10% margin still need).
 * **The report** (``report_of(model).memory``) gets one ``MemoryRecord`` per wrapper: checkpointing's
   saved-activation bytes before and after (measured on the example inputs), the bytes activation
@@ -112,9 +112,9 @@ def check_memory_options(config: OptimizeConfig) -> None:
     without a CUDA GPU."""
     if config.memory.offload_optimizer is True and not _cuda_available():
         raise HardwareUnavailableError(
-            "offload_optimizer=True needs a CUDA GPU: the optimizer states go to pinned host memory and the "
+            "memory offload_optimizer=True needs a CUDA GPU: the optimizer states go to pinned host memory and the "
             f"gradients stream from the GPU, but torch.cuda.is_available() is False (torch {torch.__version__}). "
-            "Use offload_optimizer=False here, or 'auto' (torch.optim.AdamW without a GPU)")
+            "Use memory={'offload_optimizer': False} here, or 'auto' (torch.optim.AdamW without a GPU)")
 
 
 def checkpoint_for_config(model: nn.Module, config: OptimizeConfig, example_inputs: Any) -> CheckpointPlan | None:
@@ -123,7 +123,7 @@ def checkpoint_for_config(model: nn.Module, config: OptimizeConfig, example_inpu
     if config.memory.checkpointing == "off":
         return None
     if config.memory.budget_gb is not None and example_inputs is None:
-        raise ValueError("memory_budget_gb needs example_inputs: the activation bytes per block are measured on them")
+        raise ValueError("memory budget_gb needs example_inputs: the activation bytes per block are measured on them")
     return apply_checkpointing(model, policy=config.memory.checkpointing, budget_gb=config.memory.budget_gb,
                                example_inputs=example_inputs)
 
@@ -393,7 +393,7 @@ def _too_much(model: nn.Module, config: OptimizeConfig, saved: int) -> tuple[boo
     """Whether ``saved`` activation bytes call for offloading, and why (for the report)."""
     if config.memory.budget_gb is not None:
         budget = int(config.memory.budget_gb * _GIB)
-        return saved > budget, f"{'over' if saved > budget else 'within'} memory_budget_gb ({_size(budget)})"
+        return saved > budget, f"{'over' if saved > budget else 'within'} memory budget_gb ({_size(budget)})"
     devices = sorted({p.device for p in model.parameters() if p.device.type == "cuda"}, key=str)
     if not devices:
         return False, "and its parameters are on no CUDA device (nothing to compare with)"

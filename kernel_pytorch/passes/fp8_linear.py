@@ -17,13 +17,13 @@ docs/design.md: (8192, 2048, 11264)), and the fusion stays.
 Which linears. A linear is a candidate when every ``nn.Linear`` it computes (one, or the members of a
 horizontally fused group, recorded in ``node.meta["fused_linears"]``) is a candidate of
 :func:`~kernel_pytorch.float8_conversion.linear_targets` (eligible, not the output head, accepted by
-``fp8_filter``), its input and weight share a 16-bit or fp32 dtype, its (M, K, N) is known, and it does
+``fp8.filter``), its input and weight share a 16-bit or fp32 dtype, its (M, K, N) is known, and it does
 not run under autocast (the FP8 op would compute in the weight's dtype, not autocast's). ``F.linear`` called
 directly on a tensor that is no ``nn.Linear``'s is left alone, with that reason.
 
 The decision: ``fp8=True`` converts every candidate; ``fp8="auto"`` converts one only where
 :func:`~kernel_pytorch.float8_conversion.measured_decision` measured FP8 faster for its (M, K, N) on this
-GPU (each shape once per process); ``fp8_emulate=True`` converts every candidate to the same numerics run
+GPU (each shape once per process); ``fp8.emulate=True`` converts every candidate to the same numerics run
 in fp32 (any device; for testing, no speedup). The report gives each decision with its measurement.
 
 Quantization fused into the producer: where a converted linear's input comes straight from an RMSNorm or
@@ -73,7 +73,7 @@ class Float8LinearPass(GraphPass):
             return None
         what = f"{hardware.vendor} ({hardware.device_name})" if hardware.device_name else hardware.vendor
         return (f"FP8 matmuls need an NVIDIA GPU of compute capability >= 8.9 or an AMD MI300; this is {what} "
-                f"(fp8_emulate=True runs FP8's numerics in fp32 anywhere)")
+                f"(fp8={{'mode': True, 'emulate': True}} runs FP8's numerics in fp32 anywhere)")
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
@@ -123,7 +123,7 @@ def _decision(node: Node, shape: tuple[int, int, int], ctx: PassContext, input_a
     """Whether the candidate converts, and why."""
     config = ctx.config
     if config.fp8.emulate:
-        return True, f"fp8_emulate=True (FP8 numerics in fp32) at (M, K, N) = {shape}"
+        return True, f"fp8 emulate=True (FP8 numerics in fp32) at (M, K, N) = {shape}"
     if config.fp8.mode is True:
         return True, f"fp8=True at (M, K, N) = {shape}"
     x = example_value(node.args[0])
