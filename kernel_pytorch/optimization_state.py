@@ -85,18 +85,23 @@ class OptimizationState:
         twin = memo.get(id(self.model))
         if twin is None:  # the state copied on its own, not with its model: it stays the original's
             return self
-        return _state_of_copy(twin, self.report, self.active and (self.graph_optimizer, self.around), self.dynamic,
-                              "copy.deepcopy")
+        return _state_of_copy(twin, self.report, self._carried(pickled=False), self.dynamic, "copy.deepcopy")
 
     def __getstate__(self) -> dict[str, Any]:
-        carried = (self.graph_optimizer, self.around)
-        why = _unpicklable(carried) if self.active else ""
         return {"model": self.model, "report": self.report, "dynamic": self.dynamic,
-                "carried": self.active and (why or carried)}
+                "carried": self._carried(pickled=True)}
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         copy = _state_of_copy(saved["model"], saved["report"], saved["carried"], saved["dynamic"], "pickle")
         self.__dict__.update(copy.__dict__)
+
+    def _carried(self, pickled: bool) -> tuple | str | bool:
+        """What a copy gets: (graph optimizer, wrappers) to install; or why it runs unoptimized (optimize() then
+        optimizes it again); or False for a model whose optimizations were rolled back."""
+        if not self.active:
+            return self.unoptimized_because or False
+        carried = (self.graph_optimizer, self.around)
+        return (_unpicklable(carried) if pickled else "") or carried
 
 
 def _state_of_copy(twin: nn.Module, report: OptimizationReport, carried: tuple | str | bool, dynamic: bool | None,

@@ -142,6 +142,17 @@ def test_a_copy_that_cannot_carry_the_optimization_is_plain_and_says_so():
     assert rel_err(loaded(x), reference(x)) < 1e-5
 
 
+def test_a_copy_of_a_model_whose_call_was_replaced_can_be_optimized_again():
+    model, reference, x = _optimized()
+    model.compile(backend="eager")
+    report_of(model)  # notices the replaced call
+    copied = copy.deepcopy(model)
+    assert any("model.compile()" in note for note in report_of(copied).notes)
+    copied = kernel_pytorch.optimize(copied)
+    assert isinstance(copied._compiled_call_impl, CompiledCall)
+    assert rel_err(copied(x), reference(x)) < 1e-5
+
+
 def test_a_copy_of_a_rolled_back_model_is_plain():
     model, reference, x = _optimized()
     model._kernel_pytorch.roll_back_everything(model, "for the test")

@@ -87,11 +87,12 @@ def _wrap_compiled_call(model: nn.Module, report, *, config) -> None:
     for parameter in model.parameters():
         if parameter.requires_grad:
             call.hooks.append(parameter.register_hook(call.average_gradient))
-    report.notes.append(
-        f"context parallel over {ranks.size} ranks: inputs sharded along dim {_SEQUENCE_DIM} (zigzag), outputs "
-        "gathered; parameter gradients averaged over the group. Per-graph verification is off (a sharded "
-        "graph differs from the captured one by design); the end-to-end check compares with the unsharded "
-        "model on the full example inputs")
+    note = (f"context parallel over {ranks.size} ranks: inputs sharded along dim {_SEQUENCE_DIM} (zigzag), outputs "
+            "gathered; parameter gradients averaged over the group. Per-graph verification is off (a sharded "
+            "graph differs from the captured one by design); the end-to-end check compares with the unsharded "
+            "model on the full example inputs")
+    if note not in report.notes:  # a copy of the model installs it again, with its report copied
+        report.notes.append(note)
 
 
 class ContextParallelCall:
