@@ -9,6 +9,7 @@ from typing import Any, Optional
 from pydantic import BaseModel, Field
 from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.verify import NOTHING_COMPARED
@@ -141,11 +142,11 @@ class OptimizationReport(BaseModel):
         head.add_row("compiler", self.compiler or "-")
         head.add_row("graphs captured", str(self.graphs))
         if self.verification is not None:
-            head.add_row("verification", self.verification_line())
+            head.add_row("verification", Text(self.verification_line()))
         for note in self.notes:
-            head.add_row("note", note)
+            head.add_row("note", Text(note))
         for record in self.memory:
-            head.add_row("memory", record.description)
+            head.add_row("memory", Text(record.description))
         tables = [head]
         tables += _grouped_table("rewrites", ("pass", "location", "replacement"),
                                  [((r.pass_name, r.location, r.replacement), r.graph) for r in self.rewrites])
@@ -250,5 +251,5 @@ def _records_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, .
     for column in columns:
         table.add_column(column, overflow="fold")
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*map(Text, row))  # plain text: rich would read "attention[sdpa]" as markup and drop it
     return [table]

@@ -256,3 +256,13 @@ def test_a_transformers_model_called_at_two_lengths_renders_each_rewrite_once():
     norm_rows = [row for row in rows if row[0] == "norms"]
     assert norm_rows and all(row[3:] == ("2", "graph 0-1") for row in norm_rows), norm_rows
     assert title.startswith(f"rewrites ({len(rows)} in {len(report.rewrites)} records over 2 graphs")
+
+
+def test_bracketed_text_is_printed_as_written_not_read_as_markup():
+    report = OptimizationReport(rewrites=[RewriteRecord(pass_name="attention", location="layers.0.attn",
+                                                        replacement="attention[sdpa]: causal", graph="graph 0")],
+                                notes=["kernel [flex] chosen"])
+    console = Console(record=True, width=200)
+    console.print(report)
+    text = console.export_text()
+    assert "attention[sdpa]: causal" in text and "kernel [flex] chosen" in text

@@ -5,10 +5,11 @@ parallelism, sparse attention), in the shape of lightning-thunder's ``Transform`
 each hook at its point of the pipeline; nothing else in the pipeline names a feature:
 
 1. ``check(config)``: refuse, before anything is changed, what this machine or config cannot do;
-2. ``prepare(model, run)``: change the model before capture (checkpointing wraps its blocks);
-3. ``backend_config(config)``: the config the backend and its passes get (context parallelism turns
+2. ``backend_config(config)``: the config the backend and its passes get (context parallelism turns
    per-graph verification off);
-4. ``pass_inputs(model, run, passes)``: what the feature's passes read from ``PassContext`` (FP8's targets);
+3. ``prepare(model, run)``: change the model before capture (checkpointing wraps its blocks);
+4. ``pass_inputs(model, run, passes)``: what the feature's passes read from ``PassContext`` (FP8's targets; the
+   keys are ``PassContext`` fields), given the passes the backend runs (context parallelism refuses without its own);
 5. ``judging_config(config, rewritten)`` and ``compile_note(gm, training, without_graphs)``: the tolerances a
    graph or the model is judged by once the feature's passes rewrote it, and a report note at compile time;
 6. ``install(model, run)``: wrappers around the compiled call (``OptimizationState.add_around``, so copies of
@@ -47,22 +48,18 @@ class OptimizeRun:
 
     @classmethod
     def decide(cls, model: nn.Module, config: OptimizeConfig, example_inputs: Any,
-               backend_config: OptimizeConfig | None = None) -> OptimizeRun:
+               backend_config: OptimizeConfig) -> OptimizeRun:
         """Training follows ``config.mode`` ('auto': the model's mode); verification is on when asked, or
         'auto' with example inputs to verify on; per graph, also as the features' ``backend_config`` allows."""
         training = config.mode == "training" or (config.mode == "auto" and model.training)
         verify = config.verify is True or (config.verify == "auto" and example_inputs is not None)
-        graphs = verify if backend_config is None else verify and backend_config.verify is not False
-        return cls(config, example_inputs, training, verify, graphs)
+        return cls(config, example_inputs, training, verify, verify and backend_config.verify is not False)
 
 
 class Feature:
     """Base of the features: every hook does nothing unless a feature overrides it (module docstring)."""
 
     name: ClassVar[str]
-
-    def __init__(self, config: OptimizeConfig):
-        self.config = config
 
     @classmethod
     def enabled(cls, config: OptimizeConfig) -> bool:
@@ -108,4 +105,4 @@ def registered_features() -> tuple[type[Feature], ...]:
 
 def enabled_features(config: OptimizeConfig) -> list[Feature]:
     """One object per feature ``config`` enables, in registration order (the order wrappers nest in)."""
-    return [feature(config) for feature in registered_features() if feature.enabled(config)]
+    return [feature() for feature in registered_features() if feature.enabled(config)]
