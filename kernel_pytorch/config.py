@@ -291,7 +291,7 @@ class OptimizeConfig(ConfigModel):
     @field_validator("fp8", mode="before")
     @classmethod
     def _fp8_mode_shorthand(cls, value: object) -> object:
-        if isinstance(value, bool) or value == "auto":
+        if _is_fp8_mode(value):
             return {"mode": value}
         if isinstance(value, str):
             raise ValueError(not_allowed("fp8", value, (True, False, "auto")) + ", or a Float8Config (or a dict of "
@@ -381,6 +381,11 @@ def _section_fields(section: str, value: object) -> dict[str, Any] | None:
         return {}
     if isinstance(value, ConfigModel):
         return {name: getattr(value, name) for name in type(value).model_fields}
-    if section == "fp8" and (isinstance(value, bool) or value == "auto"):
+    if section == "fp8" and _is_fp8_mode(value):
         return {"mode": value}
     return dict(value) if isinstance(value, dict) else None
+
+
+def _is_fp8_mode(value: object) -> bool:
+    """``fp8=True`` / ``False`` / ``"auto"``: short for ``Float8Config(mode=value)``."""
+    return isinstance(value, bool) or value == "auto"

@@ -46,6 +46,7 @@ from kernel_pytorch.attention.kernels.registry import (
     PREFERENCE,
     eligible_kernels,
 )
+from kernel_pytorch.errors import first_line
 from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.ops.attention import attention
 from kernel_pytorch.timing import fastest_cuda_ms
@@ -159,8 +160,7 @@ def _measure(problem: AttentionProblem, kernels: list[str]) -> tuple[dict[str, f
                 runnable[kernel] = timed
             except Exception as error:  # noqa: BLE001 - a limit not modelled above, a failed compile, a
                 # missing package: the kernel is passed over with the error, the choice goes on.
-                first_line = (str(error).strip().splitlines() or [""])[0][:160]
-                failures.append(f"{kernel}: {type(error).__name__}: {first_line}")
+                failures.append(f"{kernel}: {first_line(error)[:200]}")
         timings = fastest_cuda_ms(runnable) if runnable else {}
     return timings, failures
 
