@@ -5,7 +5,9 @@ from __future__ import annotations
 from kernel_pytorch.api import optimize, report_of
 from kernel_pytorch.backends import Backend, get_backend
 from kernel_pytorch.compiled_call import RecompileLimitWarning, UnoptimizedCallWarning
-from kernel_pytorch.config import Float8Config, MemoryConfig, OptimizeConfig, SparseAttentionConfig, Tolerance
+from kernel_pytorch.config import (Float8Config, GenerationConfig, MemoryConfig, OptimizeConfig, SparseAttentionConfig,
+                                   Tolerance)
+from kernel_pytorch.features.generation import Decoder, GenerationLimitError
 from kernel_pytorch.errors import ConfigError, HardwareUnavailableError, KernelPytorchError, PassError, UnknownPassError
 from kernel_pytorch.hardware import HardwareInfo, detect_hardware
 from kernel_pytorch.report import OptimizationReport
@@ -18,6 +20,9 @@ __all__ = [
     "OptimizeConfig",
     "Float8Config",
     "MemoryConfig",
+    "GenerationConfig",
+    "Decoder",
+    "GenerationLimitError",
     "SparseAttentionConfig",
     "Tolerance",
     "detect_hardware",

@@ -39,7 +39,7 @@ from torch._dynamo.exc import TorchDynamoException
 
 from kernel_pytorch.errors import KernelPytorchError, first_line
 
-__all__ = ["CompiledCall", "GraphRun", "RecompileLimitWarning", "UnoptimizedCallWarning", "install"]
+__all__ = ["CompiledCall", "GraphRun", "RecompileLimitWarning", "UnoptimizedCallWarning", "compiled_entry", "install"]
 
 # TorchDynamo's default limit (8) is for one function; a model's call contract needs more variants: a
 # transformers generate() alone is captured with and without a cache, for prefill and decode, and at
@@ -80,7 +80,7 @@ def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module._call_impl(*args, **kwargs)
 
 
-def _compiled_entry(model: nn.Module, backend: Callable[..., Any], dynamic: bool | None) -> Callable[..., Any]:
+def compiled_entry(model: nn.Module, backend: Callable[..., Any], dynamic: bool | None) -> Callable[..., Any]:
     """``torch.compile`` of a copy of :func:`_call_module` with a code object of its own.
 
     Not ``model.compile()``: that compiles ``Module._call_impl``, a frame in torch's own files, which dynamo
@@ -141,7 +141,7 @@ class CompiledCall:
         if entry is None:
             if len(self.entries) >= _MAX_ENTRIES:
                 del self.entries[next(key for key in self.entries if key != ())]
-            entry = self.entries[hooks] = _compiled_entry(self.model, self.backend, self.dynamic)
+            entry = self.entries[hooks] = compiled_entry(self.model, self.backend, self.dynamic)
             if len(self.entries) > 1:
                 self._note("global module hooks changed: the model is captured again for each new set of them")
         return entry

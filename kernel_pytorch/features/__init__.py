@@ -9,6 +9,7 @@ from kernel_pytorch.features.memory import MemoryFeature
 from kernel_pytorch.features.fp8 import Float8Feature
 from kernel_pytorch.features.sparse_attention import SparseAttentionFeature
 from kernel_pytorch.features.context_parallel import ContextParallelFeature
+from kernel_pytorch.features.generation import GenerationFeature
 
 __all__ = ["Feature", "OptimizeRun", "enabled_features", "register_feature", "registered_features", "MemoryFeature",
-           "Float8Feature", "SparseAttentionFeature", "ContextParallelFeature"]
+           "Float8Feature", "SparseAttentionFeature", "ContextParallelFeature", "GenerationFeature"]

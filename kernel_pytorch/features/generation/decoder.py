@@ -1,0 +1,149 @@
+"""``Decoder``: static-KV-cache decoding of a transformers causal LM, for ``generate()`` and for plain loops.
+
+    decoder = kernel_pytorch.Decoder(model)                 # the model optimized or not
+    logits = decoder.prefill(input_ids, attention_mask, max_new_tokens=64)
+    for _ in range(64):
+        logits = decoder.step(logits.argmax(-1))
+
+Requests are served by lanes (:class:`~kernel_pytorch.features.generation.lane.DecodeLane`), one per (batch
+bucket, cache-length bucket) met so far: a batch is padded up to its bucket with copies of its first row (dropped
+from the results), and the cache length is the smallest power of two (from 256) that holds prompt and new tokens,
+at most ``max_length``, because every decode step reads its whole cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from kernel_pytorch.features.generation.lane import DecodeLane
+from kernel_pytorch.features.generation.model_calls import cache_bytes, default_max_length, why_not_generative
+
+__all__ = ["Decoder", "GenerationLimitError"]
+
+_SMALLEST_CACHE = 256
+_STEPS_BETWEEN_STOP_CHECKS = 16  # a host sync per check: often enough to stop soon after every row ended
+
+
+class GenerationLimitError(ValueError):
+    """A request beyond the decoder's configured limits (cache length, batch buckets)."""
+
+
+class Decoder:
+    """Static-cache decoding for ``model``; see the module docstring. ``max_length``: tokens the largest cache
+    holds (None: :func:`default_max_length`); ``batch_buckets``: the batch sizes steps are captured for."""
+
+    def __init__(self, model: nn.Module, max_length: int | None = None,
+                 batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32), cuda_graphs: bool | str = "auto"):
+        reason = why_not_generative(model)
+        if reason:
+            raise TypeError(f"kernel_pytorch.Decoder: {reason}")
+        self.model = model
+        self.max_length = max_length or default_max_length(model)
+        self.batch_buckets = tuple(batch_buckets)
+        self.cuda_graphs = cuda_graphs is True or cuda_graphs == "auto"
+        self.lanes: dict[tuple[int, int], DecodeLane] = {}
+        self.lane: DecodeLane | None = None  # the lane of the request in progress
+        self.batch = 0
+        self.notes: list[str] = []
+
+    # -- the plain-loop API ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                max_new_tokens: int | None = None) -> torch.Tensor:
+        """Start a request: the prompt's last logits (batch x vocab). Left padding goes in ``attention_mask``;
+        ``max_new_tokens`` picks the cache (None: the largest)."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        total = input_ids.shape[1] + (max_new_tokens if max_new_tokens is not None else 0)
+        self.lane = self._lane(input_ids.shape[0], total if max_new_tokens is not None else self.max_length)
+        self.batch = input_ids.shape[0]
+        padded_ids, padded_mask = (_pad_rows(t, self.lane.batch) for t in (input_ids, attention_mask))
+        return self.lane.prefill(padded_ids, padded_mask)[:self.batch]
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per sequence (batch,): the next logits (batch x vocab; a buffer the next step reuses)."""
+        if self.lane is None:
+            raise RuntimeError("Decoder.step() before prefill(): start a request with prefill(input_ids)")
+        if self.lane.write_index.item() >= self.lane.length:
+            raise GenerationLimitError(f"the KV cache of {self.lane.length} tokens is full: pass a larger "
+                                       "max_new_tokens to prefill() (at most generation max_length="
+                                       f"{self.max_length})")
+        return self.lane.step(_pad_rows(tokens.reshape(-1), self.lane.batch))[:self.batch]
+
+    # -- greedy generation -------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def greedy(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+               min_new_tokens: int = 0, eos: Sequence[int] = (), pad: int = 0) -> torch.Tensor:
+        """Greedy decoding as transformers' ``generate(do_sample=False)`` does it: the prompt followed by up to
+        ``max_new_tokens`` tokens, ``pad`` after a row's EOS, stopping once every row ended."""
+        logits = self.prefill(input_ids, attention_mask, max_new_tokens)
+        lane = self.lane
+        greedy = lane.greedy
+        first = greedy.start(_pad_rows(logits, lane.batch), min_new_tokens, list(eos), pad)
+        lane.tokens.copy_(first.unsqueeze(1))
+        done = 1
+        while done < max_new_tokens:
+            count = min(_STEPS_BETWEEN_STOP_CHECKS, max_new_tokens - done)
+            lane.greedy_steps(count)
+            done += count
+            if eos and greedy.alive[done - 1].item() == 0:
+                break
+        produced = greedy.steps_taken(done) if eos else done
+        return torch.cat([input_ids, greedy.generated[:self.batch, :produced]], dim=1)
+
+    # -- lanes -------------------------------------------------------------------------------------------------
+
+    def _lane(self, batch: int, total_length: int) -> DecodeLane:
+        bucket = next((b for b in self.batch_buckets if b >= batch), None)
+        if bucket is None:
+            raise GenerationLimitError(f"a batch of {batch} sequences is above the largest of generation "
+                                       f"batch_buckets={self.batch_buckets}: add a larger bucket")
+        if total_length > self.max_length:
+            raise GenerationLimitError(f"{total_length} tokens (prompt + new tokens) do not fit the KV cache of "
+                                       f"generation max_length={self.max_length} tokens: raise it, "
+                                       "optimize(model, generation={'max_length': ...})")
+        length = min(max(_SMALLEST_CACHE, 1 << (total_length - 1).bit_length()), self.max_length)
+        lane = self.lanes.get((bucket, length))
+        if lane is None:
+            lane = self.lanes[bucket, length] = self._new_lane(bucket, length)
+        return lane
+
+    def _new_lane(self, batch: int, length: int) -> DecodeLane:
+        started = time.perf_counter()
+        lane = DecodeLane(self.model, _backend_of(self.model), batch, length, self.cuda_graphs)
+        size = cache_bytes(self.model, batch, length, lane.dtype) / 2**20
+        self.notes.append(f"generation: lane of {batch} sequences x {length} tokens (KV cache {size:.1f} MiB, "
+                          f"made in {time.perf_counter() - started:.1f} s)")
+        return lane
+
+    def summary(self) -> str:
+        """One line: the lanes, their hits and the memory their caches hold."""
+        if not self.lanes:
+            return "generation: no request served yet"
+        total = sum(cache_bytes(self.model, b, n, lane.dtype) for (b, n), lane in self.lanes.items()) / 2**20
+        lanes = ", ".join(f"{b}x{n} ({lane.hits} requests)" for (b, n), lane in self.lanes.items())
+        return f"generation lanes (sequences x cache tokens): {lanes}; KV caches {total:.1f} MiB"
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` with copies of its first row appended up to ``rows`` rows (a bucket's filler rows)."""
+    missing = rows - tensor.shape[0]
+    if missing <= 0:
+        return tensor
+    return torch.cat([tensor, tensor[:1].expand(missing, *tensor.shape[1:])], dim=0)
+
+
+def _backend_of(model: nn.Module) -> Any:
+    """The optimized model's dynamo backend (its passes and compiler), or None: decode the model as it is."""
+    state = getattr(model, "_kernel_pytorch", None)
+    if state is None or not getattr(state, "active", False):
+        return None
+    return state.graph_optimizer

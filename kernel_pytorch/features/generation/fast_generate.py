@@ -1,0 +1,56 @@
+"""``FastGenerate``: what ``model.generate`` is after ``optimize``: greedy requests through the static-cache
+:class:`~kernel_pytorch.features.generation.decoder.Decoder`, every other request through transformers' own
+``generate`` with a report line naming why."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from kernel_pytorch.config import GenerationConfig
+from kernel_pytorch.features.generation.decoder import Decoder
+from kernel_pytorch.features.generation.requests import greedy_request
+
+__all__ = ["FastGenerate"]
+
+
+class FastGenerate:
+    """``model.generate`` replaced on the instance (the class's generate stays transformers'); see the module
+    docstring. Copies of the model get one of their own, with a decoder of their own."""
+
+    def __init__(self, model: nn.Module, config: GenerationConfig):
+        self.model, self.config = model, config
+        self.decoder: Decoder | None = None  # made at the first fast request: it allocates caches and compiles
+
+    def __call__(self, inputs: Any = None, generation_config: Any = None, **kwargs: Any) -> Any:
+        request = greedy_request(self.model, inputs, generation_config, kwargs)
+        if isinstance(request, str):
+            self._note(f"generation: generate() with {request} runs transformers' own loop (the static-cache loop "
+                       "serves greedy requests)")
+            return self._transformers_generate(inputs, generation_config, **kwargs)
+        decoder = self._decoder()
+        lanes = len(decoder.lanes)
+        tokens = decoder.greedy(request.input_ids, request.attention_mask, request.max_new_tokens,
+                                request.min_new_tokens, request.eos, request.pad)
+        for note in decoder.notes[lanes:] if len(decoder.lanes) > lanes else ():
+            self._note(note)
+        return tokens
+
+    def _transformers_generate(self, inputs: Any, generation_config: Any, **kwargs: Any) -> Any:
+        return type(self.model).generate(self.model, inputs, generation_config=generation_config, **kwargs)
+
+    def _decoder(self) -> Decoder:
+        if self.decoder is None:
+            self.decoder = Decoder(self.model, self.config.max_length, self.config.batch_buckets,
+                                   self.config.cuda_graphs)
+        return self.decoder
+
+    def _note(self, text: str) -> None:
+        state = getattr(self.model, "_kernel_pytorch", None)
+        if state is not None and text not in state.report.notes:
+            state.report.notes.append(text)
+
+    def __reduce__(self) -> tuple:
+        # A copy of the model (deepcopy, pickle) gets a FastGenerate of its own: no caches, no CUDA graphs.
+        return FastGenerate, (self.model, self.config)

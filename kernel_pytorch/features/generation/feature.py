@@ -1,0 +1,33 @@
+"""The generation feature: ``optimize`` replaces a transformers causal LM's ``generate`` by
+:class:`~kernel_pytorch.features.generation.fast_generate.FastGenerate` (``generation=`` in the config)."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from kernel_pytorch.config import OptimizeConfig
+from kernel_pytorch.features.base import Feature, OptimizeRun, register_feature
+from kernel_pytorch.features.generation.fast_generate import FastGenerate
+from kernel_pytorch.features.generation.model_calls import why_not_generative
+
+__all__ = ["GenerationFeature"]
+
+
+@register_feature
+class GenerationFeature(Feature):
+    name = "generation"
+
+    @classmethod
+    def enabled(cls, config: OptimizeConfig) -> bool:
+        return config.generation.enabled is not False
+
+    def install(self, model: nn.Module, run: OptimizeRun) -> None:
+        reason = why_not_generative(model)
+        if reason:
+            if run.config.generation.enabled is True:  # asked for by name: say why not; 'auto' stays quiet
+                run.report.notes.append(f"generation: generate() left as it is: {reason}")
+            return
+        model.generate = FastGenerate(model, run.config.generation)
+        graphs = "replayed from CUDA graphs" if run.config.generation.cuda_graphs is not False else "compiled"
+        run.report.notes.append(f"generation: greedy generate() runs a static-KV-cache loop, decode steps {graphs} "
+                                "on CUDA (kernel_pytorch.features.generation)")

@@ -1,0 +1,192 @@
+"""``DecodeLane``: the static state of decoding ``batch`` sequences in a cache of ``length`` tokens: the KV cache, the
+step's input buffers, a compiled prefill and a compiled decode step, and on CUDA the step captured as a CUDA graph.
+
+The buffers never move, so one captured step serves every token: the graph reads the token, position and mask
+buffers, writes the cache at the cache's own counter (a tensor transformers' StaticCache advances in place) and
+leaves the logits in a fixed output. The greedy graph also picks the next token and writes it back into the token
+buffer, so a greedy loop is one replay per token with no host work between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from kernel_pytorch.compiled_call import compiled_entry
+from kernel_pytorch.features.generation.model_calls import cache_keyword, new_static_cache, takes_logits_to_keep
+
+__all__ = ["DecodeLane", "GreedyState", "MAX_EOS_TOKENS"]
+
+MAX_EOS_TOKENS = 8  # a request with more EOS ids takes transformers' loop
+_WARMUP_STEPS = 2  # before capture: compiles the step and lets lazily made kernels and workspaces exist
+
+
+class GreedyState:
+    """Device tensors of a greedy loop in progress, updated inside the captured step (no host sync per token)."""
+
+    def __init__(self, batch: int, max_new: int, device: torch.device):
+        self.generated = torch.zeros(batch, max_new, dtype=torch.long, device=device)
+        self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+        self.alive = torch.zeros(max_new, dtype=torch.long, device=device)  # unfinished rows after each step
+        self.step = torch.zeros(1, dtype=torch.long, device=device)
+        self.min_new = torch.zeros(1, dtype=torch.long, device=device)
+        self.eos = torch.full((MAX_EOS_TOKENS,), -1, dtype=torch.long, device=device)  # -1 never matches a token
+        self.pad = torch.zeros(1, dtype=torch.long, device=device)
+
+    def start(self, prefill_logits: torch.Tensor, min_new: int, eos: list[int], pad: int) -> torch.Tensor:
+        """Reset for a new request and return its first tokens, chosen from the prefill's logits. The buffers are
+        filled in place: the captured step reads these very tensors."""
+        self.generated.zero_()
+        self.unfinished.fill_(True)
+        self.alive.zero_()
+        self.step.zero_()
+        self.min_new.fill_(min_new)
+        self.eos.fill_(-1)
+        self.eos[:len(eos)] = torch.tensor(eos, dtype=torch.long)
+        self.pad.fill_(pad)
+        return self.record(self.choose(prefill_logits))
+
+    def steps_taken(self, limit: int) -> int:
+        """Tokens the request produced: up to the step after which no row was unfinished, at most ``limit``."""
+        finished = (self.alive[:limit] == 0).nonzero()
+        return int(finished[0]) + 1 if len(finished) else limit
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy token; EOS forbidden before ``min_new`` tokens (as transformers' MinNewTokensLogitsProcessor)."""
+        too_early = (self.step < self.min_new).unsqueeze(-1) & _is_eos(torch.arange(logits.shape[-1],
+                                                                                     device=logits.device), self.eos)
+        return logits.masked_fill(too_early, float("-inf")).argmax(-1)
+
+    def record(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Store this step's tokens (pad once a row finished, as transformers does) and return them."""
+        tokens = torch.where(self.unfinished, tokens, self.pad)
+        self.generated.index_copy_(1, self.step, tokens.unsqueeze(1))
+        self.unfinished &= ~_is_eos(tokens, self.eos)
+        self.alive.index_copy_(0, self.step, self.unfinished.sum().reshape(1))
+        self.step += 1
+        return tokens
+
+
+def _is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    return (tokens.unsqueeze(-1) == eos).any(-1)
+
+
+class DecodeLane:
+    """Decoding for one (batch, cache length) pair; see the module docstring."""
+
+    def __init__(self, model: nn.Module, backend: Callable[..., Any] | None, batch: int, length: int,
+                 cuda_graphs: bool):
+        parameter = next(model.parameters())
+        self.model, self.batch, self.length = model, batch, length
+        self.device, self.dtype = parameter.device, parameter.dtype
+        self.cache = new_static_cache(model, batch, length, self.device, self.dtype)
+        self.cache_keyword = cache_keyword(model)
+        self.last_logits_only = takes_logits_to_keep(model)
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        self.mask = torch.zeros(batch, length, dtype=torch.long, device=self.device)
+        self.write_index = torch.zeros(1, dtype=torch.long, device=self.device)
+        # One compiled entry each (their own dynamo caches): the prefill varies in length, the step never does.
+        self.prefill_call = compiled_entry(model, backend, dynamic=True) if backend else model._call_impl
+        self.step_call = compiled_entry(model, backend, dynamic=False) if backend else model._call_impl
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.greedy = GreedyState(batch, length, self.device)
+        self.hits = 0
+
+    # -- prefill ---------------------------------------------------------------------------------------------
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Start a request: reset the cache, run the prompt (``batch`` x P, left padding in ``attention_mask``) and
+        return the last position's logits (``batch`` x vocab); the next step is position P."""
+        prompt_length = input_ids.shape[1]
+        if prompt_length >= self.length:
+            raise ValueError(f"a prompt of {prompt_length} tokens does not fit the KV cache of {self.length} tokens")
+        self.hits += 1
+        self.cache.reset()
+        self.mask.zero_()
+        self.mask[:, :prompt_length] = attention_mask
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        out = self._forward(self.prefill_call, input_ids, positions, prefill=True)
+        self.positions.copy_(positions[:, -1:] + 1)
+        self.write_index.fill_(prompt_length)
+        return out.logits[:, -1]
+
+    # -- decode steps ----------------------------------------------------------------------------------------
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step for ``tokens`` (``batch``): the next position's logits (a buffer, overwritten next step)."""
+        self.tokens.copy_(tokens.reshape(self.batch, 1))
+        return self._run("logits")
+
+    def greedy_steps(self, count: int) -> None:
+        """``count`` greedy steps; each feeds its token to the next (``self.greedy`` holds the tokens)."""
+        for _ in range(count):
+            self._run("greedy")
+
+    def _run(self, kind: str) -> torch.Tensor:
+        if not self.cuda_graphs:
+            return self._step_body(kind)
+        if kind not in self.graphs:
+            self._capture(kind)
+        self.graphs[kind].replay()
+        return self.outputs[kind]
+
+    def _step_body(self, kind: str) -> torch.Tensor:
+        """What one step does, captured as is: mark the new column as seen, run the model, advance the counters;
+        the greedy kind also chooses, records and feeds back the token."""
+        self.mask.index_fill_(1, self.write_index, 1)
+        logits = self._forward(self.step_call, self.tokens, self.positions, prefill=False).logits[:, -1]
+        self.positions += 1
+        self.write_index += 1
+        if kind == "greedy":
+            self.tokens.copy_(self.greedy.record(self.greedy.choose(logits)).unsqueeze(1))
+        return logits
+
+    def _forward(self, call: Callable[..., Any], input_ids: torch.Tensor, positions: torch.Tensor,
+                 prefill: bool) -> Any:
+        kwargs = {"input_ids": input_ids, "attention_mask": self.mask, "position_ids": positions,
+                  self.cache_keyword: self.cache, "use_cache": True}
+        if prefill and self.last_logits_only:
+            kwargs["logits_to_keep"] = 1
+        if call is self.model._call_impl:
+            return call(**kwargs)
+        return call(self.model, **kwargs)
+
+    def _capture(self, kind: str) -> None:
+        """Warm the step up on a side stream, capture it, then put every buffer it advanced back."""
+        saved = self._saved_state()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(_WARMUP_STEPS):
+                self._step_body(kind)
+        torch.cuda.current_stream().wait_stream(stream)
+        self._restore_state(saved)
+        graph = torch.cuda.CUDAGraph()
+        pool = next(iter(self.graphs.values())).pool() if self.graphs else None
+        with torch.cuda.graph(graph, pool=pool):
+            self.outputs[kind] = self._step_body(kind)
+        self.graphs[kind] = graph
+        # capture records without running: the buffers are as they were, the cache counters too
+        self._restore_state(saved)
+
+    def _saved_state(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        g = self.greedy
+        tensors = [self.tokens, self.positions, self.mask, self.write_index, *self._cache_counters(),
+                   g.generated, g.unfinished, g.alive, g.step]
+        return [(t, t.clone()) for t in tensors]
+
+    @staticmethod
+    def _restore_state(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for tensor, value in saved:
+            tensor.copy_(value)
+
+    def _cache_counters(self) -> list[torch.Tensor]:
+        """The cache layers' write counters (tensors transformers' static layers advance in place)."""
+        counters = (getattr(layer, "cumulative_length", None) for layer in getattr(self.cache, "layers", ()))
+        return [c for c in counters if isinstance(c, torch.Tensor)]

@@ -1,0 +1,83 @@
+"""How a transformers causal LM is called for generation: which models take the fast path, the keyword its
+forward takes the KV cache by, and the static cache itself. Everything version-dependent about transformers is here."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["why_not_generative", "cache_keyword", "takes_logits_to_keep", "new_static_cache", "cache_bytes",
+           "default_max_length"]
+
+_DEFAULT_MAX_LENGTH = 4096
+
+
+def why_not_generative(model: nn.Module) -> str | None:
+    """Why ``model`` cannot take the fast generate() path, or None when it can."""
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(model, "generate", None)):
+        return f"{type(model).__name__} is not a transformers model with generate()"
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder models (T5's cross-attention cache) generate through transformers' own loop"
+    if not _static_cache_class():
+        return "this transformers version has no StaticCache"
+    if cache_keyword(model) is None:
+        return f"{type(model).__name__}.forward takes no KV cache argument"
+    return None
+
+
+def cache_keyword(model: nn.Module) -> str | None:
+    """'cache' (transformers >= 5.24) or 'past_key_values' (before): how forward takes the KV cache."""
+    parameters = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    return None
+
+
+def takes_logits_to_keep(model: nn.Module) -> bool:
+    """Whether forward can compute the LM head on the last position only (the prefill needs no other logits)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def default_max_length(model: nn.Module) -> int:
+    """The model's ``max_position_embeddings``, capped: a static cache reads its whole length at every step."""
+    return min(getattr(model.config, "max_position_embeddings", _DEFAULT_MAX_LENGTH) or _DEFAULT_MAX_LENGTH,
+               _DEFAULT_MAX_LENGTH)
+
+
+def new_static_cache(model: nn.Module, batch: int, length: int, device: torch.device, dtype: torch.dtype) -> Any:
+    """A transformers ``StaticCache`` of ``batch`` x ``length`` tokens, allocated now; running out of memory for it
+    is an error naming its size."""
+    cache = _static_cache_class()(config=model.config, max_cache_len=length)
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    try:
+        cache.early_initialization(batch_size=batch, num_heads=heads, head_dim=head_dim, dtype=dtype, device=device)
+    except torch.OutOfMemoryError as error:
+        size = cache_bytes(model, batch, length, dtype) / 2**30
+        raise torch.OutOfMemoryError(
+            f"the static KV cache for generation ({batch} sequences x {length} tokens x "
+            f"{config.num_hidden_layers} layers, {size:.2f} GiB) does not fit on {device}: lower "
+            "generation.max_length or generation.batch_buckets") from error
+    return cache
+
+
+def cache_bytes(model: nn.Module, batch: int, length: int, dtype: torch.dtype) -> int:
+    """Bytes of keys and values a static cache of ``batch`` x ``length`` tokens holds (sliding layers as full)."""
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * batch * heads * length * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def _static_cache_class() -> Any:
+    try:
+        from transformers import StaticCache
+    except ImportError:
+        return None
+    return StaticCache

@@ -1,0 +1,98 @@
+"""Which ``generate()`` calls the static-cache loop serves, read the way transformers reads them: a greedy request
+(``GreedyRequest``), or the reason it goes to transformers' own loop."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from kernel_pytorch.features.generation.lane import MAX_EOS_TOKENS
+
+__all__ = ["GreedyRequest", "greedy_request"]
+
+# GenerationConfig fields the loop honours; any other field away from its default sends the call to transformers.
+_HONOURED_FIELDS = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "eos_token_id", "pad_token_id",
+                    "bos_token_id", "decoder_start_token_id", "use_cache", "transformers_version", "_from_model_config",
+                    "cache_implementation", "do_sample", "num_beams"}  # the last two: checked by name
+# Sampling settings that greedy decoding ignores (transformers warns about them and does the same).
+_SAMPLING_ONLY = {"temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"}
+# generate() arguments that are not GenerationConfig fields and change the loop.
+_LOOP_ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
+                   "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
+                   "custom_generate", "assistant_tokenizer", "tokenizer")
+
+
+@dataclass
+class GreedyRequest:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    max_new_tokens: int
+    min_new_tokens: int
+    eos: list[int]
+    pad: int
+
+
+def greedy_request(model: nn.Module, inputs: Any, generation_config: Any, kwargs: dict[str, Any]) -> GreedyRequest | str:
+    """The request of ``model.generate(inputs, generation_config, **kwargs)``, or why the loop cannot serve it."""
+    kwargs = dict(kwargs)
+    for name in _LOOP_ARGUMENTS:
+        if kwargs.pop(name, None) is not None:
+            return f"generate({name}=...)"
+    input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        return "a call without an input_ids tensor of token ids (batch x length)"
+    attention_mask = kwargs.pop("attention_mask", None)
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    unused = config.update(**kwargs)
+    if unused:
+        return f"generate({', '.join(sorted(unused))}=...)"
+    reason = _unhonoured_setting(config)
+    if reason:
+        return reason
+    prompt = input_ids.shape[1]
+    max_new = config.max_new_tokens if config.max_new_tokens is not None else (config.max_length or 20) - prompt
+    if max_new <= 0:
+        return f"max_length={config.max_length} leaves no new token after a prompt of {prompt}"
+    eos = _token_list(config.eos_token_id)
+    if len(eos) > MAX_EOS_TOKENS:
+        return f"{len(eos)} EOS token ids (the loop takes at most {MAX_EOS_TOKENS})"
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+    if attention_mask is None:
+        attention_mask = _inferred_attention_mask(input_ids, config.pad_token_id, eos)
+    min_new = config.min_new_tokens or max(0, (config.min_length or 0) - prompt)
+    return GreedyRequest(input_ids, attention_mask, max_new, min_new, eos, pad)
+
+
+def _unhonoured_setting(config: Any) -> str | None:
+    if config.do_sample:
+        return "sampling (do_sample=True): the static-cache loop decodes greedily"
+    if config.num_beams not in (None, 1):  # None: unset (transformers >= 5.2x), which means 1
+        return f"beam search (num_beams={config.num_beams})"
+    if config.use_cache is False:
+        return "use_cache=False"
+    if config.cache_implementation not in (None, "static"):
+        return f"cache_implementation={config.cache_implementation!r}"
+    for name, value in config.to_diff_dict().items():
+        # None and False leave a setting off, whichever of them this transformers version writes as its default
+        if name not in _HONOURED_FIELDS and name not in _SAMPLING_ONLY and value not in (None, False, {}, []):
+            return f"generation setting {name}={value!r}"
+    return None
+
+
+def _token_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.reshape(-1)]
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _inferred_attention_mask(input_ids: torch.Tensor, pad: int | None, eos: list[int]) -> torch.Tensor:
+    """transformers' rule: mask the pad tokens when the prompt holds some and pad is not an EOS token."""
+    if pad is not None and pad not in eos and bool((input_ids == pad).any()):
+        return input_ids.ne(pad).long()
+    return torch.ones_like(input_ids)
