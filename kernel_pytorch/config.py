@@ -27,7 +27,7 @@ from kernel_pytorch.config_model import ConfigModel, allowed_values, not_allowed
 from kernel_pytorch.device_names import DEVICE_ALIASES, DeviceName, Vendor  # re-exported: their old home
 from kernel_pytorch.pass_names import check_pass_names
 
-__all__ = ["OptimizeConfig", "Float8Config", "MemoryConfig", "SparseAttentionConfig", "Tolerance",
+__all__ = ["OptimizeConfig", "Float8Config", "MemoryConfig", "GenerationConfig", "SparseAttentionConfig", "Tolerance",
            "DEPRECATED_FLAT_OPTIONS", "DEFAULT_TOLERANCES", "Vendor", "DEVICE_ALIASES", "DeviceName", "CompileMode"]
 
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
@@ -200,6 +200,37 @@ class MemoryConfig(ConfigModel):
         return self
 
 
+class GenerationConfig(ConfigModel):
+    """Fast ``model.generate()`` for transformers causal LMs: ``optimize(model, generation=GenerationConfig(...))``,
+    a dict of these fields, or True / False / 'auto' for ``enabled`` (``kernel_pytorch.features.generation``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool | Literal["auto"] = Field(
+        "auto", description="Replace the model's generate() by a static-KV-cache decode loop (CUDA graphs on NVIDIA "
+        "GPUs) where the request allows, transformers' own loop with a report line where it does not. 'auto': on "
+        "for decoder-only transformers models that can generate; True also says why a model cannot."
+    )
+    max_length: PositiveInt | None = Field(
+        None, description="Tokens the KV cache holds (prompt + new tokens); None: the model's "
+        "max_position_embeddings, at most 4096. A longer request raises an error naming this option."
+    )
+    batch_buckets: tuple[PositiveInt, ...] = Field(
+        (1, 2, 4, 8, 16, 32), description="Batch sizes a decode step is captured for; a batch is padded up to "
+        "the next one. A batch above the largest raises an error naming this option."
+    )
+    cuda_graphs: bool | Literal["auto"] = Field(
+        "auto", description="Replay each decode step from a CUDA graph ('auto': on CUDA devices)."
+    )
+
+    @field_validator("batch_buckets")
+    @classmethod
+    def _ascending(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if not value or list(value) != sorted(set(value)):
+            raise ValueError(f"generation batch_buckets={value!r} must be distinct batch sizes in ascending order")
+        return value
+
+
 # The options that became fields of a section: flat name -> (section, field). Accepted for one release, with a
 # FutureWarning naming the new spelling (shown to users, unlike a DeprecationWarning raised inside pydantic).
 DEPRECATED_FLAT_OPTIONS: dict[str, tuple[str, str]] = {
@@ -255,6 +286,11 @@ class OptimizeConfig(ConfigModel):
         default_factory=MemoryConfig, description="Activation checkpointing, activation and optimizer-state "
         "offload (MemoryConfig, or a dict of its fields): off by default."
     )
+    generation: GenerationConfig = Field(
+        default_factory=GenerationConfig, description="Fast generate() for transformers causal LMs: static KV "
+        "cache, decode steps replayed from CUDA graphs (GenerationConfig, a dict of its fields, or True / False / "
+        "'auto' for its enabled field): 'auto' by default."
+    )
     context_parallel: Any = Field(
         None, description="A torch.distributed ProcessGroup (or None: off) whose ranks share each sequence: every "
         "rank passes the full inputs; the model runs on its zigzag shard of the sequence (dim 1 of each tensor "
@@ -296,6 +332,13 @@ class OptimizeConfig(ConfigModel):
         if isinstance(value, str):
             raise ValueError(not_allowed("fp8", value, (True, False, "auto")) + ", or a Float8Config (or a dict of "
                              "its fields)")
+        return value
+
+    @field_validator("generation", mode="before")
+    @classmethod
+    def _generation_shorthand(cls, value: object) -> object:
+        if value is True or value is False or value == "auto":
+            return {"enabled": value}
         return value
 
     @model_validator(mode="before")
