@@ -39,7 +39,8 @@ from torch._dynamo.exc import TorchDynamoException
 
 from kernel_pytorch.errors import KernelPytorchError, first_line
 
-__all__ = ["CompiledCall", "GraphRun", "RecompileLimitWarning", "UnoptimizedCallWarning", "compiled_entry", "install"]
+__all__ = ["CompiledCall", "GraphRun", "RecompileLimitWarning", "UnoptimizedCallWarning", "call_module", "compiled_entry",
+           "install"]
 
 # TorchDynamo's default limit (8) is for one function; a model's call contract needs more variants: a
 # transformers generate() alone is captured with and without a cache, for prefill and decode, and at
@@ -76,12 +77,13 @@ def install(model: nn.Module, backend: Callable[..., Any], dynamic: bool | None,
     return call
 
 
-def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The module's call (hooks, forward) without its compiled call: what a compiled entry traces."""
     return module._call_impl(*args, **kwargs)
 
 
 def compiled_entry(model: nn.Module, backend: Callable[..., Any], dynamic: bool | None) -> Callable[..., Any]:
-    """``torch.compile`` of a copy of :func:`_call_module` with a code object of its own.
+    """``torch.compile`` of a copy of :func:`call_module` with a code object of its own.
 
     Not ``model.compile()``: that compiles ``Module._call_impl``, a frame in torch's own files, which dynamo
     skips when it is the top frame, so a model made only of ``torch.nn`` modules (an ``nn.Sequential``) was
@@ -92,7 +94,7 @@ def compiled_entry(model: nn.Module, backend: Callable[..., Any], dynamic: bool 
     """
     name = f"{_ENTRY_PREFIX}{type(model).__name__}_{next(_entry_numbers)}"
     names = {"co_name": name, **({"co_qualname": name} if sys.version_info >= (3, 11) else {})}
-    entry = types.FunctionType(_call_module.__code__.replace(**names), _call_module.__globals__, name)
+    entry = types.FunctionType(call_module.__code__.replace(**names), call_module.__globals__, name)
     limit = {"recompile_limit": RECOMPILE_LIMIT} if _compile_takes_recompile_limit() else {}
     return torch.compile(entry, backend=backend, dynamic=dynamic, **limit)
 

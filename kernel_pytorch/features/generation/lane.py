@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from kernel_pytorch.compiled_call import compiled_entry
+from kernel_pytorch.compiled_call import call_module, compiled_entry
 from kernel_pytorch.features.generation.model_calls import cache_keyword, new_static_cache, takes_logits_to_keep
 
 __all__ = ["DecodeLane", "GreedyState", "MAX_EOS_TOKENS"]
@@ -90,8 +90,9 @@ class DecodeLane:
         self.mask = torch.zeros(batch, length, dtype=torch.long, device=self.device)
         self.write_index = torch.zeros(1, dtype=torch.long, device=self.device)
         # One compiled entry each (their own dynamo caches): the prefill varies in length, the step never does.
-        self.prefill_call = compiled_entry(model, backend, dynamic=True) if backend else model._call_impl
-        self.step_call = compiled_entry(model, backend, dynamic=False) if backend else model._call_impl
+        # Without a backend (a model not optimized) the model runs as it is, still from a static cache.
+        self.prefill_call = compiled_entry(model, backend, dynamic=True) if backend else call_module
+        self.step_call = compiled_entry(model, backend, dynamic=False) if backend else call_module
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[str, torch.Tensor] = {}
@@ -153,8 +154,6 @@ class DecodeLane:
                   self.cache_keyword: self.cache, "use_cache": True}
         if prefill and self.last_logits_only:
             kwargs["logits_to_keep"] = 1
-        if call is self.model._call_impl:
-            return call(**kwargs)
         return call(self.model, **kwargs)
 
     def _capture(self, kind: str) -> None:

@@ -26,7 +26,15 @@ def why_not_generative(model: nn.Module) -> str | None:
         return "this transformers version has no StaticCache"
     if cache_keyword(model) is None:
         return f"{type(model).__name__}.forward takes no KV cache argument"
+    if _has_sliding_layers(model):
+        return ("sliding-window attention layers: transformers' static cache counts their tokens in a Python int, "
+                "which a compiled or captured decode step would freeze (recompiling at every token otherwise)")
     return None
+
+
+def _has_sliding_layers(model: nn.Module) -> bool:
+    layers = getattr(_static_cache_class()(config=model.config, max_cache_len=1), "layers", ())
+    return any(getattr(layer, "is_sliding", False) for layer in layers)
 
 
 def cache_keyword(model: nn.Module) -> str | None:

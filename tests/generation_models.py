@@ -1,0 +1,50 @@
+"""Causal LMs of several transformers families from tiny configs (default attention, no downloads), and prompts
+with left padding, for the generation tests."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+_SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+              vocab_size=128, pad_token_id=0, eos_token_id=5, max_position_embeddings=512)
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, _SMALL),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, _SMALL),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(_SMALL, sliding_window=None)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(_SMALL, head_dim=16)),
+    "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
+             dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, pad_token_id=0, eos_token_id=5, bos_token_id=1)),
+}
+
+
+def causal_lm(family: str, seed: int = 0) -> torch.nn.Module:
+    config_class, model_class, fields = FAMILIES[family]
+    torch.manual_seed(seed)
+    return model_class(config_class(**fields)).eval()
+
+
+def left_padded_prompts(batch: int, length: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids above the EOS and pad ids; row i > 0 has i % 3 + 1 padding tokens on the left."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(6, 128, (batch, length), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    for row in range(1, batch):
+        padding = min(row % 3 + 1, length - 1)
+        input_ids[row, :padding] = 0
+        attention_mask[row, :padding] = 0
+    return input_ids, attention_mask
+
+
+# Families whose static cache has sliding-window layers: generate() keeps transformers' loop for them.
+SLIDING = {
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(_SMALL, head_dim=16, sliding_window=8)),
+    "mistral_sliding": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(_SMALL, sliding_window=8)),
+}
+
+
+def sliding_lm(family: str, seed: int = 0) -> torch.nn.Module:
+    config_class, model_class, fields = SLIDING[family]
+    torch.manual_seed(seed)
+    return model_class(config_class(**fields)).eval()

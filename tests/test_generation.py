@@ -1,0 +1,174 @@
+"""The generation feature on the CPU: ``optimize(model)`` then an unchanged ``model.generate()`` gives the tokens of
+the unoptimized model (float32, greedy), for several families, batch 1 and left-padded batches, several prompt
+lengths; what it does not serve goes to transformers' loop with a report line; limits give clear errors."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+import transformers
+
+import kernel_pytorch
+from kernel_pytorch import Decoder, GenerationLimitError, report_of
+from kernel_pytorch.compiled_call import RecompileLimitWarning
+from kernel_pytorch.features.generation import FastGenerate
+
+from .generation_models import FAMILIES, SLIDING, causal_lm, left_padded_prompts, sliding_lm
+
+
+def _pair(family: str):
+    """The model optimized, and an untouched twin to compare with."""
+    model = causal_lm(family)
+    reference = copy.deepcopy(model)
+    return kernel_pytorch.optimize(model), reference
+
+
+def _generation_notes(model) -> list[str]:
+    return [note for note in report_of(model).notes if note.startswith("generation")]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_tokens_equal_the_unoptimized_model(family):
+    model, reference = _pair(family)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecompileLimitWarning)
+        for batch, length, extra in [(1, 5, {}), (3, 9, {}), (3, 9, {"min_new_tokens": 4}), (2, 17, {})]:
+            input_ids, attention_mask = left_padded_prompts(batch, length)
+            expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=14,
+                                          do_sample=False, **extra)
+            tokens = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=14, do_sample=False,
+                                    **extra)
+            assert torch.equal(tokens, expected), (family, batch, length, extra)
+    notes = _generation_notes(model)
+    assert any("lane of" in note for note in notes), notes  # the static-cache loop served them
+    assert not any("transformers' own loop" in note for note in notes), notes
+
+
+@pytest.mark.parametrize("family", sorted(SLIDING))
+def test_sliding_window_models_keep_transformers_loop_with_a_report_line(family):
+    model = sliding_lm(family)
+    reference = copy.deepcopy(model)
+    optimized = kernel_pytorch.optimize(model, generation=True)
+    assert "generate" not in vars(optimized)
+    assert any("sliding-window attention layers" in note for note in _generation_notes(optimized))
+    input_ids, attention_mask = left_padded_prompts(2, 9)
+    expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False)
+    tokens = optimized.generate(input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(tokens, expected)
+
+
+def test_eos_stops_rows_and_pads_them_as_transformers_does():
+    model, reference = _pair("llama")
+    input_ids, attention_mask = left_padded_prompts(3, 6)
+    # every token an EOS candidate: the greedy token of the first step ends some rows at once
+    first = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=1, do_sample=False)[:, -1]
+    eos = [int(first[0]), int(first[2])]
+    expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=40, do_sample=False,
+                                  eos_token_id=eos, pad_token_id=0)
+    tokens = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=40, do_sample=False,
+                            eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(tokens, expected)
+    assert (tokens[0, 7:] == 0).all()  # row 0 ended at its first token and is padded after it
+
+
+def test_attention_mask_inferred_from_pad_tokens_like_transformers():
+    model, reference = _pair("qwen2")
+    input_ids, _ = left_padded_prompts(3, 8)
+    expected = reference.generate(input_ids, max_new_tokens=9, do_sample=False)
+    assert torch.equal(model.generate(input_ids, max_new_tokens=9, do_sample=False), expected)
+
+
+def test_requests_the_loop_does_not_serve_go_to_transformers_with_a_report_line():
+    model, reference = _pair("llama")
+    input_ids, attention_mask = left_padded_prompts(2, 6)
+    for kwargs, reason in [({"num_beams": 2}, "beam search"), ({"repetition_penalty": 1.3}, "repetition_penalty"),
+                           ({"do_sample": True, "top_k": 5}, "sampling")]:
+        torch.manual_seed(0)
+        expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, **kwargs)
+        torch.manual_seed(0)
+        tokens = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, **kwargs)
+        assert torch.equal(tokens, expected)
+        assert any(reason in note and "transformers' own loop" in note for note in _generation_notes(model)), reason
+
+
+def test_decoder_step_api_matches_the_model_with_its_own_cache():
+    model = causal_lm("mistral")
+    decoder = Decoder(kernel_pytorch.optimize(copy.deepcopy(model)), batch_buckets=(1, 4))
+    input_ids, attention_mask = left_padded_prompts(3, 7)
+    logits = decoder.prefill(input_ids, attention_mask, max_new_tokens=6)
+    prompt_positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
+    expected = model(input_ids, attention_mask=attention_mask, position_ids=prompt_positions, use_cache=True)
+    torch.testing.assert_close(logits, expected.logits[:, -1], rtol=1e-4, atol=1e-5)
+    cache, mask = expected.past_key_values, attention_mask
+    positions = attention_mask.sum(-1, keepdim=True)
+    for _ in range(5):
+        tokens = logits.argmax(-1)
+        logits = decoder.step(tokens)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        step = model(tokens[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache,
+                     use_cache=True)
+        cache, positions = step.past_key_values, positions + 1
+        torch.testing.assert_close(logits, step.logits[:, -1], rtol=1e-4, atol=1e-5)
+    assert logits.shape == (3, 128)  # the bucket's filler row is not returned
+
+
+def test_limits_give_errors_naming_the_option():
+    model, _ = _pair("llama")
+    model.generate.config = model.generate.config.model_copy(update={"max_length": 64, "batch_buckets": (1, 2)})
+    with pytest.raises(GenerationLimitError, match=r"max_length=64.*generation=\{'max_length'"):
+        model.generate(torch.randint(6, 128, (1, 60)), max_new_tokens=10, do_sample=False)
+    with pytest.raises(GenerationLimitError, match=r"batch of 3 .*batch_buckets=\(1, 2\)"):
+        model.generate(torch.randint(6, 128, (3, 5)), max_new_tokens=2, do_sample=False)
+    decoder = Decoder(causal_lm("llama"))
+    with pytest.raises(RuntimeError, match="before prefill"):
+        decoder.step(torch.zeros(1, dtype=torch.long))
+
+
+def test_a_full_cache_is_an_error_not_a_wrong_token():
+    decoder = Decoder(causal_lm("gpt2"), max_length=256)
+    logits = decoder.prefill(torch.randint(6, 128, (1, 250)), max_new_tokens=6)
+    for _ in range(6):
+        logits = decoder.step(logits.argmax(-1))
+    with pytest.raises(GenerationLimitError, match="KV cache of 256 tokens is full"):
+        decoder.step(logits.argmax(-1))
+
+
+def test_copies_generate_through_a_loop_of_their_own():
+    model, reference = _pair("gpt2")
+    input_ids, attention_mask = left_padded_prompts(2, 6)
+    expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=False),
+                       expected)
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert isinstance(copied.generate, FastGenerate) and copied.generate.model is copied
+        assert copied.generate.decoder is None  # no caches or graphs shared with the original
+        tokens = copied.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=False)
+        assert torch.equal(tokens, expected)
+
+
+def test_state_dict_and_class_untouched_and_generation_can_be_turned_off():
+    model = causal_lm("llama")
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    optimized = kernel_pytorch.optimize(model)
+    assert before.keys() == optimized.state_dict().keys()
+    assert all(torch.equal(before[name], value) for name, value in optimized.state_dict().items())
+    assert type(optimized).generate is transformers.LlamaForCausalLM.generate
+    plain = kernel_pytorch.optimize(causal_lm("llama"), generation=False)
+    assert "generate" not in vars(plain)
+
+
+def test_models_that_cannot_take_the_loop_say_why_when_asked():
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                   decoder_start_token_id=0)
+    t5 = transformers.T5ForConditionalGeneration(config).eval()
+    optimized = kernel_pytorch.optimize(t5, generation=True)
+    assert "generate" not in vars(optimized)
+    assert any("encoder-decoder" in note for note in _generation_notes(optimized))
+    encoder = kernel_pytorch.optimize(torch.nn.Linear(4, 4))  # 'auto' on a model without generate(): no line
+    assert not _generation_notes(encoder)
+    with pytest.raises(TypeError, match="not a transformers model with generate"):
+        Decoder(torch.nn.Linear(4, 4))

@@ -1,0 +1,76 @@
+"""The generation feature on an NVIDIA GPU: decode steps compiled by optimize's backend and replayed from CUDA
+graphs. The first step's logits are within bf16 tolerance of eager transformers; replays equal the same steps run
+without graphs; greedy tokens in float32 equal the unoptimized model's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import kernel_pytorch
+from kernel_pytorch import Decoder, report_of
+
+from .conftest import rel_err
+from .generation_models import causal_lm, left_padded_prompts
+
+pytestmark = pytest.mark.gpu
+
+_BF16_LOGITS = 3e-2  # relative error of a bf16 model's logits, rewritten kernels against eager
+
+
+def _eager_first_step(model, input_ids, attention_mask):
+    """Prefill and one decode step of transformers' own forward (dynamic cache): the step's logits."""
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True)
+    tokens = out.logits[:, -1].argmax(-1, keepdim=True)
+    mask = torch.cat([attention_mask, torch.ones_like(tokens)], dim=1)
+    step = model(tokens, attention_mask=mask, position_ids=positions[:, -1:] + 1, past_key_values=out.past_key_values,
+                 use_cache=True)
+    return out.logits[:, -1].float(), tokens[:, 0], step.logits[:, -1].float()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@torch.no_grad()
+def test_first_decode_step_within_bf16_tolerance_of_eager(family):
+    model = causal_lm(family).to("cuda", torch.bfloat16)
+    input_ids, attention_mask = (t.cuda() for t in left_padded_prompts(3, 12))
+    prefill_expected, first_tokens, step_expected = _eager_first_step(model, input_ids, attention_mask)
+    decoder = Decoder(kernel_pytorch.optimize(copy.deepcopy(model)))
+    prefill = decoder.prefill(input_ids, attention_mask, max_new_tokens=8).float()
+    step = decoder.step(first_tokens).float()
+    assert rel_err(prefill, prefill_expected) < _BF16_LOGITS
+    assert rel_err(step, step_expected) < _BF16_LOGITS
+    assert "logits" in decoder.lane.graphs  # the step was replayed from a CUDA graph
+
+
+@torch.no_grad()
+def test_cuda_graph_replays_equal_the_steps_run_without_graphs():
+    model = kernel_pytorch.optimize(causal_lm("llama").to("cuda", torch.bfloat16))
+    input_ids, attention_mask = (t.cuda() for t in left_padded_prompts(2, 10))
+    runs = []
+    for graphs in (False, True):
+        decoder = Decoder(model, cuda_graphs=graphs)
+        logits = [decoder.prefill(input_ids, attention_mask, max_new_tokens=20)]
+        for _ in range(20):
+            logits.append(decoder.step(logits[-1].argmax(-1)).clone())
+        runs.append(torch.stack(logits))
+        assert bool(decoder.lane.graphs) == graphs
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_greedy_generate_float32_tokens_equal_the_unoptimized_model():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = causal_lm("qwen2").cuda()
+    reference = copy.deepcopy(model)
+    optimized = kernel_pytorch.optimize(model)
+    for batch, length in [(1, 7), (3, 12)]:
+        input_ids, attention_mask = (t.cuda() for t in left_padded_prompts(batch, length))
+        expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=24, do_sample=False)
+        tokens = optimized.generate(input_ids, attention_mask=attention_mask, max_new_tokens=24, do_sample=False)
+        assert torch.equal(tokens, expected), (batch, length)
+    lanes = optimized.generate.decoder.lanes.values()
+    assert all("greedy" in lane.graphs for lane in lanes)
+    assert any("lane of" in note for note in report_of(optimized).notes)
