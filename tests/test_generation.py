@@ -36,7 +36,7 @@ def test_greedy_tokens_equal_the_unoptimized_model(family):
     model, reference = _pair(family)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RecompileLimitWarning)
-        for batch, length, extra in [(1, 5, {}), (3, 9, {}), (3, 9, {"min_new_tokens": 4}), (2, 17, {})]:
+        for batch, length, extra in [(1, 5, {}), (1, 1, {}), (3, 9, {}), (3, 9, {"min_new_tokens": 4}), (2, 17, {})]:
             input_ids, attention_mask = left_padded_prompts(batch, length)
             expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=14,
                                           do_sample=False, **extra)

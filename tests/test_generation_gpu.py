@@ -47,6 +47,7 @@ def test_first_decode_step_within_bf16_tolerance_of_eager(family):
 
 @torch.no_grad()
 def test_cuda_graph_replays_equal_the_steps_run_without_graphs():
+    """The same steps with and without CUDA graphs (a stale captured input would drift over 20 steps)."""
     model = kernel_pytorch.optimize(causal_lm("llama").to("cuda", torch.bfloat16))
     input_ids, attention_mask = (t.cuda() for t in left_padded_prompts(2, 10))
     runs = []
@@ -57,7 +58,8 @@ def test_cuda_graph_replays_equal_the_steps_run_without_graphs():
             logits.append(decoder.step(logits[-1].argmax(-1)).clone())
         runs.append(torch.stack(logits))
         assert bool(decoder.lane.graphs) == graphs
-    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
+    # Two decoders compile twice: Inductor may pick other kernel configs, so equal within bf16 rounding.
+    assert rel_err(runs[1].float(), runs[0].float()) < 1e-2
 
 
 @torch.no_grad()

@@ -104,6 +104,9 @@ class DecodeLane:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Start a request: reset the cache, run the prompt (``batch`` x P, left padding in ``attention_mask``) and
         return the last position's logits (``batch`` x vocab); the next step is position P."""
+        if input_ids.shape[1] == 1:  # one masked pad token on the left: length 1 would be a graph of its own
+            input_ids = torch.cat([torch.zeros_like(input_ids), input_ids], dim=1)
+            attention_mask = torch.cat([torch.zeros_like(attention_mask), attention_mask], dim=1)
         prompt_length = input_ids.shape[1]
         if prompt_length >= self.length:
             raise ValueError(f"a prompt of {prompt_length} tokens does not fit the KV cache of {self.length} tokens")
