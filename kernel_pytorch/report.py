@@ -14,8 +14,8 @@ from rich.text import Text
 from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.verify import NOTHING_COMPARED
 
-__all__ = ["BlockRecord", "MemoryRecord", "OptimizationReport", "RewriteRecord", "RollbackRecord", "SkipRecord",
-           "VerificationRecord", "natural_order"]
+__all__ = ["BlockRecord", "MemoryRecord", "OptimizationReport", "RewriteRecord", "RollbackRecord", "ShapeBucketRecord",
+           "SkipRecord", "VerificationRecord", "natural_order"]
 
 # A graph dynamo captured, as capture.py names it; other records say "modules" (module passes) or "" (the model).
 _CAPTURED_GRAPH = re.compile(r"graph (\d+)")
@@ -89,6 +89,18 @@ class MemoryRecord(BaseModel):
     host_bytes: int | None = Field(None, description="host memory it uses instead (pinned for offloads)")
 
 
+class ShapeBucketRecord(BaseModel):
+    """One shape bucket that served calls (``optimize(..., shape_buckets=...)``; optimize's own first call on the
+    example inputs included): its padded batch size and length (None: lengths are not bucketed), the calls it
+    served, and the elements (batch x length of the lead input) of those calls before and after padding."""
+
+    batch: int
+    length: Optional[int] = None
+    calls: int = 0
+    real_elements: int = 0
+    padded_elements: int = 0
+
+
 class OptimizationReport(BaseModel):
     """Filled by ``optimize`` and, for graphs captured later (new shapes, graph breaks), as they are captured.
 
@@ -113,6 +125,8 @@ class OptimizationReport(BaseModel):
     memory: list[MemoryRecord] = Field(default_factory=list)
     blocks: list[BlockRecord] = Field(default_factory=list)
     timings_s: dict[str, float] = Field(default_factory=dict)
+    shape_buckets: list[ShapeBucketRecord] = Field(default_factory=list, description="the shape buckets that served "
+                                                   "calls, in the order first hit")
 
     def add_time(self, phase: str, seconds: float) -> None:
         self.timings_s[phase] = round(self.timings_s.get(phase, 0.0) + seconds, 6)
@@ -121,6 +135,11 @@ class OptimizationReport(BaseModel):
         """Add ``record``, replacing an earlier one of the same wrapper (figures measured later, e.g. at the
         first training call, replace the line written at optimize time)."""
         self.memory = [r for r in self.memory if r.wrapper != record.wrapper] + [record]
+
+    def padding_waste(self) -> float | None:
+        """Padding elements per real element over every bucketed call (0: none); None before any."""
+        real = sum(b.real_elements for b in self.shape_buckets)
+        return None if not real else sum(b.padded_elements for b in self.shape_buckets) / real - 1
 
     def verification_line(self) -> str | None:
         """The end-to-end check as the report prints it (``passed: all 3 outputs ... bit-identical ...``)."""
@@ -159,7 +178,16 @@ class OptimizationReport(BaseModel):
                                  [(b.block or "(outside blocks)", b.graph,
                                    ", ".join(f"{name} {n}" for name, n in b.rewrites.items()) or "-",
                                    f"{b.ops_before} -> {b.ops_after}") for b in self.blocks])
+        tables += _records_table(self._shape_buckets_title(), ("batch", "length", "calls", "padding waste"),
+                                 [(str(b.batch), "-" if b.length is None else str(b.length), str(b.calls),
+                                   f"{b.padded_elements / max(b.real_elements, 1) - 1:.1%}")
+                                  for b in self.shape_buckets])
         return tables
+
+    def _shape_buckets_title(self) -> str:
+        calls = sum(b.calls for b in self.shape_buckets)
+        return (f"shape buckets ({len(self.shape_buckets)} hit by {calls} call{'s' if calls != 1 else ''}; padding "
+                f"waste {self.padding_waste() or 0:.1%} = padding / real elements)")
 
 
 def natural_order(text: str) -> tuple:

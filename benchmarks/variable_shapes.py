@@ -1,0 +1,340 @@
+"""Variable request shapes: a BERT-base encoder answering requests of random batch size and length, eager against
+``torch.compile``, ``torch.compile(dynamic=True)`` and ``kernel_pytorch.optimize(model, shape_buckets="auto")``.
+
+    python benchmarks/variable_shapes.py [--quick | --device cpu] [--requests N] [--max-batch B] [--max-length L]
+                                         [--providers ...] [--out DIR]
+
+The model is transformers' ``BertModel`` built from a config (no downloads): 12 layers, hidden 768, 12 heads, ffn
+3072, its default (SDPA) attention, bf16 on the GPU, eval mode, every call under ``torch.no_grad()``. The requests
+(seeded): batch sizes uniform in 1..32, lengths uniform in 16..512, token ids random, an attention mask of ones;
+2,000 of them by default. ``--quick``: 2 layers and 300 requests; ``--device cpu``: a smoke run of the whole flow on
+a tiny fp32 model and 20 requests (``torch.compile`` with the ``eager`` backend, TorchDynamo alone, and ``optimize``'s
+reduce-overhead provider without compiling, to stay within seconds), not a measurement.
+
+Providers: ``eager``; ``torch.compile``; ``torch.compile (dynamic=True)``; ``optimize (shape_buckets)`` (the default
+compile: Inductor on a GPU); ``optimize (shape_buckets, reduce-overhead)`` (Inductor's CUDA graphs, one per bucket).
+
+Each provider gets a fresh model (same seed). Warm-up, timed apart (``warm_up_s``): one request of each distinct
+(batch, length) bucket of ``shape_buckets="auto"`` that the requests reach, the first such request, so that every
+provider has compiled what the timed pass needs (``torch.compile`` recompiles for new sizes until it generalizes
+them; a bucket compiles once). Then all the requests in order, synchronized once at the end: ``total_s``,
+``requests_per_s``, ``tokens_per_s`` (real tokens: batch x length, padding not counted). ``setup_s`` is
+``optimize``'s own time (its padding check, first capture and verification). For the optimize providers: the
+buckets the timed pass hit (calls, real and padded elements) and its padding waste (padding / real elements).
+
+The target (issue 27): the best optimize provider's requests/s >= 1.5x the best of the three baselines.
+Writes ``--out``/variable_shapes.json (``_quick``, ``_cpu``) and a PNG of requests/s and warm-up time per provider.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.harness import RESULTS_DIR, environment, write_result  # noqa: E402
+from kernel_pytorch.features.shape_buckets.ladder import (auto_batch_buckets, auto_length_buckets,  # noqa: E402
+                                                          bucket_for)
+
+EAGER, COMPILE, COMPILE_DYNAMIC = "eager", "torch.compile", "torch.compile (dynamic=True)"
+OURS, OURS_GRAPHS = "optimize (shape_buckets)", "optimize (shape_buckets, reduce-overhead)"
+PROVIDERS = (EAGER, COMPILE, COMPILE_DYNAMIC, OURS, OURS_GRAPHS)
+BASELINES = (EAGER, COMPILE, COMPILE_DYNAMIC)
+OPTIMIZE_OPTIONS = {OURS: {}, OURS_GRAPHS: {"compile": "reduce-overhead"}}
+SPEEDUP_TARGET = 1.5  # issue 27: over the best of the baselines
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Model size, request distribution and dtype of one run: ``full``, ``quick`` or ``cpu`` (smoke)."""
+
+    scale: str
+    device: str
+    dtype: torch.dtype
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    requests: int
+    max_batch: int
+    min_length: int
+    max_length: int
+    compile_backend: str
+
+
+def make_setup(args: argparse.Namespace) -> Setup:
+    if args.device == "cpu":
+        setup = Setup("cpu", "cpu", torch.float32, layers=2, hidden=32, heads=2, ffn=64, vocab=101, requests=20,
+                      max_batch=2, min_length=4, max_length=32, compile_backend="eager")
+    elif args.quick:
+        setup = Setup("quick", "cuda", torch.bfloat16, layers=2, hidden=768, heads=12, ffn=3072, vocab=30522,
+                      requests=300, max_batch=32, min_length=16, max_length=512, compile_backend="inductor")
+    else:
+        setup = Setup("full", "cuda", torch.bfloat16, layers=12, hidden=768, heads=12, ffn=3072, vocab=30522,
+                      requests=2000, max_batch=32, min_length=16, max_length=512, compile_backend="inductor")
+    changes = {name: value for name, value in (("requests", args.requests), ("max_batch", args.max_batch),
+                                              ("max_length", args.max_length)) if value is not None}
+    return Setup(**{**setup.__dict__, **changes})
+
+
+# ---------------------------------------------------------------------------------------------- workload
+
+def build_model(s: Setup) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers,
+                                     num_attention_heads=s.heads, intermediate_size=s.ffn,
+                                     max_position_embeddings=s.max_length)
+    return transformers.BertModel(config).to(device=s.device, dtype=s.dtype).eval()
+
+
+def make_requests(s: Setup) -> list[dict[str, torch.Tensor]]:
+    """The seeded requests, on the device before any timing."""
+    generator = torch.Generator().manual_seed(27)
+    requests = []
+    for _ in range(s.requests):
+        batch = int(torch.randint(1, s.max_batch + 1, (), generator=generator))
+        length = int(torch.randint(s.min_length, s.max_length + 1, (), generator=generator))
+        ids = torch.randint(0, s.vocab, (batch, length), generator=generator)
+        requests.append({"input_ids": ids.to(s.device),
+                         "attention_mask": torch.ones(batch, length, dtype=torch.long, device=s.device)})
+    return requests
+
+
+def bucket_of(request: dict[str, torch.Tensor], s: Setup) -> tuple[int, int]:
+    """The (batch, length) bucket ``shape_buckets="auto"`` serves ``request`` at."""
+    batch, length = request["input_ids"].shape
+    return (bucket_for(batch, auto_batch_buckets(s.max_batch)),
+            bucket_for(length, auto_length_buckets(s.max_length)))
+
+
+def warm_up_requests(requests: list[dict[str, torch.Tensor]], s: Setup) -> list[dict[str, torch.Tensor]]:
+    """The first request of each distinct bucket the requests reach."""
+    first: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    for request in requests:
+        first.setdefault(bucket_of(request, s), request)
+    return list(first.values())
+
+
+# ---------------------------------------------------------------------------------------------- providers
+
+def apply_provider(provider: str, model: torch.nn.Module, s: Setup, example: dict, result: dict) -> Any:
+    if provider == EAGER:
+        return model
+    if provider in (COMPILE, COMPILE_DYNAMIC):
+        result["compile_backend"] = s.compile_backend
+        return torch.compile(model, backend=s.compile_backend, dynamic=True if provider == COMPILE_DYNAMIC else None)
+    import kernel_pytorch
+
+    options = dict(OPTIMIZE_OPTIONS[provider])
+    if s.device == "cpu":
+        options.pop("compile", None)  # Inductor's C++ compile of every bucket would take minutes: the flow only
+    result["options"] = {"shape_buckets": "auto", **options}
+    with torch.no_grad():
+        return kernel_pytorch.optimize(model, example_inputs=example, shape_buckets="auto", mode="inference",
+                                       **options)
+
+
+def _sync(s: Setup) -> None:
+    if s.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def serve(model: Any, requests: list[dict[str, torch.Tensor]], s: Setup) -> float:
+    """Seconds for every request in order, synchronized once at the end."""
+    _sync(s)
+    started = time.perf_counter()
+    with torch.no_grad():
+        for request in requests:
+            model(**request)
+    _sync(s)
+    return time.perf_counter() - started
+
+
+def bucket_hits(model: Any) -> dict[tuple[int, int | None], tuple[int, int, int]]:
+    """(batch, length) -> (calls, real elements, padded elements) so far, from the model's report."""
+    import kernel_pytorch
+
+    return {(b.batch, b.length): (b.calls, b.real_elements, b.padded_elements)
+            for b in kernel_pytorch.report_of(model).shape_buckets}
+
+
+def hits_between(before: dict, after: dict) -> list[dict]:
+    """The buckets' calls and elements between two ``bucket_hits`` readings."""
+    hits = []
+    for key, (calls, real, padded) in after.items():
+        earlier = before.get(key, (0, 0, 0))
+        if calls > earlier[0]:
+            hits.append({"batch": key[0], "length": key[1], "calls": calls - earlier[0],
+                         "real_elements": real - earlier[1], "padded_elements": padded - earlier[2]})
+    return hits
+
+
+def run_provider(provider: str, s: Setup, requests: list, warm: list) -> dict:
+    """Build, set up, warm up, serve every request; errors are recorded, not raised."""
+    result: dict[str, Any] = {}
+    model = None
+    try:
+        model = build_model(s)
+        started = time.perf_counter()
+        model = apply_provider(provider, model, s, requests[0], result)
+        result["setup_s"] = round(time.perf_counter() - started, 2)
+        result["warm_up_s"] = round(serve(model, warm, s), 2)
+        before = bucket_hits(model) if provider in OPTIMIZE_OPTIONS else {}
+        total = serve(model, requests, s)
+        tokens = sum(r["input_ids"].numel() for r in requests)
+        result.update(total_s=round(total, 3), requests_per_s=round(len(requests) / total, 2),
+                      tokens_per_s=round(tokens / total, 1))
+        if provider in OPTIMIZE_OPTIONS:
+            _add_bucket_summary(result, model, before)
+    except Exception as error:  # one provider's failure (out of memory, a compile error) must not end the run
+        result["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    model = None
+    _release(s)
+    return result
+
+
+def _add_bucket_summary(result: dict, model: Any, before: dict) -> None:
+    import kernel_pytorch
+
+    report = kernel_pytorch.report_of(model)
+    hits = hits_between(before, bucket_hits(model))
+    real = sum(h["real_elements"] for h in hits)
+    result.update(buckets=hits, padding_waste=round(sum(h["padded_elements"] for h in hits) / real - 1, 4),
+                  graphs=report.graphs, verification=report.verification_line(),
+                  notes=[n for n in report.notes if n.startswith("shape buckets")])
+
+
+def _release(s: Setup) -> None:
+    gc.collect()
+    torch._dynamo.reset()
+    if s.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------ targets, plot
+
+def targets(providers: dict) -> list[dict]:
+    """The best optimize provider's requests/s over the best baseline's, against SPEEDUP_TARGET."""
+    def best(names: tuple[str, ...]) -> str | None:
+        rates = {p: providers[p]["requests_per_s"] for p in names if "requests_per_s" in providers.get(p, {})}
+        return max(rates, key=rates.get) if rates else None
+
+    ours, baseline = best(tuple(OPTIMIZE_OPTIONS)), best(BASELINES)
+    ratio = (round(providers[ours]["requests_per_s"] / providers[baseline]["requests_per_s"], 3)
+             if ours and baseline else None)
+    return [{"what": f"optimize(shape_buckets='auto') requests/s >= {SPEEDUP_TARGET}x the best of eager, "
+                     "torch.compile and torch.compile(dynamic=True)",
+             "provider": ours, "baseline": baseline, "value": ratio, "target": SPEEDUP_TARGET, "unit": "x",
+             "meets": None if ratio is None else ratio >= SPEEDUP_TARGET}]
+
+
+def summary_lines(payload: dict) -> list[str]:
+    lines = []
+    for name, r in payload["providers"].items():
+        if "requests_per_s" in r:
+            waste = f", padding waste {r['padding_waste']:.1%}" if "padding_waste" in r else ""
+            lines.append(f"{name}: {r['requests_per_s']} requests/s, {r['tokens_per_s']:.0f} tokens/s "
+                         f"(warm-up {r['warm_up_s']} s, setup {r['setup_s']} s{waste})")
+        else:
+            lines.append(f"{name}: {r.get('error', 'no time')}")
+    for t in payload["targets"]:
+        verdict = {True: "meets", False: "MISSED", None: "not measured"}[t["meets"]]
+        lines.append(f"target: {t['what']}: {t['value']}x ({t['provider']} vs {t['baseline']}) -> {verdict}")
+    return lines
+
+
+def plot(payload: dict, path: Path) -> None:
+    """Requests/s per provider (left) and warm-up seconds (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    providers = payload["providers"]
+    names = list(providers)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "requests_per_s", "requests / s"), (axes[1], "warm_up_s", "warm-up s")):
+        values = [providers[p].get(key, 0.0) for p in names]
+        bars = ax.bar(range(len(names)), values, color=["tab:red" if p in OPTIMIZE_OPTIONS else "tab:grey"
+                                                        for p in names])
+        for bar, p in zip(bars, names):
+            text = f"{providers[p][key]:g}" if key in providers[p] else "error"
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        fontsize=7)
+        ax.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=7)
+        ax.set_ylabel(label, fontsize=8)
+    fig.suptitle(f"BERT ({payload['model']['layers']} layers), {payload['requests']} requests of random shape, "
+                 f"{payload['environment']['device']} ({payload['scale']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2 layers, 300 requests")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: a smoke run of the whole flow on a tiny fp32 model (no measurement)")
+    parser.add_argument("--requests", type=int, default=None, help="how many requests (default by scale)")
+    parser.add_argument("--max-batch", type=int, default=None, help="largest request batch (default 32)")
+    parser.add_argument("--max-length", type=int, default=None, help="longest request (default 512)")
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    if args.quick and args.device == "cpu":
+        parser.error("--quick and --device cpu are two different reductions; choose one")
+    return args
+
+
+def result_name(s: Setup) -> str:
+    return "variable_shapes" + {"full": "", "quick": "_quick", "cpu": "_cpu"}[s.scale]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("benchmarks/variable_shapes.py needs a CUDA GPU (or --device cpu for a smoke run)")
+    s = make_setup(args)
+    started = time.perf_counter()
+    requests = make_requests(s)
+    warm = warm_up_requests(requests, s)
+    payload: dict[str, Any] = {
+        "scale": s.scale, "dtype": str(s.dtype), "requests": len(requests),
+        "model": {"name": "BertModel", "layers": s.layers, "hidden": s.hidden, "heads": s.heads, "ffn": s.ffn},
+        "request_shapes": {"batch": [1, s.max_batch], "length": [s.min_length, s.max_length]},
+        "tokens": sum(r["input_ids"].numel() for r in requests), "warm_up_requests": len(warm), "providers": {}}
+    for provider in args.providers:
+        case_started = time.perf_counter()
+        payload["providers"][provider] = run_provider(provider, s, requests, warm)
+        shown = {k: v for k, v in payload["providers"][provider].items() if k not in ("buckets", "notes")}
+        print(f"{provider} ({time.perf_counter() - case_started:.0f} s): {shown}", flush=True)
+        payload["targets"] = targets(payload["providers"])
+        write_result(result_name(s), payload, args.out)  # kept up to date if the command is cut off
+    payload["targets"] = targets(payload["providers"])
+    payload["summary"] = summary_lines(payload)
+    payload["seconds"] = round(time.perf_counter() - started, 1)
+    path = write_result(result_name(s), payload, args.out)
+    payload["environment"] = environment()
+    try:
+        plot(payload, args.out / f"{result_name(s)}.png")
+    except ImportError as error:  # matplotlib is a dev extra
+        print(f"no plot: {error}")
+    print("\n".join(payload["summary"]))
+    print(f"wrote {path} in {payload['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
