@@ -47,6 +47,7 @@ _NEEDS_CUDNN = "needs an NVIDIA GPU and the cudnn extra"
 _SUITE_HARDWARE = {
     "attention": _NEEDS_CUDA_GPU,
     "block_fusion": _CPU_SMOKE_RUN,
+    "decode": _CPU_SMOKE_RUN,
     "diagnose_cudagraph_skip": _NEEDS_CUDA_GPU,
     "e2e": _CPU_SMOKE_RUN,
     "fp8": _NEEDS_FP8_GPU,
@@ -54,6 +55,7 @@ _SUITE_HARDWARE = {
     "kernels": _NEEDS_CUDA_GPU,
     "memory": _NEEDS_CUDA_GPU,
     "profile_cudnn_band": _NEEDS_CUDNN,
+    "profile_decode_step": _NEEDS_CUDA_GPU,
     "profile_float8_linear": _NEEDS_FP8_GPU,
     "render_readme_table": _CPU_OK,  # reads benchmarks/results/ and prints Markdown
     "ring_attention": _NEEDS_CUDA_GPU,
@@ -62,6 +64,7 @@ _SUITE_HARDWARE = {
     "tune_flex_attention": _NEEDS_CUDA_GPU,
     "tune_float8_amax": _NEEDS_CUDA_GPU,
     "tune_row_kernels": _NEEDS_CUDA_GPU,
+    "variable_shapes": _CPU_SMOKE_RUN,
 }
 _UNDECLARED = "not declared (see _SUITE_HARDWARE in kernel_pytorch/cli.py)"
 

@@ -27,8 +27,9 @@ from kernel_pytorch.config_model import ConfigModel, allowed_values, not_allowed
 from kernel_pytorch.device_names import DEVICE_ALIASES, DeviceName, Vendor  # re-exported: their old home
 from kernel_pytorch.pass_names import check_pass_names
 
-__all__ = ["OptimizeConfig", "Float8Config", "MemoryConfig", "GenerationConfig", "SparseAttentionConfig", "Tolerance",
-           "DEPRECATED_FLAT_OPTIONS", "DEFAULT_TOLERANCES", "Vendor", "DEVICE_ALIASES", "DeviceName", "CompileMode"]
+__all__ = ["OptimizeConfig", "Float8Config", "MemoryConfig", "GenerationConfig", "SparseAttentionConfig",
+           "ShapeBucketsConfig", "Tolerance", "DEPRECATED_FLAT_OPTIONS", "DEFAULT_TOLERANCES", "Vendor",
+           "DEVICE_ALIASES", "DeviceName", "CompileMode"]
 
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
@@ -212,8 +213,9 @@ class GenerationConfig(ConfigModel):
         "for decoder-only transformers models that can generate; True also says why a model cannot."
     )
     max_length: PositiveInt | None = Field(
-        None, description="Tokens the KV cache holds (prompt + new tokens); None: the model's "
-        "max_position_embeddings, at most 4096. A longer request raises an error naming this option."
+        None, description="The most tokens (prompt + new tokens) a request's KV cache may hold; None: the model's "
+        "max_position_embeddings. Each request gets the smallest power-of-two cache (from 256) that holds it. "
+        "A longer request raises an error naming this option."
     )
     batch_buckets: tuple[PositiveInt, ...] = Field(
         (1, 2, 4, 8, 16, 32), description="Batch sizes a decode step is captured for; a batch is padded up to "
@@ -229,6 +231,55 @@ class GenerationConfig(ConfigModel):
         if not value or list(value) != sorted(set(value)):
             raise ValueError(f"generation batch_buckets={value!r} must be distinct batch sizes in ascending order")
         return value
+
+
+class ShapeBucketsConfig(ConfigModel):
+    """Shape buckets: calls of varying batch size and sequence length served from a bounded set of captured graphs,
+    each call padded up to its bucket (the padding masked) and its outputs sliced back
+    (``kernel_pytorch.features.shape_buckets``): ``optimize(model, shape_buckets=ShapeBucketsConfig(batch=(1, 8)))``, a
+    dict of these fields, ``"auto"`` (these defaults) or a list of sequence lengths (``length``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch: Union[Literal["auto"], tuple[PositiveInt, ...], None] = Field(
+        "auto", description="Batch buckets: 'auto' (powers of two below max_batch, then max_batch), batch sizes in "
+        "ascending order, or None (batch sizes are not padded)."
+    )
+    length: Union[Literal["auto"], tuple[PositiveInt, ...], None] = Field(
+        "auto", description="Sequence-length buckets: 'auto' (multiples of 16 up to 128, then 192, 256, 384, 512, ...: "
+        "powers of two and their halfway points, up to max_length), lengths in ascending order, or None (lengths are "
+        "not padded). Padding the sequence needs a model whose forward takes an attention_mask."
+    )
+    max_batch: PositiveInt = Field(32, description="The largest batch bucket of batch='auto'.")
+    max_length: Optional[PositiveInt] = Field(
+        None, description="The largest length bucket of length='auto'; None: the model's max_position_embeddings "
+        "(or n_positions), else 4096."
+    )
+    beyond_largest: Literal["error", "new_bucket"] = Field(
+        "error", description="A call larger than the largest bucket: 'error' raises an error naming max_batch or "
+        "max_length; 'new_bucket' makes its size a bucket of its own, with a report note."
+    )
+    warm_up: bool = Field(
+        False, description="Capture every bucket ahead of time, with a progress bar: at optimize time with "
+        "example_inputs (their values fill the buckets), else at the first call."
+    )
+
+    @field_validator("batch", "length")
+    @classmethod
+    def _ascending(cls, value: object, info: Any) -> object:
+        if isinstance(value, tuple) and (not value or list(value) != sorted(set(value))):
+            raise ValueError(f"shape_buckets.{info.field_name}={list(value)!r} must be distinct sizes in ascending "
+                             "order")
+        return value
+
+    @model_validator(mode="after")
+    def _limits_apply_to_auto(self) -> ShapeBucketsConfig:
+        for limit, ladder in (("max_batch", "batch"), ("max_length", "length")):
+            # Compared with the default, not model_fields_set: a config dumped and read back sets every field.
+            if getattr(self, limit) != type(self).model_fields[limit].default and getattr(self, ladder) != "auto":
+                raise ValueError(f"shape_buckets.{limit} sets the largest bucket of {ladder}='auto'; with "
+                                 f"{ladder}={getattr(self, ladder)!r} the largest listed bucket is the limit")
+        return self
 
 
 # The options that became fields of a section: flat name -> (section, field). Accepted for one release, with a
@@ -305,6 +356,12 @@ class OptimizeConfig(ConfigModel):
         "FlexAttention takes) in inference only; calls shorter than min_length stay dense. Turns verify='auto' off "
         "(verification would roll the approximation back); the report gives its measured error instead."
     )
+    shape_buckets: Optional[ShapeBucketsConfig] = Field(
+        None, description="Serve calls of varying batch size and sequence length from a bounded set of captured "
+        "graphs: each call is padded up to its bucket, the padding masked, and its outputs sliced back; padding the "
+        "model cannot be shown to ignore is refused with a report line. None or False: off; 'auto': "
+        "ShapeBucketsConfig's defaults; a list of sequence lengths; a ShapeBucketsConfig or a dict of its fields."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -354,6 +411,35 @@ class OptimizeConfig(ConfigModel):
             raise ValueError("sparse_attention is an approximation, which verify=True would roll back (it compares "
                              "with the exact model); use verify='auto' (off with sparse_attention) or False")
         return {**data, "verify": False}
+
+    @field_validator("shape_buckets", mode="before")
+    @classmethod
+    def _shape_buckets_shorthand(cls, value: object) -> object:
+        if value is None or value is False:
+            return None
+        if isinstance(value, str) and value == "auto":
+            return {}
+        if isinstance(value, (list, tuple)):
+            return {"length": tuple(value)}
+        if isinstance(value, (ShapeBucketsConfig, dict)):
+            return value
+        raise ValueError(f"shape_buckets takes None or False (off), 'auto', a list of sequence lengths, a "
+                         f"ShapeBucketsConfig or a dict of its fields, got {value!r}")
+
+    @model_validator(mode="after")
+    def _shape_buckets_combine(self) -> OptimizeConfig:
+        """Shape buckets compile one static graph per bucket, in entries of their own, around the whole sequence."""
+        if self.shape_buckets is None:
+            return self
+        conflict = ("dynamic=True: it compiles one static-shape graph per bucket; use dynamic=None or False"
+                    if self.dynamic else
+                    "context_parallel: a rank's shard would be padded in the middle of the sequence"
+                    if self.context_parallel is not None else
+                    "memory.offload_activations: bucketed calls run compiled entries of their own, outside its wrapper"
+                    if self.memory.offload_activations is not False else "")
+        if conflict:
+            raise ValueError(f"shape_buckets does not combine with {conflict}")
+        return self
 
     @field_validator("sparse_attention", mode="before")
     @classmethod

@@ -172,3 +172,17 @@ def test_models_that_cannot_take_the_loop_say_why_when_asked():
     assert not _generation_notes(encoder)
     with pytest.raises(TypeError, match="not a transformers model with generate"):
         Decoder(torch.nn.Linear(4, 4))
+
+
+def test_warm_up_compiles_every_graph_later_requests_need():
+    model, reference = _pair("llama")
+    seconds = model.generate.warm_up(batch_sizes=(1, 2), progress=False)
+    assert seconds > 0
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for batch, length in [(1, 1), (1, 30), (2, 7), (4, 12), (3, 200)]:  # other lengths, buckets and cache lengths
+        input_ids, attention_mask = left_padded_prompts(batch, length)
+        expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=60, do_sample=False)
+        tokens = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=60, do_sample=False)
+        assert torch.equal(tokens, expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the warm-up
+    assert any("warmed up 2 lanes" in note for note in _generation_notes(model))

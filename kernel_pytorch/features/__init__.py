@@ -8,8 +8,10 @@ from kernel_pytorch.features.base import Feature, OptimizeRun, enabled_features,
 from kernel_pytorch.features.memory import MemoryFeature
 from kernel_pytorch.features.fp8 import Float8Feature
 from kernel_pytorch.features.sparse_attention import SparseAttentionFeature
+from kernel_pytorch.features.shape_buckets import ShapeBucketsFeature
 from kernel_pytorch.features.context_parallel import ContextParallelFeature
 from kernel_pytorch.features.generation import GenerationFeature
 
 __all__ = ["Feature", "OptimizeRun", "enabled_features", "register_feature", "registered_features", "MemoryFeature",
-           "Float8Feature", "SparseAttentionFeature", "ContextParallelFeature", "GenerationFeature"]
+           "Float8Feature", "SparseAttentionFeature", "ShapeBucketsFeature", "ContextParallelFeature",
+           "GenerationFeature"]

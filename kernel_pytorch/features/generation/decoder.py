@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kernel_pytorch.features.generation.lane import DecodeLane
+from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls
 from kernel_pytorch.features.generation.model_calls import cache_bytes, default_max_length, why_not_generative
 
 __all__ = ["Decoder", "GenerationLimitError"]
@@ -46,6 +47,7 @@ class Decoder:
         self.max_length = max_length or default_max_length(model)
         self.batch_buckets = tuple(batch_buckets)
         self.cuda_graphs = cuda_graphs is True or cuda_graphs == "auto"
+        self.calls = ModelCalls.of(model, _backend_of(model))
         self.lanes: dict[tuple[int, int], DecodeLane] = {}
         self.lane: DecodeLane | None = None  # the lane of the request in progress
         self.batch = 0
@@ -85,6 +87,12 @@ class Decoder:
         """Greedy decoding as transformers' ``generate(do_sample=False)`` does it: the prompt followed by up to
         ``max_new_tokens`` tokens, ``pad`` after a row's EOS, stopping once every row ended."""
         logits = self.prefill(input_ids, attention_mask, max_new_tokens)
+        produced = self._greedy_steps(logits, max_new_tokens, min_new_tokens, eos, pad)
+        return torch.cat([input_ids, self.lane.greedy.generated[:self.batch, :produced]], dim=1)
+
+    def _greedy_steps(self, logits: torch.Tensor, max_new_tokens: int, min_new_tokens: int = 0,
+                      eos: Sequence[int] = (), pad: int = 0) -> int:
+        """Greedy tokens after the prefill that gave ``logits`` (in ``self.lane.greedy``); returns how many."""
         lane = self.lane
         greedy = lane.greedy
         first = greedy.start(_pad_rows(logits, lane.batch), min_new_tokens, list(eos), pad)
@@ -96,8 +104,31 @@ class Decoder:
             done += count
             if eos and greedy.alive[done - 1].item() == 0:
                 break
-        produced = greedy.steps_taken(done) if eos else done
-        return torch.cat([input_ids, greedy.generated[:self.batch, :produced]], dim=1)
+        return greedy.steps_taken(done) if eos else done
+
+    def warm_up(self, batch_sizes: Sequence[int] = (1, 2), cache_lengths: Sequence[int] = (_SMALLEST_CACHE,),
+                progress: bool = True) -> float:
+        """Compile and capture ahead of requests, with a progress bar: a short greedy request per (batch size, cache
+        length). Batch 1 and one larger batch compile every graph the decoder needs (its prefill and step take any
+        length and any larger batch); other lanes then only allocate their cache and capture. Returns seconds."""
+        started = time.perf_counter()
+        pairs = [(b, n) for b in batch_sizes for n in cache_lengths]
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), disable=not progress,
+                      transient=True) as bar:
+            task = bar.add_task("generation warm-up", total=len(pairs))
+            for batch, length in pairs:
+                bar.update(task, description=f"generation warm-up: {batch} sequences x {length} tokens")
+                self.lane, self.batch = self._lane(batch, length), batch
+                prompt = torch.ones(self.lane.batch, 8, dtype=torch.long, device=self._device())
+                with torch.no_grad():
+                    self._greedy_steps(self.lane.prefill(prompt, torch.ones_like(prompt)), max_new_tokens=3)
+                bar.advance(task)
+        seconds = time.perf_counter() - started
+        self.notes.append(f"generation: warmed up {len(pairs)} lanes in {seconds:.1f} s")
+        return seconds
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     # -- lanes -------------------------------------------------------------------------------------------------
 
@@ -118,7 +149,7 @@ class Decoder:
 
     def _new_lane(self, batch: int, length: int) -> DecodeLane:
         started = time.perf_counter()
-        lane = DecodeLane(self.model, _backend_of(self.model), batch, length, self.cuda_graphs)
+        lane = DecodeLane(self.model, self.calls, batch, length, self.cuda_graphs)
         size = cache_bytes(self.model, batch, length, lane.dtype) / 2**20
         self.notes.append(f"generation: lane of {batch} sequences x {length} tokens (KV cache {size:.1f} MiB, "
                           f"made in {time.perf_counter() - started:.1f} s)")

@@ -30,12 +30,22 @@ class FastGenerate:
                        "serves greedy requests)")
             return self._transformers_generate(inputs, generation_config, **kwargs)
         decoder = self._decoder()
-        lanes = len(decoder.lanes)
+        notes = len(decoder.notes)
         tokens = decoder.greedy(request.input_ids, request.attention_mask, request.max_new_tokens,
                                 request.min_new_tokens, request.eos, request.pad)
-        for note in decoder.notes[lanes:] if len(decoder.lanes) > lanes else ():
+        for note in decoder.notes[notes:]:
             self._note(note)
         return tokens
+
+    def warm_up(self, batch_sizes: tuple[int, ...] = (1, 2), cache_lengths: tuple[int, ...] = (256,),
+                progress: bool = True) -> float:
+        """Compile and capture the loop before the first request (``Decoder.warm_up``); returns seconds."""
+        decoder = self._decoder()
+        lanes = len(decoder.notes)
+        seconds = decoder.warm_up(batch_sizes, cache_lengths, progress)
+        for note in decoder.notes[lanes:]:
+            self._note(note)
+        return seconds
 
     def _transformers_generate(self, inputs: Any, generation_config: Any, **kwargs: Any) -> Any:
         return type(self.model).generate(self.model, inputs, generation_config=generation_config, **kwargs)

@@ -10,6 +10,7 @@ buffer, so a greedy loop is one replay per token with no host work between.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,10 +19,27 @@ import torch.nn as nn
 from kernel_pytorch.compiled_call import call_module, compiled_entry
 from kernel_pytorch.features.generation.model_calls import cache_keyword, new_static_cache, takes_logits_to_keep
 
-__all__ = ["DecodeLane", "GreedyState", "MAX_EOS_TOKENS"]
+__all__ = ["DecodeLane", "GreedyState", "ModelCalls", "MAX_EOS_TOKENS"]
 
 MAX_EOS_TOKENS = 8  # a request with more EOS ids takes transformers' loop
 _WARMUP_STEPS = 2  # before capture: compiles the step and lets lazily made kernels and workspaces exist
+
+
+@dataclass(frozen=True)
+class ModelCalls:
+    """How lanes run the model: ``call(model, **kwargs)`` for the prefill and for a step. Shared by every lane of a
+    decoder (dynamic shapes: batch 1 and larger batches are the only variants, whatever the lanes)."""
+
+    prefill: Callable[..., Any]
+    step: Callable[..., Any]
+
+    @classmethod
+    def of(cls, model: nn.Module, backend: Callable[..., Any] | str | None) -> ModelCalls:
+        """Compiled through ``backend`` (an optimized model's own: its passes and verification), each call with a
+        dynamo cache of its own; without a backend the model runs as it is, still from a static cache."""
+        if backend is None:
+            return cls(call_module, call_module)
+        return cls(compiled_entry(model, backend, dynamic=True), compiled_entry(model, backend, dynamic=True))
 
 
 class GreedyState:
@@ -77,8 +95,7 @@ def _is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
 class DecodeLane:
     """Decoding for one (batch, cache length) pair; see the module docstring."""
 
-    def __init__(self, model: nn.Module, backend: Callable[..., Any] | None, batch: int, length: int,
-                 cuda_graphs: bool):
+    def __init__(self, model: nn.Module, calls: ModelCalls, batch: int, length: int, cuda_graphs: bool):
         parameter = next(model.parameters())
         self.model, self.batch, self.length = model, batch, length
         self.device, self.dtype = parameter.device, parameter.dtype
@@ -89,10 +106,7 @@ class DecodeLane:
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.mask = torch.zeros(batch, length, dtype=torch.long, device=self.device)
         self.write_index = torch.zeros(1, dtype=torch.long, device=self.device)
-        # One compiled entry each (their own dynamo caches): the prefill varies in length, the step never does.
-        # Without a backend (a model not optimized) the model runs as it is, still from a static cache.
-        self.prefill_call = compiled_entry(model, backend, dynamic=True) if backend else call_module
-        self.step_call = compiled_entry(model, backend, dynamic=False) if backend else call_module
+        self.prefill_call, self.step_call = calls.prefill, calls.step
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[str, torch.Tensor] = {}

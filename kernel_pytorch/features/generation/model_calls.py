@@ -52,9 +52,9 @@ def takes_logits_to_keep(model: nn.Module) -> bool:
 
 
 def default_max_length(model: nn.Module) -> int:
-    """The model's ``max_position_embeddings``, capped: a static cache reads its whole length at every step."""
-    return min(getattr(model.config, "max_position_embeddings", _DEFAULT_MAX_LENGTH) or _DEFAULT_MAX_LENGTH,
-               _DEFAULT_MAX_LENGTH)
+    """The model's ``max_position_embeddings``: the longest cache a request may need (each request's lane is only
+    as long as it needs, so the ceiling costs nothing until used)."""
+    return getattr(model.config, "max_position_embeddings", None) or _DEFAULT_MAX_LENGTH
 
 
 def new_static_cache(model: nn.Module, batch: int, length: int, device: torch.device, dtype: torch.dtype) -> Any:

@@ -1,0 +1,78 @@
+"""Where one decode step of ``optimize``'s generation loop spends its GPU time: the torch profiler's kernel table
+for a 1B-class Llama (benchmarks/decode.py's ``1b``) at batch 1, next to the same step compiled by plain
+``torch.compile``, with the kernel count per step and the prefill's time. A diagnosis tool for
+benchmarks/decode.py.
+
+    python benchmarks/profile_decode_step.py [--layers 16] [--prompt 512] [--steps 10] [--out DIR]
+
+The steps run without CUDA graphs (the profiler sees the same kernels a replay runs), after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kernel_pytorch  # noqa: E402
+from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls  # noqa: E402
+
+
+def llama(layers: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
+                         intermediate_size=5632, vocab_size=32000, max_position_embeddings=8192)
+    with torch.device("cuda"):
+        return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def profile_lane(lane: DecodeLane, prompt: int, steps: int, label: str) -> str:
+    ids = torch.randint(0, 32000, (1, prompt), device="cuda")
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        for _ in range(2):
+            lane.prefill(ids, mask)
+            for _ in range(3):
+                lane.step(torch.zeros(1, dtype=torch.long, device="cuda"))
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        lane.prefill(ids, mask)
+        torch.cuda.synchronize()
+        prefill_ms = (time.perf_counter() - started) * 1e3
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                lane.step(torch.zeros(1, dtype=torch.long, device="cuda"))
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.device_time for e in kernels) / steps
+    head = (f"== {label}: {len(kernels) / steps:.0f} kernels per step, {gpu_us:.0f} us GPU time per step; "
+            f"prefill of {prompt} tokens {prefill_ms:.1f} ms")
+    return head + "\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    model = kernel_pytorch.optimize(llama(args.layers))
+    ours = DecodeLane(model, ModelCalls.of(model, model._kernel_pytorch.graph_optimizer), 1, 1024, cuda_graphs=False)
+    reference = llama(args.layers)
+    plain = DecodeLane(reference, ModelCalls.of(reference, "inductor"), 1, 1024, cuda_graphs=False)
+    text = "\n\n".join([profile_lane(ours, args.prompt, args.steps, "optimize"),
+                        profile_lane(plain, args.prompt, args.steps, "torch.compile (inductor)")])
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "profile_decode_step.txt").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
