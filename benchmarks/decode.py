@@ -74,7 +74,6 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
-import json
 import statistics
 import sys
 import time
@@ -87,7 +86,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import RESULTS_DIR, environment, measure, write_result  # noqa: E402
+from benchmarks.harness import (RESULTS_DIR, environment, measure, same_device_models, save_figure,  # noqa: E402
+                                write_result)
 from kernel_pytorch.errors import first_line  # noqa: E402
 
 EAGER = "transformers eager"
@@ -297,7 +297,11 @@ def make_runner(provider: str, model: nn.Module, s: Setup, result: dict):
         return StaticLoop(model, s.device, s.prompt + s.new_tokens)
     import kernel_pytorch
 
-    return GenerateRunner(kernel_pytorch.optimize(model))
+    optimized = kernel_pytorch.optimize(model)
+    # The documented bounded warm-up: batch 1 and one larger batch compile every graph later requests use.
+    if callable(getattr(optimized.generate, "warm_up", None)):
+        optimized.generate.warm_up(progress=False)
+    return GenerateRunner(optimized)
 
 
 def transformers_compile_record(model: nn.Module, s: Setup) -> dict:
@@ -665,20 +669,6 @@ def summary_lines(payload: dict) -> list[str]:
 
 # ------------------------------------------------------------------------------------------- file, plot
 
-def load_previous(path: Path, fresh: bool) -> dict:
-    """The models of an earlier run on this same device, to merge into; nothing when ``fresh``, unreadable or
-    from another device."""
-    if fresh or not path.exists():
-        return {}
-    try:
-        previous = json.loads(path.read_text())
-    except ValueError:
-        return {}
-    if previous.get("environment", {}).get("device") != environment()["device"]:
-        return {}
-    return previous.get("models", {})
-
-
 def merge_provider(old: dict | None, new: dict) -> dict:
     """The new result, with the batch points of ``old`` this run did not measure (each keeps its date)."""
     if not old or "error" in new:
@@ -719,9 +709,7 @@ def plot(payload: dict, path: Path) -> None:
         ax.set_title(name, fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle(f"decode, {payload['environment']['device']} ({payload.get('scale')})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -760,7 +748,7 @@ def run(args: argparse.Namespace, s: Setup) -> None:
     payload: dict[str, Any] = {"scale": s.scale, "dtype": str(s.dtype), "prompt": s.prompt,
                                "new_tokens": s.new_tokens, "batches": list(s.batches),
                                "ttft_prompts": list(s.ttft_prompts), "runs": s.runs, "hbm": hbm,
-                               "models": load_previous(args.out / f"{name}.json", args.fresh)}
+                               "models": same_device_models(args.out / f"{name}.json", args.fresh)}
     for model_name in args.models:
         entry = payload["models"].setdefault(model_name, {"info": {}, "providers": {}})
         for provider in (p for p in PROVIDERS if p in args.providers):  # eager first: the tokens' reference

@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -69,7 +68,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import RESULTS_DIR, environment, measure, write_result  # noqa: E402
+from benchmarks.harness import (RESULTS_DIR, environment, measure, same_device_models, save_figure,  # noqa: E402
+                                write_result)
 from kernel_pytorch.testing import LlamaStyleConfig, LlamaStyleLM  # noqa: E402
 
 EAGER, COMPILE, OURS = "eager", "torch.compile", "optimize"
@@ -528,20 +528,6 @@ def summary_lines(payload: dict) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ file, plot
 
-def load_previous(path: Path, fresh: bool) -> dict:
-    """The models of an earlier run on this same device, to merge into; nothing when ``fresh``, unreadable
-    or from another device (numbers from two machines in one table would mislead)."""
-    if fresh or not path.exists():
-        return {}
-    try:
-        previous = json.loads(path.read_text())
-    except ValueError:
-        return {}
-    if previous.get("environment", {}).get("device") != environment()["device"]:
-        return {}
-    return previous.get("models", {})
-
-
 def plot(payload: dict, path: Path) -> None:
     """ms per provider (bars) for each model, the train step on top, the inference forward below; the
     issue's Llama-style targets as dotted lines."""
@@ -574,9 +560,7 @@ def plot(payload: dict, path: Path) -> None:
             ax.set_title(f"{name}, {part}", fontsize=8)
             ax.set_ylabel("ms per step" if part == "train" else "ms per forward", fontsize=7)
     fig.suptitle(f"end to end, {payload['environment']['device']} ({payload.get('scale')})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -624,7 +608,7 @@ def main(argv: list[str] | None = None) -> None:
         measure(lambda: None, warmup=0, runs=1)
     release(s)
     payload: dict[str, Any] = {"scale": s.scale, "dtype": str(s.dtype), "runs": s.runs,
-                               "models": load_previous(args.out / f"{name}.json", args.fresh)}
+                               "models": same_device_models(args.out / f"{name}.json", args.fresh)}
     if s.scale == "full":
         payload["issue_reference_ms"] = {"llama_style": ISSUE_REFERENCE_MS}
     for model_name, part, provider in cases(args):

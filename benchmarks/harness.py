@@ -22,7 +22,7 @@ import torch
 from kernel_pytorch.timing import captured_calls
 
 __all__ = ["Timing", "measure", "measure_gpu_time", "host_us_per_call", "environment", "write_result", "timing_dict",
-           "RESULTS_DIR"]
+           "same_device_models", "save_figure", "RESULTS_DIR"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _L2_FLUSH_BYTES = 256 * 2**20
@@ -131,6 +131,29 @@ def earlier_parts(path: Path, parts: Iterable[str]) -> dict[str, Any]:
     recorded = earlier.get("environments", {})
     environments = {part: recorded.get(part, earlier.get("environment")) for part in kept}
     return {**kept, "environments": environments} if kept else {}
+
+
+def same_device_models(path: Path, fresh: bool) -> dict[str, Any]:
+    """The ``models`` of an earlier result file at ``path`` measured on this same device, to merge a run into;
+    {} when ``fresh``, absent, unreadable or from another device (two machines' numbers in one table mislead)."""
+    if fresh or not path.exists():
+        return {}
+    try:
+        previous = json.loads(path.read_text())
+    except ValueError:
+        return {}
+    if previous.get("environment", {}).get("device") != environment()["device"]:
+        return {}
+    return previous.get("models", {})
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out, write (100 dpi) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def write_result(name: str, payload: dict[str, Any], directory: Path = RESULTS_DIR) -> Path:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import RESULTS_DIR, environment, write_result  # noqa: E402
+from benchmarks.harness import RESULTS_DIR, environment, save_figure, write_result  # noqa: E402
 from kernel_pytorch.features.shape_buckets.ladder import (auto_batch_buckets, auto_length_buckets,  # noqa: E402
                                                           bucket_for)
 
@@ -276,9 +276,7 @@ def plot(payload: dict, path: Path) -> None:
         ax.set_ylabel(label, fontsize=8)
     fig.suptitle(f"BERT ({payload['model']['layers']} layers), {payload['requests']} requests of random shape, "
                  f"{payload['environment']['device']} ({payload['scale']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------------- main

@@ -40,6 +40,7 @@ DEMOS = (
     ("ring attention", "ring_attention.py"),
     ("memory wrappers", "memory_wrappers.py"),
     ("optimize a transformer LM", "optimize_transformer.py"),
+    ("generate() after optimize", "generation.py"),
 )
 HERE = Path(__file__).resolve().parent
 
