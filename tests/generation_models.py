@@ -14,6 +14,9 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, _SMALL),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(_SMALL, sliding_window=None)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(_SMALL, head_dim=16)),
+    # sliding windows shorter than the prompts and generations of the tests
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(_SMALL, head_dim=16, sliding_window=8)),
+    "mistral_sliding": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(_SMALL, sliding_window=8)),
     "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
              dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, pad_token_id=0, eos_token_id=5, bos_token_id=1)),
 }
@@ -36,15 +39,3 @@ def left_padded_prompts(batch: int, length: int, seed: int = 1) -> tuple[torch.T
         attention_mask[row, :padding] = 0
     return input_ids, attention_mask
 
-
-# Families whose static cache has sliding-window layers: generate() keeps transformers' loop for them.
-SLIDING = {
-    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(_SMALL, head_dim=16, sliding_window=8)),
-    "mistral_sliding": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(_SMALL, sliding_window=8)),
-}
-
-
-def sliding_lm(family: str, seed: int = 0) -> torch.nn.Module:
-    config_class, model_class, fields = SLIDING[family]
-    torch.manual_seed(seed)
-    return model_class(config_class(**fields)).eval()

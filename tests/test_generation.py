@@ -17,7 +17,7 @@ from kernel_pytorch import Decoder, GenerationLimitError, report_of
 from kernel_pytorch.compiled_call import RecompileLimitWarning
 from kernel_pytorch.features.generation import FastGenerate
 
-from .generation_models import FAMILIES, SLIDING, causal_lm, left_padded_prompts, sliding_lm
+from .generation_models import FAMILIES, causal_lm, left_padded_prompts
 
 
 def _pair(family: str):
@@ -46,19 +46,6 @@ def test_greedy_tokens_equal_the_unoptimized_model(family):
     notes = _generation_notes(model)
     assert any("lane of" in note for note in notes), notes  # the static-cache loop served them
     assert not any("transformers' own loop" in note for note in notes), notes
-
-
-@pytest.mark.parametrize("family", sorted(SLIDING))
-def test_sliding_window_models_keep_transformers_loop_with_a_report_line(family):
-    model = sliding_lm(family)
-    reference = copy.deepcopy(model)
-    optimized = kernel_pytorch.optimize(model, generation=True)
-    assert "generate" not in vars(optimized)
-    assert any("sliding-window attention layers" in note for note in _generation_notes(optimized))
-    input_ids, attention_mask = left_padded_prompts(2, 9)
-    expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False)
-    tokens = optimized.generate(input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False)
-    assert torch.equal(tokens, expected)
 
 
 def test_eos_stops_rows_and_pads_them_as_transformers_does():

@@ -27,14 +27,31 @@ def why_not_generative(model: nn.Module) -> str | None:
     if cache_keyword(model) is None:
         return f"{type(model).__name__}.forward takes no KV cache argument"
     if _has_sliding_layers(model):
-        return ("sliding-window attention layers: transformers' static cache counts their tokens in a Python int, "
-                "which a compiled or captured decode step would freeze (recompiling at every token otherwise)")
+        return ("attention layers with a rolling cache (chunked or other sliding kinds): transformers counts their "
+                "tokens in a Python int, which a compiled or captured decode step would freeze")
     return None
 
 
 def _has_sliding_layers(model: nn.Module) -> bool:
-    layers = getattr(_static_cache_class()(config=model.config, max_cache_len=1), "layers", ())
-    return any(getattr(layer, "is_sliding", False) for layer in layers)
+    """Whether a static cache still has rolling layers once the sliding-window ones are made full length."""
+    cache = _with_full_length_layers(_static_cache_class()(config=model.config, max_cache_len=1), 1)
+    return any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ()))
+
+
+def _with_full_length_layers(cache: Any, length: int) -> Any:
+    """``cache`` with each sliding-window layer replaced by a full-length static layer.
+
+    transformers' sliding-window layer rolls its window and counts tokens in a Python int: a compiled step would
+    recompile at every token, a captured one would freeze the count. A full-length layer keeps every token at its
+    absolute slot, and the model's sliding-window mask (built from absolute slots) hides the old ones, as it does
+    over transformers' own dynamic cache. It holds ``length`` tokens instead of the window.
+    """
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    for index, layer in enumerate(getattr(cache, "layers", ())):
+        if type(layer) is StaticSlidingWindowLayer:
+            cache.layers[index] = StaticLayer(max_cache_len=length)
+    return cache
 
 
 def cache_keyword(model: nn.Module) -> str | None:
@@ -60,7 +77,7 @@ def default_max_length(model: nn.Module) -> int:
 def new_static_cache(model: nn.Module, batch: int, length: int, device: torch.device, dtype: torch.dtype) -> Any:
     """A transformers ``StaticCache`` of ``batch`` x ``length`` tokens, allocated now; running out of memory for it
     is an error naming its size."""
-    cache = _static_cache_class()(config=model.config, max_cache_len=length)
+    cache = _with_full_length_layers(_static_cache_class()(config=model.config, max_cache_len=length), length)
     config = model.config.get_text_config(decoder=True)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
