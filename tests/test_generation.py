@@ -16,6 +16,7 @@ import kernel_pytorch
 from kernel_pytorch import Decoder, GenerationLimitError, report_of
 from kernel_pytorch.compiled_call import RecompileLimitWarning
 from kernel_pytorch.features.generation import FastGenerate
+from kernel_pytorch.features.generation.sampling import draw, warped_scores
 
 from .generation_models import FAMILIES, causal_lm, left_padded_prompts
 
@@ -73,7 +74,7 @@ def test_requests_the_loop_does_not_serve_go_to_transformers_with_a_report_line(
     model, reference = _pair("llama")
     input_ids, attention_mask = left_padded_prompts(2, 6)
     for kwargs, reason in [({"num_beams": 2}, "beam search"), ({"repetition_penalty": 1.3}, "repetition_penalty"),
-                           ({"do_sample": True, "top_k": 5}, "sampling")]:
+                           ({"do_sample": True, "typical_p": 0.5}, "sampling with typical_p")]:
         torch.manual_seed(0)
         expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, **kwargs)
         torch.manual_seed(0)
@@ -173,3 +174,43 @@ def test_warm_up_compiles_every_graph_later_requests_need():
         assert torch.equal(tokens, expected)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the warm-up
     assert any("warmed up 2 lanes" in note for note in _generation_notes(model))
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 50, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 20, 0.6)])
+def test_warped_scores_equal_transformers_warpers(temperature, top_k, top_p):
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(6, 300) * 3
+    expected = logits.clone()
+    for warper in ([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
+                   + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])):
+        expected = warper(None, expected)
+    scores = warped_scores(logits, torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]))
+    assert torch.equal(torch.isinf(scores), torch.isinf(expected))
+    torch.testing.assert_close(scores[~torch.isinf(scores)], expected[~torch.isinf(expected)])
+
+
+def test_draws_follow_the_softmax():
+    torch.manual_seed(0)
+    scores = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf")])
+    tokens = draw(scores.expand(200_000, 5))
+    frequencies = torch.bincount(tokens, minlength=5).double() / tokens.numel()
+    expected = scores.double().softmax(-1)
+    assert frequencies[4] == 0  # a removed token is never drawn
+    assert torch.allclose(frequencies, expected, atol=4e-3), (frequencies, expected)  # ~4 standard errors
+
+
+def test_sampling_requests_take_the_loop():
+    model, reference = _pair("llama")
+    input_ids, attention_mask = left_padded_prompts(3, 7)
+    greedy = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=False)
+    torch.manual_seed(0)
+    top1 = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=True, top_k=1)
+    assert torch.equal(top1, greedy)  # top-k 1 leaves one token to draw: the greedy one
+    torch.manual_seed(0)
+    first = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=True,
+                           temperature=1.5, top_p=0.9)
+    second = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=True,
+                            temperature=1.5, top_p=0.9)
+    assert first.shape == second.shape == greedy.shape and not torch.equal(first, second)  # draws differ
+    assert not any("transformers' own loop" in note for note in _generation_notes(model))

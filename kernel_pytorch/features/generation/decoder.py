@@ -23,6 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls
 from kernel_pytorch.features.generation.model_calls import cache_bytes, default_max_length, why_not_generative
+from kernel_pytorch.features.generation.sampling import SamplingSettings
 
 __all__ = ["Decoder", "GenerationLimitError"]
 
@@ -79,32 +80,33 @@ class Decoder:
                                        f"{self.max_length})")
         return self.lane.step(_pad_rows(tokens.reshape(-1), self.lane.batch))[:self.batch]
 
-    # -- greedy generation -------------------------------------------------------------------------------------
+    # -- the token loop of generate() -------------------------------------------------------------------------
 
     @torch.no_grad()
-    def greedy(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-               min_new_tokens: int = 0, eos: Sequence[int] = (), pad: int = 0) -> torch.Tensor:
-        """Greedy decoding as transformers' ``generate(do_sample=False)`` does it: the prompt followed by up to
-        ``max_new_tokens`` tokens, ``pad`` after a row's EOS, stopping once every row ended."""
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                 min_new_tokens: int = 0, eos: Sequence[int] = (), pad: int = 0,
+                 sampling: SamplingSettings | None = None) -> torch.Tensor:
+        """Tokens as transformers' ``generate()`` gives them: the prompt followed by up to ``max_new_tokens`` tokens,
+        greedy (``sampling`` None) or sampled, ``pad`` after a row's EOS, stopping once every row ended."""
         logits = self.prefill(input_ids, attention_mask, max_new_tokens)
-        produced = self._greedy_steps(logits, max_new_tokens, min_new_tokens, eos, pad)
-        return torch.cat([input_ids, self.lane.greedy.generated[:self.batch, :produced]], dim=1)
+        produced = self._loop(logits, max_new_tokens, min_new_tokens, eos, pad, sampling)
+        return torch.cat([input_ids, self.lane.loop.generated[:self.batch, :produced]], dim=1)
 
-    def _greedy_steps(self, logits: torch.Tensor, max_new_tokens: int, min_new_tokens: int = 0,
-                      eos: Sequence[int] = (), pad: int = 0) -> int:
-        """Greedy tokens after the prefill that gave ``logits`` (in ``self.lane.greedy``); returns how many."""
+    def _loop(self, logits: torch.Tensor, max_new_tokens: int, min_new_tokens: int = 0, eos: Sequence[int] = (),
+              pad: int = 0, sampling: SamplingSettings | None = None) -> int:
+        """The tokens after the prefill that gave ``logits`` (in ``self.lane.loop``); returns how many."""
         lane = self.lane
-        greedy = lane.greedy
-        first = greedy.start(_pad_rows(logits, lane.batch), min_new_tokens, list(eos), pad)
+        loop = lane.loop
+        first = loop.start(_pad_rows(logits, lane.batch), min_new_tokens, list(eos), pad, sampling)
         lane.tokens.copy_(first.unsqueeze(1))
         done = 1
         while done < max_new_tokens:
             count = min(_STEPS_BETWEEN_STOP_CHECKS, max_new_tokens - done)
-            lane.greedy_steps(count)
+            lane.loop_steps(count)
             done += count
-            if eos and greedy.alive[done - 1].item() == 0:
+            if eos and loop.alive[done - 1].item() == 0:
                 break
-        return greedy.steps_taken(done) if eos else done
+        return loop.steps_taken(done) if eos else done
 
     def warm_up(self, batch_sizes: Sequence[int] = (1, 2), cache_lengths: Sequence[int] = (_SMALLEST_CACHE,),
                 progress: bool = True) -> float:
@@ -121,7 +123,7 @@ class Decoder:
                 self.lane, self.batch = self._lane(batch, length), batch
                 prompt = torch.ones(self.lane.batch, 8, dtype=torch.long, device=self._device())
                 with torch.no_grad():
-                    self._greedy_steps(self.lane.prefill(prompt, torch.ones_like(prompt)), max_new_tokens=3)
+                    self._loop(self.lane.prefill(prompt, torch.ones_like(prompt)), max_new_tokens=3)
                 bar.advance(task)
         seconds = time.perf_counter() - started
         self.notes.append(f"generation: warmed up {len(pairs)} lanes in {seconds:.1f} s")

@@ -1,4 +1,4 @@
-"""``FastGenerate``: what ``model.generate`` is after ``optimize``: greedy requests through the static-cache
+"""``FastGenerate``: what ``model.generate`` is after ``optimize``: greedy and sampling requests through the static-cache
 :class:`~kernel_pytorch.features.generation.decoder.Decoder`, every other request through transformers' own
 ``generate`` with a report line naming why."""
 
@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from kernel_pytorch.config import GenerationConfig
 from kernel_pytorch.features.generation.decoder import Decoder
-from kernel_pytorch.features.generation.requests import greedy_request
+from kernel_pytorch.features.generation.requests import loop_request
 
 __all__ = ["FastGenerate"]
 
@@ -24,15 +24,15 @@ class FastGenerate:
         self.decoder: Decoder | None = None  # made at the first fast request: it allocates caches and compiles
 
     def __call__(self, inputs: Any = None, generation_config: Any = None, **kwargs: Any) -> Any:
-        request = greedy_request(self.model, inputs, generation_config, kwargs)
+        request = loop_request(self.model, inputs, generation_config, kwargs)
         if isinstance(request, str):
             self._note(f"generation: generate() with {request} runs transformers' own loop (the static-cache loop "
-                       "serves greedy requests)")
+                       "serves greedy and sampling requests)")
             return self._transformers_generate(inputs, generation_config, **kwargs)
         decoder = self._decoder()
         notes = len(decoder.notes)
-        tokens = decoder.greedy(request.input_ids, request.attention_mask, request.max_new_tokens,
-                                request.min_new_tokens, request.eos, request.pad)
+        tokens = decoder.generate(request.input_ids, request.attention_mask, request.max_new_tokens,
+                                  request.min_new_tokens, request.eos, request.pad, request.sampling)
         for note in decoder.notes[notes:]:
             self._note(note)
         return tokens

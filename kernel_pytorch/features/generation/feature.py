@@ -29,5 +29,5 @@ class GenerationFeature(Feature):
             return
         model.generate = FastGenerate(model, run.config.generation)
         graphs = "replayed from CUDA graphs" if run.config.generation.cuda_graphs is not False else "compiled"
-        run.report.notes.append(f"generation: greedy generate() runs a static-KV-cache loop, decode steps {graphs} "
-                                "on CUDA (kernel_pytorch.features.generation)")
+        run.report.notes.append(f"generation: generate() (greedy, sampling) runs a static-KV-cache loop, decode "
+                                f"steps {graphs} on CUDA (kernel_pytorch.features.generation)")

@@ -3,8 +3,8 @@ step's input buffers, a compiled prefill and a compiled decode step, and on CUDA
 
 The buffers never move, so one captured step serves every token: the graph reads the token, position and mask
 buffers, writes the cache at the cache's own counter (a tensor transformers' StaticCache advances in place) and
-leaves the logits in a fixed output. The greedy graph also picks the next token and writes it back into the token
-buffer, so a greedy loop is one replay per token with no host work between.
+leaves the logits in a fixed output. The greedy and sampling graphs also pick the next token and write it back into
+the token buffer, so a token loop is one replay per token with no host work between.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import torch
 import torch.nn as nn
 
 from kernel_pytorch.compiled_call import call_module, compiled_entry
+from kernel_pytorch.features.generation.sampling import SamplingSettings, draw, warped_scores
 from kernel_pytorch.features.generation.model_calls import cache_keyword, new_static_cache, takes_logits_to_keep
 
-__all__ = ["DecodeLane", "GreedyState", "ModelCalls", "MAX_EOS_TOKENS"]
+__all__ = ["DecodeLane", "TokenLoop", "ModelCalls", "MAX_EOS_TOKENS"]
 
 MAX_EOS_TOKENS = 8  # a request with more EOS ids takes transformers' loop
 _WARMUP_STEPS = 2  # before capture: compiles the step and lets lazily made kernels and workspaces exist
@@ -42,8 +43,9 @@ class ModelCalls:
         return cls(compiled_entry(model, backend, dynamic=True), compiled_entry(model, backend, dynamic=True))
 
 
-class GreedyState:
-    """Device tensors of a greedy loop in progress, updated inside the captured step (no host sync per token)."""
+class TokenLoop:
+    """Device tensors of a token loop in progress (greedy or sampling), updated inside the captured step: no host
+    sync per token. ``sampling`` (a Python flag) picks which of the two captured steps runs."""
 
     def __init__(self, batch: int, max_new: int, device: torch.device):
         self.generated = torch.zeros(batch, max_new, dtype=torch.long, device=device)
@@ -53,8 +55,13 @@ class GreedyState:
         self.min_new = torch.zeros(1, dtype=torch.long, device=device)
         self.eos = torch.full((MAX_EOS_TOKENS,), -1, dtype=torch.long, device=device)  # -1 never matches a token
         self.pad = torch.zeros(1, dtype=torch.long, device=device)
+        self.sampling = False
+        self.temperature = torch.ones(1, device=device)
+        self.top_k = torch.zeros(1, dtype=torch.long, device=device)
+        self.top_p = torch.ones(1, device=device)
 
-    def start(self, prefill_logits: torch.Tensor, min_new: int, eos: list[int], pad: int) -> torch.Tensor:
+    def start(self, prefill_logits: torch.Tensor, min_new: int, eos: list[int], pad: int,
+              sampling: SamplingSettings | None = None) -> torch.Tensor:
         """Reset for a new request and return its first tokens, chosen from the prefill's logits. The buffers are
         filled in place: the captured step reads these very tensors."""
         self.generated.zero_()
@@ -65,6 +72,11 @@ class GreedyState:
         self.eos.fill_(-1)
         self.eos[:len(eos)] = torch.tensor(eos, dtype=torch.long)
         self.pad.fill_(pad)
+        self.sampling = sampling is not None
+        if sampling is not None:
+            self.temperature.fill_(sampling.temperature)
+            self.top_k.fill_(sampling.top_k)
+            self.top_p.fill_(sampling.top_p)
         return self.record(self.choose(prefill_logits))
 
     def steps_taken(self, limit: int) -> int:
@@ -73,10 +85,14 @@ class GreedyState:
         return int(finished[0]) + 1 if len(finished) else limit
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """The greedy token; EOS forbidden before ``min_new`` tokens (as transformers' MinNewTokensLogitsProcessor)."""
+        """The next token, greedy or sampled; EOS forbidden before ``min_new`` tokens (as transformers'
+        MinNewTokensLogitsProcessor, which runs before the sampling warpers)."""
         too_early = (self.step < self.min_new).unsqueeze(-1) & _is_eos(torch.arange(logits.shape[-1],
                                                                                      device=logits.device), self.eos)
-        return logits.masked_fill(too_early, float("-inf")).argmax(-1)
+        logits = logits.masked_fill(too_early, float("-inf"))
+        if not self.sampling:
+            return logits.argmax(-1)
+        return draw(warped_scores(logits, self.temperature, self.top_k, self.top_p))
 
     def record(self, tokens: torch.Tensor) -> torch.Tensor:
         """Store this step's tokens (pad once a row finished, as transformers does) and return them."""
@@ -110,7 +126,7 @@ class DecodeLane:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[str, torch.Tensor] = {}
-        self.greedy = GreedyState(batch, length, self.device)
+        self.loop = TokenLoop(batch, length, self.device)
         self.hits = 0
 
     # -- prefill ---------------------------------------------------------------------------------------------
@@ -141,10 +157,11 @@ class DecodeLane:
         self.tokens.copy_(tokens.reshape(self.batch, 1))
         return self._run("logits")
 
-    def greedy_steps(self, count: int) -> None:
-        """``count`` greedy steps; each feeds its token to the next (``self.greedy`` holds the tokens)."""
+    def loop_steps(self, count: int) -> None:
+        """``count`` steps of the token loop; each feeds its token to the next (``self.loop`` holds the tokens)."""
+        kind = "sample" if self.loop.sampling else "greedy"
         for _ in range(count):
-            self._run("greedy")
+            self._run(kind)
 
     def _run(self, kind: str) -> torch.Tensor:
         if not self.cuda_graphs:
@@ -156,13 +173,13 @@ class DecodeLane:
 
     def _step_body(self, kind: str) -> torch.Tensor:
         """What one step does, captured as is: mark the new column as seen, run the model, advance the counters;
-        the greedy kind also chooses, records and feeds back the token."""
+        the greedy and sample kinds also choose, record and feed back the token."""
         self.mask.index_fill_(1, self.write_index, 1)
         logits = self._forward(self.step_call, self.tokens, self.positions, prefill=False).logits[:, -1]
         self.positions += 1
         self.write_index += 1
-        if kind == "greedy":
-            self.tokens.copy_(self.greedy.record(self.greedy.choose(logits)).unsqueeze(1))
+        if kind != "logits":
+            self.tokens.copy_(self.loop.record(self.loop.choose(logits)).unsqueeze(1))
         return logits
 
     def _forward(self, call: Callable[..., Any], input_ids: torch.Tensor, positions: torch.Tensor,
@@ -192,7 +209,7 @@ class DecodeLane:
         self._restore_state(saved)
 
     def _saved_state(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        g = self.greedy
+        g = self.loop
         tensors = [self.tokens, self.positions, self.mask, self.write_index, *self._cache_counters(),
                    g.generated, g.unfinished, g.alive, g.step]
         return [(t, t.clone()) for t in tensors]

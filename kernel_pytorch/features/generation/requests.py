@@ -1,5 +1,5 @@
-"""Which ``generate()`` calls the static-cache loop serves, read the way transformers reads them: a greedy request
-(``GreedyRequest``), or the reason it goes to transformers' own loop."""
+"""Which ``generate()`` calls the static-cache loop serves, read the way transformers reads them: a request
+(``LoopRequest``: greedy or sampling), or the reason it goes to transformers' own loop."""
 
 from __future__ import annotations
 
@@ -11,15 +11,20 @@ import torch
 import torch.nn as nn
 
 from kernel_pytorch.features.generation.lane import MAX_EOS_TOKENS
+from kernel_pytorch.features.generation.sampling import SamplingSettings
 
-__all__ = ["GreedyRequest", "greedy_request"]
+__all__ = ["LoopRequest", "loop_request"]
 
 # GenerationConfig fields the loop honours; any other field away from its default sends the call to transformers.
 _HONOURED_FIELDS = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "eos_token_id", "pad_token_id",
                     "bos_token_id", "decoder_start_token_id", "use_cache", "transformers_version", "_from_model_config",
                     "cache_implementation", "do_sample", "num_beams"}  # the last two: checked by name
-# Sampling settings that greedy decoding ignores (transformers warns about them and does the same).
-_SAMPLING_ONLY = {"temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"}
+# Sampling settings that greedy decoding ignores (transformers warns about them and does the same); of them, the
+# sampling loop honours the first three.
+_SAMPLING_HONOURED = ("temperature", "top_k", "top_p")
+_SAMPLING_ONLY = {*_SAMPLING_HONOURED, "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"}
+# transformers' values for unset sampling settings (GenerationConfig's defaults before 5.x, its global defaults after)
+_SAMPLING_DEFAULTS = SamplingSettings()
 # generate() arguments that are not GenerationConfig fields and change the loop.
 _LOOP_ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
                    "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
@@ -27,16 +32,17 @@ _LOOP_ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_toke
 
 
 @dataclass
-class GreedyRequest:
+class LoopRequest:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     max_new_tokens: int
     min_new_tokens: int
     eos: list[int]
     pad: int
+    sampling: SamplingSettings | None  # None: greedy
 
 
-def greedy_request(model: nn.Module, inputs: Any, generation_config: Any, kwargs: dict[str, Any]) -> GreedyRequest | str:
+def loop_request(model: nn.Module, inputs: Any, generation_config: Any, kwargs: dict[str, Any]) -> LoopRequest | str:
     """The request of ``model.generate(inputs, generation_config, **kwargs)``, or why the loop cannot serve it."""
     kwargs = dict(kwargs)
     for name in _LOOP_ARGUMENTS:
@@ -64,12 +70,15 @@ def greedy_request(model: nn.Module, inputs: Any, generation_config: Any, kwargs
     if attention_mask is None:
         attention_mask = _inferred_attention_mask(input_ids, config.pad_token_id, eos)
     min_new = config.min_new_tokens or max(0, (config.min_length or 0) - prompt)
-    return GreedyRequest(input_ids, attention_mask, max_new, min_new, eos, pad)
+    return LoopRequest(input_ids, attention_mask, max_new, min_new, eos, pad,
+                       _sampling_settings(config) if config.do_sample else None)
 
 
 def _unhonoured_setting(config: Any) -> str | None:
     if config.do_sample:
-        return "sampling (do_sample=True): the static-cache loop decodes greedily"
+        for name in sorted(_SAMPLING_ONLY - set(_SAMPLING_HONOURED)):
+            if getattr(config, name, None) not in (None, 0.0, 1.0):
+                return f"sampling with {name}={getattr(config, name)!r} (the loop samples with temperature, top_k, top_p)"
     if config.num_beams not in (None, 1):  # None: unset (transformers >= 5.2x), which means 1
         return f"beam search (num_beams={config.num_beams})"
     if config.use_cache is False:
@@ -81,6 +90,12 @@ def _unhonoured_setting(config: Any) -> str | None:
         if name not in _HONOURED_FIELDS and name not in _SAMPLING_ONLY and value not in (None, False, {}, []):
             return f"generation setting {name}={value!r}"
     return None
+
+
+def _sampling_settings(config: Any) -> SamplingSettings:
+    values = {name: getattr(config, name, None) for name in _SAMPLING_HONOURED}
+    return SamplingSettings(**{name: getattr(_SAMPLING_DEFAULTS, name) if value is None else value
+                               for name, value in values.items()})
 
 
 def _token_list(value: Any) -> list[int]:
