@@ -76,3 +76,16 @@ def test_greedy_generate_float32_tokens_equal_the_unoptimized_model():
     lanes = optimized.generate.decoder.lanes.values()
     assert all("greedy" in lane.graphs for lane in lanes)
     assert any("lane of" in note for note in report_of(optimized).notes)
+
+
+@torch.no_grad()
+def test_sampling_steps_replay_from_cuda_graphs_with_fresh_random_numbers():
+    model = kernel_pytorch.optimize(causal_lm("llama").to("cuda", torch.bfloat16))
+    input_ids, attention_mask = (t.cuda() for t in left_padded_prompts(2, 10))
+    greedy = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=20, do_sample=False)
+    top1 = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=20, do_sample=True, top_k=1)
+    assert torch.equal(top1, greedy)  # one token left to draw: the greedy one
+    draws = [model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=20, do_sample=True,
+                            temperature=1.5) for _ in range(2)]
+    assert not torch.equal(*draws)  # each replay draws new random numbers
+    assert all("sample" in lane.graphs for lane in model.generate.decoder.lanes.values())
