@@ -87,7 +87,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import (RESULTS_DIR, environment, measure, same_device_models, save_figure,  # noqa: E402
-                                write_result)
+                                write_final_result, write_result)
 from kernel_pytorch.errors import first_line  # noqa: E402
 
 EAGER = "transformers eager"
@@ -766,14 +766,7 @@ def run(args: argparse.Namespace, s: Setup) -> None:
     payload["targets"] = targets(payload)
     payload["summary"] = summary_lines(payload)
     payload["seconds"] = round(time.perf_counter() - started, 1)
-    path = write_result(name, payload, args.out)
-    payload["environment"] = environment()
-    try:
-        plot(payload, args.out / f"{name}.png")
-    except ImportError as error:  # matplotlib is a dev extra
-        print(f"no plot: {error}")
-    print("\n".join(payload["summary"]))
-    print(f"wrote {path} in {payload['seconds']} s")
+    write_final_result(name, payload, args.out, plot)
 
 
 def main(argv: list[str] | None = None) -> None:

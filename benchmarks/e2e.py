@@ -69,7 +69,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import (RESULTS_DIR, environment, measure, same_device_models, save_figure,  # noqa: E402
-                                write_result)
+                                write_final_result, write_result)
 from kernel_pytorch.testing import LlamaStyleConfig, LlamaStyleLM  # noqa: E402
 
 EAGER, COMPILE, OURS = "eager", "torch.compile", "optimize"
@@ -624,18 +624,11 @@ def main(argv: list[str] | None = None) -> None:
         shown = {k: v for k, v in result.items() if k not in ("report", "date")}
         print(f"{model_name} {part} {provider} ({time.perf_counter() - case_started:.0f} s): {shown}", flush=True)
         payload["targets"] = targets(payload)
-        path = write_result(name, payload, args.out)  # kept up to date if the command is cut off
+        write_result(name, payload, args.out)  # kept up to date if the command is cut off
     payload["targets"] = targets(payload)
     payload["summary"] = summary_lines(payload)
     payload["seconds"] = round(time.perf_counter() - started, 1)
-    path = write_result(name, payload, args.out)
-    payload["environment"] = environment()
-    try:
-        plot(payload, args.out / f"{name}.png")
-    except ImportError as error:  # matplotlib is a dev extra
-        print(f"no plot: {error}")
-    print("\n".join(payload["summary"]))
-    print(f"wrote {path} in {payload['seconds']} s")
+    write_final_result(name, payload, args.out, plot)
 
 
 if __name__ == "__main__":

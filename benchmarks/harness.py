@@ -22,7 +22,7 @@ import torch
 from kernel_pytorch.timing import captured_calls
 
 __all__ = ["Timing", "measure", "measure_gpu_time", "host_us_per_call", "environment", "write_result", "timing_dict",
-           "same_device_models", "save_figure", "RESULTS_DIR"]
+           "same_device_models", "save_figure", "write_final_result", "RESULTS_DIR"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _L2_FLUSH_BYTES = 256 * 2**20
@@ -154,6 +154,21 @@ def save_figure(fig: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def write_final_result(name: str, payload: dict[str, Any], directory: Path,
+                       plot: Callable[[dict[str, Any], Path], None]) -> Path:
+    """A run's last write: ``<name>.json``, its plot ``<name>.png`` (matplotlib is a dev extra: without it, a
+    line says so), then the summary lines and where the file went."""
+    path = write_result(name, payload, directory)
+    payload["environment"] = environment()
+    try:
+        plot(payload, directory / f"{name}.png")
+    except ImportError as error:
+        print(f"no plot: {error}")
+    print("\n".join(payload.get("summary", [])))
+    print(f"wrote {path} in {payload.get('seconds')} s")
+    return path
 
 
 def write_result(name: str, payload: dict[str, Any], directory: Path = RESULTS_DIR) -> Path:

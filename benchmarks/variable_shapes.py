@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import RESULTS_DIR, environment, save_figure, write_result  # noqa: E402
+from benchmarks.harness import RESULTS_DIR, save_figure, write_final_result, write_result  # noqa: E402
 from kernel_pytorch.features.shape_buckets.ladder import (auto_batch_buckets, auto_length_buckets,  # noqa: E402
                                                           bucket_for)
 
@@ -324,14 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     payload["targets"] = targets(payload["providers"])
     payload["summary"] = summary_lines(payload)
     payload["seconds"] = round(time.perf_counter() - started, 1)
-    path = write_result(result_name(s), payload, args.out)
-    payload["environment"] = environment()
-    try:
-        plot(payload, args.out / f"{result_name(s)}.png")
-    except ImportError as error:  # matplotlib is a dev extra
-        print(f"no plot: {error}")
-    print("\n".join(payload["summary"]))
-    print(f"wrote {path} in {payload['seconds']} s")
+    write_final_result(result_name(s), payload, args.out, plot)
 
 
 if __name__ == "__main__":

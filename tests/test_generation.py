@@ -214,3 +214,17 @@ def test_sampling_requests_take_the_loop():
                             temperature=1.5, top_p=0.9)
     assert first.shape == second.shape == greedy.shape and not torch.equal(first, second)  # draws differ
     assert not any("transformers' own loop" in note for note in _generation_notes(model))
+
+
+def test_a_cache_that_does_not_fit_is_an_error_naming_its_size(monkeypatch):
+    from transformers import StaticCache
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(StaticCache, "early_initialization", out_of_memory)
+    model, _ = _pair("llama")
+    with pytest.raises(torch.OutOfMemoryError, match=r"static KV cache for generation \(2 sequences x 256 tokens x "
+                                                     r"2 layers, 0\.00 GiB\).*generation\.max_length"):
+        input_ids, attention_mask = left_padded_prompts(2, 6)
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False)
