@@ -228,3 +228,23 @@ def test_a_cache_that_does_not_fit_is_an_error_naming_its_size(monkeypatch):
                                                      r"2 layers, 0\.00 GiB\).*generation\.max_length"):
         input_ids, attention_mask = left_padded_prompts(2, 6)
         model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False)
+
+
+def test_a_step_the_capture_refuses_runs_without_a_graph_and_says_so(monkeypatch):
+    from kernel_pytorch.features.generation.lane import DecodeLane
+
+    def refused(self, kind, saved):
+        self._step_body(kind)  # the warm-up ran and advanced the buffers before the capture failed
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeLane, "_warm_up_and_capture", refused)
+    model, reference = _pair("llama")
+    decoder = Decoder(model)
+    input_ids, attention_mask = left_padded_prompts(2, 6)
+    decoder.prefill(input_ids, attention_mask, max_new_tokens=12)
+    decoder.lane.cuda_graphs = True  # as on a GPU
+    tokens = decoder.generate(input_ids, attention_mask, max_new_tokens=12, eos=[5], pad=0)  # the config's ids
+    expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(tokens, expected)  # the buffers were put back before the step ran uncaptured
+    assert not decoder.lane.cuda_graphs
+    assert any("could not be captured" in note and "stream is capturing" in note for note in decoder.notes)

@@ -106,7 +106,14 @@ class Decoder:
             done += count
             if eos and loop.alive[done - 1].item() == 0:
                 break
+        self._note_graph_failure(lane)
         return loop.steps_taken(done) if eos else done
+
+    def _note_graph_failure(self, lane: DecodeLane) -> None:
+        note = (f"generation: the decode step of the {lane.batch} x {lane.length} lane could not be captured as a "
+                f"CUDA graph and runs compiled without one: {lane.graph_failure}")
+        if lane.graph_failure and note not in self.notes:
+            self.notes.append(note)
 
     def warm_up(self, batch_sizes: Sequence[int] = (1, 2), cache_lengths: Sequence[int] = (_SMALLEST_CACHE,),
                 progress: bool = True) -> float:

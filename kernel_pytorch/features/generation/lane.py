@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from kernel_pytorch.compiled_call import call_module, compiled_entry
+from kernel_pytorch.errors import first_line
 from kernel_pytorch.features.generation.sampling import SamplingSettings, draw, warped_scores
 from kernel_pytorch.features.generation.model_calls import cache_keyword, new_static_cache, takes_logits_to_keep
 
@@ -128,6 +129,7 @@ class DecodeLane:
         self.outputs: dict[str, torch.Tensor] = {}
         self.loop = TokenLoop(batch, length, self.device)
         self.hits = 0
+        self.graph_failure = ""  # why capturing a step failed (its steps then run without CUDA graphs)
 
     # -- prefill ---------------------------------------------------------------------------------------------
 
@@ -167,7 +169,11 @@ class DecodeLane:
         if not self.cuda_graphs:
             return self._step_body(kind)
         if kind not in self.graphs:
-            self._capture(kind)
+            try:
+                self._capture(kind)
+            except RuntimeError as error:  # an op the capture refuses (a host sync): run the step as it is
+                self.cuda_graphs, self.graph_failure = False, first_line(error)
+                return self._step_body(kind)
         self.graphs[kind].replay()
         return self.outputs[kind]
 
@@ -191,8 +197,15 @@ class DecodeLane:
         return call(self.model, **kwargs)
 
     def _capture(self, kind: str) -> None:
-        """Warm the step up on a side stream, capture it, then put every buffer it advanced back."""
+        """Warm the step up on a side stream, capture it, then put every buffer it advanced back (also when the
+        capture fails)."""
         saved = self._saved_state()
+        try:
+            self._warm_up_and_capture(kind, saved)
+        finally:
+            self._restore_state(saved)  # capture records without running: buffers and cache counters as they were
+
+    def _warm_up_and_capture(self, kind: str, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -205,8 +218,6 @@ class DecodeLane:
         with torch.cuda.graph(graph, pool=pool):
             self.outputs[kind] = self._step_body(kind)
         self.graphs[kind] = graph
-        # capture records without running: the buffers are as they were, the cache counters too
-        self._restore_state(saved)
 
     def _saved_state(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         g = self.loop
