@@ -214,7 +214,7 @@ class GenerationConfig(ConfigModel):
     )
     max_length: PositiveInt | None = Field(
         None, description="The most tokens (prompt + new tokens) a request's KV cache may hold; None: the model's "
-        "max_position_embeddings. Each request gets the smallest power-of-two cache (from 256) that holds it. "
+        "max_position_embeddings. Each request gets the smallest cache, in steps of 256 tokens, that holds it. "
         "A longer request raises an error naming this option."
     )
     batch_buckets: tuple[PositiveInt, ...] = Field(

@@ -248,3 +248,16 @@ def test_a_step_the_capture_refuses_runs_without_a_graph_and_says_so(monkeypatch
     assert torch.equal(tokens, expected)  # the buffers were put back before the step ran uncaptured
     assert not decoder.lane.cuda_graphs
     assert any("could not be captured" in note and "stream is capturing" in note for note in decoder.notes)
+
+
+def test_caches_are_sized_to_the_request_and_old_lanes_are_dropped():
+    from kernel_pytorch.features.generation import decoder as decoder_module
+
+    decoder = Decoder(causal_lm("gpt2"), batch_buckets=tuple(range(1, decoder_module._MAX_LANES + 2)))
+    for prompt, new in [(10, 20), (300, 100), (10, 20), (600, 3)]:
+        decoder.prefill(torch.randint(6, 128, (1, prompt)), max_new_tokens=new)
+    assert list(decoder.lanes) == [(1, 512), (1, 256), (1, 768)]  # most recently used last
+    for batch in range(2, decoder_module._MAX_LANES + 2):
+        decoder.prefill(torch.randint(6, 128, (batch, 5)), max_new_tokens=1)
+    assert len(decoder.lanes) == decoder_module._MAX_LANES and (1, 512) not in decoder.lanes
+    assert any("1 sequences x 512 tokens dropped" in note for note in decoder.notes)

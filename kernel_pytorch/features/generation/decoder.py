@@ -7,8 +7,10 @@
 
 Requests are served by lanes (:class:`~kernel_pytorch.features.generation.lane.DecodeLane`), one per (batch
 bucket, cache-length bucket) met so far: a batch is padded up to its bucket with copies of its first row (dropped
-from the results), and the cache length is the smallest power of two (from 256) that holds prompt and new tokens,
-at most ``max_length``, because every decode step reads its whole cache.
+from the results), and the cache length is the smallest multiple of 256 tokens that holds prompt and new tokens, at
+most ``max_length``: every prefill and decode step attends over its whole cache, so a cache twice as long as the
+request costs time as well as memory. Lanes share the compiled prefill and step (dynamic shapes), so a new lane
+only allocates its cache and captures; at most ``_MAX_LANES`` are kept, the least recently used dropped first.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from kernel_pytorch.features.generation.sampling import SamplingSettings
 
 __all__ = ["Decoder", "GenerationLimitError"]
 
-_SMALLEST_CACHE = 256
+_CACHE_STEP = 256  # cache lengths are multiples of this
+_MAX_LANES = 8  # lanes kept (each holds a cache and its graphs); the least recently used goes first
 _STEPS_BETWEEN_STOP_CHECKS = 16  # a host sync per check: often enough to stop soon after every row ended
 
 
@@ -49,7 +52,7 @@ class Decoder:
         self.batch_buckets = tuple(batch_buckets)
         self.cuda_graphs = cuda_graphs is True or cuda_graphs == "auto"
         self.calls = ModelCalls.of(model, _backend_of(model))
-        self.lanes: dict[tuple[int, int], DecodeLane] = {}
+        self.lanes: dict[tuple[int, int], DecodeLane] = {}  # in order of use, the most recent last
         self.lane: DecodeLane | None = None  # the lane of the request in progress
         self.batch = 0
         self.notes: list[str] = []
@@ -115,7 +118,7 @@ class Decoder:
         if lane.graph_failure and note not in self.notes:
             self.notes.append(note)
 
-    def warm_up(self, batch_sizes: Sequence[int] = (1, 2), cache_lengths: Sequence[int] = (_SMALLEST_CACHE,),
+    def warm_up(self, batch_sizes: Sequence[int] = (1, 2), cache_lengths: Sequence[int] = (_CACHE_STEP,),
                 progress: bool = True) -> float:
         """Compile and capture ahead of requests, with a progress bar: a short greedy request per (batch size, cache
         length). Batch 1 and one larger batch compile every graph the decoder needs (its prefill and step take any
@@ -150,11 +153,19 @@ class Decoder:
             raise GenerationLimitError(f"{total_length} tokens (prompt + new tokens) do not fit the KV cache of "
                                        f"generation max_length={self.max_length} tokens: raise it, "
                                        "optimize(model, generation={'max_length': ...})")
-        length = min(max(_SMALLEST_CACHE, 1 << (total_length - 1).bit_length()), self.max_length)
-        lane = self.lanes.get((bucket, length))
+        length = min(-(-total_length // _CACHE_STEP) * _CACHE_STEP, self.max_length)
+        lane = self.lanes.pop((bucket, length), None)
         if lane is None:
-            lane = self.lanes[bucket, length] = self._new_lane(bucket, length)
+            if len(self.lanes) >= _MAX_LANES:
+                self._drop_lane(next(iter(self.lanes)))
+            lane = self._new_lane(bucket, length)
+        self.lanes[bucket, length] = lane  # most recently used last
         return lane
+
+    def _drop_lane(self, key: tuple[int, int]) -> None:
+        del self.lanes[key]
+        self.notes.append(f"generation: lane of {key[0]} sequences x {key[1]} tokens dropped (at most {_MAX_LANES} "
+                          "lanes are kept; the least recently used goes)")
 
     def _new_lane(self, batch: int, length: int) -> DecodeLane:
         started = time.perf_counter()
