@@ -46,6 +46,8 @@ def test_greedy_tokens_equal_the_unoptimized_model(family):
             assert torch.equal(tokens, expected), (family, batch, length, extra)
     notes = _generation_notes(model)
     assert any("lane of" in note for note in notes), notes  # the static-cache loop served them
+    assert [note for note in notes if note.startswith("generation lanes")] == [model.generate.decoder.summary()]
+    assert "1x256 (2 requests)" in model.generate.decoder.summary()  # the (1, 5) and (1, 1) prompts
     assert not any("transformers' own loop" in note for note in notes), notes
 
 

@@ -14,6 +14,8 @@ from kernel_pytorch.features.generation.requests import loop_request
 
 __all__ = ["FastGenerate"]
 
+_LANES_LINE = "generation lanes"  # how Decoder.summary() starts
+
 
 class FastGenerate:
     """``model.generate`` replaced on the instance (the class's generate stays transformers'); see the module
@@ -35,6 +37,7 @@ class FastGenerate:
                                   request.min_new_tokens, request.eos, request.pad, request.sampling)
         for note in decoder.notes[notes:]:
             self._note(note)
+        self._set_lanes_line(decoder.summary())
         return tokens
 
     def warm_up(self, batch_sizes: tuple[int, ...] = (1, 2), cache_lengths: tuple[int, ...] = (256,),
@@ -60,6 +63,13 @@ class FastGenerate:
         state = getattr(self.model, "_kernel_pytorch", None)
         if state is not None and text not in state.report.notes:
             state.report.notes.append(text)
+
+    def _set_lanes_line(self, line: str) -> None:
+        """The report's one line on the lanes (their requests and cache memory), replaced at each request."""
+        state = getattr(self.model, "_kernel_pytorch", None)
+        if state is not None:
+            notes = state.report.notes
+            notes[:] = [note for note in notes if not note.startswith(_LANES_LINE)] + [line]
 
     def __reduce__(self) -> tuple:
         # A copy of the model (deepcopy, pickle) gets a FastGenerate of its own: no caches, no CUDA graphs.
