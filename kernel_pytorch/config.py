@@ -471,7 +471,8 @@ class OptimizeConfig(ConfigModel):
         import torch.distributed as dist
 
         if value is not None and not (dist.is_available() and isinstance(value, dist.ProcessGroup)):
-            raise ValueError(f"context_parallel takes a torch.distributed ProcessGroup or None, got {type(value).__name__}")
+            raise ValueError(f"context_parallel takes a torch.distributed ProcessGroup or None, got "
+                             f"{type(value).__name__}")
         return value
 
     @field_validator("tolerances", mode="before")

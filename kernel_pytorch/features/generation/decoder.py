@@ -180,7 +180,8 @@ class Decoder:
         if not self.lanes:
             return "generation: no request served yet"
         total = sum(cache_bytes(self.model, b, n, lane.dtype) for (b, n), lane in self.lanes.items()) / 2**20
-        lanes = ", ".join(f"{b}x{n} ({lane.hits} request{'s' * (lane.hits != 1)})" for (b, n), lane in self.lanes.items())
+        lanes = ", ".join(f"{b}x{n} ({lane.hits} request{'s' * (lane.hits != 1)})"
+                          for (b, n), lane in self.lanes.items())
         return f"generation lanes (sequences x cache tokens): {lanes}; KV caches {total:.1f} MiB"
 
 

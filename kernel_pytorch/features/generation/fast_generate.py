@@ -1,6 +1,6 @@
-"""``FastGenerate``: what ``model.generate`` is after ``optimize``: greedy and sampling requests through the static-cache
-:class:`~kernel_pytorch.features.generation.decoder.Decoder`, every other request through transformers' own
-``generate`` with a report line naming why."""
+"""``FastGenerate``: what ``model.generate`` is after ``optimize``: greedy and sampling requests through the
+static-cache :class:`~kernel_pytorch.features.generation.decoder.Decoder`, every other request through
+transformers' own ``generate`` with a report line naming why."""
 
 from __future__ import annotations
 

@@ -97,7 +97,8 @@ def cache_bytes(model: nn.Module, batch: int, length: int, dtype: torch.dtype) -
     config = model.config.get_text_config(decoder=True)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * batch * heads * length * head_dim * torch.empty((), dtype=dtype).element_size()
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * batch * heads * length * head_dim * element
 
 
 def _static_cache_class() -> Any:

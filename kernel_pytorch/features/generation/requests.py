@@ -78,7 +78,8 @@ def _unhonoured_setting(config: Any) -> str | None:
     if config.do_sample:
         for name in sorted(_SAMPLING_ONLY - set(_SAMPLING_HONOURED)):
             if getattr(config, name, None) not in (None, 0.0, 1.0):
-                return f"sampling with {name}={getattr(config, name)!r} (the loop samples with temperature, top_k, top_p)"
+                return (f"sampling with {name}={getattr(config, name)!r} (the loop samples with temperature, top_k, "
+                        "top_p)")
     if config.num_beams not in (None, 1):  # None: unset (transformers >= 5.2x), which means 1
         return f"beam search (num_beams={config.num_beams})"
     if config.use_cache is False:

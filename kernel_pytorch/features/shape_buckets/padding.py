@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
-__all__ = ["BATCH", "LENGTH", "IGNORED_LABEL", "CallShape", "NamedCall", "Parameters", "OutputDims", "ArgumentDims", "name_call",
-           "pad_call", "slice_outputs", "output_dims", "slice_to", "with_attention_mask", "repeated_to", "call_shape",
-           "argument_dims", "lead_tensor"]
+__all__ = ["BATCH", "LENGTH", "IGNORED_LABEL", "CallShape", "NamedCall", "Parameters", "OutputDims", "ArgumentDims",
+           "name_call", "pad_call", "slice_outputs", "output_dims", "slice_to", "with_attention_mask", "repeated_to",
+           "call_shape", "argument_dims", "lead_tensor"]
 
 BATCH, LENGTH = "batch", "length"
 IGNORED_LABEL = -100  # cross-entropy's default ignore_index, which transformers' losses use
