@@ -47,7 +47,7 @@ def test_greedy_tokens_equal_the_unoptimized_model(family):
     notes = _generation_notes(model)
     assert any("lane of" in note for note in notes), notes  # the static-cache loop served them
     assert [note for note in notes if note.startswith("generation lanes")] == [model.generate.decoder.summary()]
-    assert "1x256 (2 requests)" in model.generate.decoder.summary()  # the (1, 5) and (1, 1) prompts
+    assert "1 sequences x 256 tokens (2 requests)" in model.generate.decoder.summary()  # the (1, 5), (1, 1) prompts
     assert not any("transformers' own loop" in note for note in notes), notes
 
 
@@ -151,17 +151,39 @@ def test_state_dict_and_class_untouched_and_generation_can_be_turned_off():
     assert "generate" not in vars(plain)
 
 
-def test_models_that_cannot_take_the_loop_say_why_when_asked():
-    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
-                                   decoder_start_token_id=0)
-    t5 = transformers.T5ForConditionalGeneration(config).eval()
-    optimized = kernel_pytorch.optimize(t5, generation=True)
+def test_models_that_cannot_take_the_loop_say_why_when_asked(monkeypatch):
+    from kernel_pytorch.features.generation import model_calls
+
+    monkeypatch.setattr(model_calls, "_static_cache_class", lambda: None)  # a transformers without StaticCache
+    optimized = kernel_pytorch.optimize(causal_lm("llama"), generation=True)
     assert "generate" not in vars(optimized)
-    assert any("encoder-decoder" in note for note in _generation_notes(optimized))
+    assert any("no StaticCache" in note for note in _generation_notes(optimized))
     encoder = kernel_pytorch.optimize(torch.nn.Linear(4, 4))  # 'auto' on a model without generate(): no line
     assert not _generation_notes(encoder)
     with pytest.raises(TypeError, match="not a transformers model with generate"):
         Decoder(torch.nn.Linear(4, 4))
+
+
+def test_t5_tokens_equal_the_unoptimized_model():
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    reference = copy.deepcopy(model)
+    optimized = kernel_pytorch.optimize(model)
+    generator = torch.Generator().manual_seed(2)
+    for batch, length, extra in [(1, 5, {}), (3, 11, {}), (3, 11, {"min_new_tokens": 4}), (2, 300, {})]:
+        input_ids = torch.randint(2, 64, (batch, length), generator=generator)
+        attention_mask = torch.ones_like(input_ids)
+        input_ids[-1, length - 3:], attention_mask[-1, length - 3:] = 0, 0  # a shorter source, padded on the right
+        expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False,
+                                      **extra)
+        tokens = optimized.generate(input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False,
+                                    **extra)
+        assert torch.equal(tokens, expected), (batch, length, extra)
+    lanes = optimized.generate.decoder.lanes
+    assert {key[2] for key in lanes} == {256, 512}  # cross-attention caches sized to the sources
+    assert not any("transformers' own loop" in note for note in _generation_notes(optimized))
 
 
 def test_warm_up_compiles_every_graph_later_requests_need():
@@ -258,8 +280,8 @@ def test_caches_are_sized_to_the_request_and_old_lanes_are_dropped():
     decoder = Decoder(causal_lm("gpt2"), batch_buckets=tuple(range(1, decoder_module._MAX_LANES + 2)))
     for prompt, new in [(10, 20), (300, 100), (10, 20), (600, 3)]:
         decoder.prefill(torch.randint(6, 128, (1, prompt)), max_new_tokens=new)
-    assert list(decoder.lanes) == [(1, 512), (1, 256), (1, 768)]  # most recently used last
+    assert list(decoder.lanes) == [(1, 512, 0), (1, 256, 0), (1, 768, 0)]  # most recently used last
     for batch in range(2, decoder_module._MAX_LANES + 2):
         decoder.prefill(torch.randint(6, 128, (batch, 5)), max_new_tokens=1)
-    assert len(decoder.lanes) == decoder_module._MAX_LANES and (1, 512) not in decoder.lanes
+    assert len(decoder.lanes) == decoder_module._MAX_LANES and (1, 512, 0) not in decoder.lanes
     assert any("1 sequences x 512 tokens dropped" in note for note in decoder.notes)

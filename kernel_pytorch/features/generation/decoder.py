@@ -24,7 +24,8 @@ import torch.nn as nn
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls
-from kernel_pytorch.features.generation.model_calls import cache_bytes, default_max_length, why_not_generative
+from kernel_pytorch.features.generation.model_calls import (cache_bytes, decoder_start_token, default_max_length,
+                                                             is_encoder_decoder, why_not_generative)
 from kernel_pytorch.features.generation.sampling import SamplingSettings
 
 __all__ = ["Decoder", "GenerationLimitError"]
@@ -52,7 +53,9 @@ class Decoder:
         self.batch_buckets = tuple(batch_buckets)
         self.cuda_graphs = cuda_graphs is True or cuda_graphs == "auto"
         self.calls = ModelCalls.of(model, _backend_of(model))
-        self.lanes: dict[tuple[int, int], DecodeLane] = {}  # in order of use, the most recent last
+        self.encoder_decoder = is_encoder_decoder(model)
+        # (batch bucket, cache length, encoder length or 0) -> lane, in order of use, the most recent last
+        self.lanes: dict[tuple[int, int, int], DecodeLane] = {}
         self.lane: DecodeLane | None = None  # the lane of the request in progress
         self.batch = 0
         self.notes: list[str] = []
@@ -66,11 +69,21 @@ class Decoder:
         ``max_new_tokens`` picks the cache (None: the largest)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        total = input_ids.shape[1] + (max_new_tokens if max_new_tokens is not None else 0)
-        self.lane = self._lane(input_ids.shape[0], total if max_new_tokens is not None else self.max_length)
         self.batch = input_ids.shape[0]
+        if self.encoder_decoder:  # the prompt goes to the encoder; the decoder starts from its start token
+            total = 2 + (max_new_tokens if max_new_tokens is not None else self.max_length)
+            self.lane = self._lane(self.batch, min(total, self.max_length), encoder_length=input_ids.shape[1])
+            self.lane.encode(*(_pad_rows(t, self.lane.batch) for t in (input_ids, attention_mask)))
+            start = self.start_tokens(self.lane.batch, input_ids.device)
+            return self.lane.prefill(start, torch.ones_like(start))[:self.batch]
+        total = input_ids.shape[1] + (max_new_tokens if max_new_tokens is not None else 0)
+        self.lane = self._lane(self.batch, total if max_new_tokens is not None else self.max_length)
         padded_ids, padded_mask = (_pad_rows(t, self.lane.batch) for t in (input_ids, attention_mask))
         return self.lane.prefill(padded_ids, padded_mask)[:self.batch]
+
+    def start_tokens(self, batch: int, device: torch.device) -> torch.Tensor:
+        """An encoder-decoder's first decoder input: its start token per row."""
+        return torch.full((batch, 1), decoder_start_token(self.model), dtype=torch.long, device=device)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -93,7 +106,9 @@ class Decoder:
         greedy (``sampling`` None) or sampled, ``pad`` after a row's EOS, stopping once every row ended."""
         logits = self.prefill(input_ids, attention_mask, max_new_tokens)
         produced = self._loop(logits, max_new_tokens, min_new_tokens, eos, pad, sampling)
-        return torch.cat([input_ids, self.lane.loop.generated[:self.batch, :produced]], dim=1)
+        # an encoder-decoder's output is its decoder's tokens: the start token, then the new ones
+        head = self.start_tokens(self.batch, input_ids.device) if self.encoder_decoder else input_ids
+        return torch.cat([head, self.lane.loop.generated[:self.batch, :produced]], dim=1)
 
     def _loop(self, logits: torch.Tensor, max_new_tokens: int, min_new_tokens: int = 0, eos: Sequence[int] = (),
               pad: int = 0, sampling: SamplingSettings | None = None) -> int:
@@ -118,6 +133,7 @@ class Decoder:
         if lane.graph_failure and note not in self.notes:
             self.notes.append(note)
 
+    @torch.no_grad()
     def warm_up(self, batch_sizes: Sequence[int] = (1, 2), cache_lengths: Sequence[int] = (_CACHE_STEP,),
                 progress: bool = True) -> float:
         """Compile and capture ahead of requests, with a progress bar: a short greedy request per (batch size, cache
@@ -130,10 +146,8 @@ class Decoder:
             task = bar.add_task("generation warm-up", total=len(pairs))
             for batch, length in pairs:
                 bar.update(task, description=f"generation warm-up: {batch} sequences x {length} tokens")
-                self.lane, self.batch = self._lane(batch, length), batch
-                prompt = torch.ones(self.lane.batch, 8, dtype=torch.long, device=self._device())
-                with torch.no_grad():
-                    self._loop(self.lane.prefill(prompt, torch.ones_like(prompt)), max_new_tokens=3)
+                prompt = torch.ones(batch, 8, dtype=torch.long, device=self._device())
+                self._loop(self.prefill(prompt, torch.ones_like(prompt), max_new_tokens=length - 8), max_new_tokens=3)
                 bar.advance(task)
         seconds = time.perf_counter() - started
         self.notes.append(f"generation: warmed up {len(pairs)} lanes in {seconds:.1f} s")
@@ -144,7 +158,7 @@ class Decoder:
 
     # -- lanes -------------------------------------------------------------------------------------------------
 
-    def _lane(self, batch: int, total_length: int) -> DecodeLane:
+    def _lane(self, batch: int, total_length: int, encoder_length: int | None = None) -> DecodeLane:
         bucket = next((b for b in self.batch_buckets if b >= batch), None)
         if bucket is None:
             raise GenerationLimitError(f"a batch of {batch} sequences is above the largest of generation "
@@ -153,36 +167,53 @@ class Decoder:
             raise GenerationLimitError(f"{total_length} tokens (prompt + new tokens) do not fit the KV cache of "
                                        f"generation max_length={self.max_length} tokens: raise it, "
                                        "optimize(model, generation={'max_length': ...})")
-        length = min(-(-total_length // _CACHE_STEP) * _CACHE_STEP, self.max_length)
-        lane = self.lanes.pop((bucket, length), None)
+        length = min(_rounded(total_length), self.max_length)
+        key = (bucket, length, _rounded(encoder_length) if encoder_length else 0)
+        lane = self.lanes.pop(key, None)
         if lane is None:
             if len(self.lanes) >= _MAX_LANES:
                 self._drop_lane(next(iter(self.lanes)))
-            lane = self._new_lane(bucket, length)
-        self.lanes[bucket, length] = lane  # most recently used last
+            lane = self._new_lane(*key)
+        self.lanes[key] = lane  # most recently used last
         return lane
 
-    def _drop_lane(self, key: tuple[int, int]) -> None:
+    def _drop_lane(self, key: tuple[int, int, int]) -> None:
         del self.lanes[key]
-        self.notes.append(f"generation: lane of {key[0]} sequences x {key[1]} tokens dropped (at most {_MAX_LANES} "
-                          "lanes are kept; the least recently used goes)")
+        self.notes.append(f"generation: lane of {_lane_name(key)} dropped (at most {_MAX_LANES} lanes are kept; the "
+                          "least recently used goes)")
 
-    def _new_lane(self, batch: int, length: int) -> DecodeLane:
+    def _new_lane(self, batch: int, length: int, encoder_length: int) -> DecodeLane:
         started = time.perf_counter()
-        lane = DecodeLane(self.model, self.calls, batch, length, self.cuda_graphs)
-        size = cache_bytes(self.model, batch, length, lane.dtype) / 2**20
-        self.notes.append(f"generation: lane of {batch} sequences x {length} tokens (KV cache {size:.1f} MiB, "
-                          f"made in {time.perf_counter() - started:.1f} s)")
+        lane = DecodeLane(self.model, self.calls, batch, length, self.cuda_graphs, encoder_length or None)
+        size = _lane_bytes(self.model, (batch, length, encoder_length), lane.dtype) / 2**20
+        self.notes.append(f"generation: lane of {_lane_name((batch, length, encoder_length))} (KV cache "
+                          f"{size:.1f} MiB, made in {time.perf_counter() - started:.1f} s)")
         return lane
 
     def summary(self) -> str:
         """One line: the lanes, their hits and the memory their caches hold."""
         if not self.lanes:
             return "generation: no request served yet"
-        total = sum(cache_bytes(self.model, b, n, lane.dtype) for (b, n), lane in self.lanes.items()) / 2**20
-        lanes = ", ".join(f"{b}x{n} ({lane.hits} request{'s' * (lane.hits != 1)})"
-                          for (b, n), lane in self.lanes.items())
-        return f"generation lanes (sequences x cache tokens): {lanes}; KV caches {total:.1f} MiB"
+        total = sum(_lane_bytes(self.model, key, lane.dtype) for key, lane in self.lanes.items()) / 2**20
+        lanes = ", ".join(f"{_lane_name(key)} ({lane.hits} request{'s' * (lane.hits != 1)})"
+                          for key, lane in self.lanes.items())
+        return f"generation lanes: {lanes}; KV caches {total:.1f} MiB"
+
+
+def _rounded(length: int) -> int:
+    """``length`` rounded up to a multiple of _CACHE_STEP."""
+    return -(-length // _CACHE_STEP) * _CACHE_STEP
+
+
+def _lane_name(key: tuple[int, int, int]) -> str:
+    batch, length, encoder_length = key
+    encoder = f" (encoder {encoder_length} tokens)" if encoder_length else ""
+    return f"{batch} sequences x {length} tokens{encoder}"
+
+
+def _lane_bytes(model: nn.Module, key: tuple[int, int, int], dtype: torch.dtype) -> int:
+    batch, length, encoder_length = key
+    return cache_bytes(model, batch, length + encoder_length, dtype)
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:

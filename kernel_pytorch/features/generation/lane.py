@@ -112,11 +112,16 @@ def _is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
 class DecodeLane:
     """Decoding for one (batch, cache length) pair; see the module docstring."""
 
-    def __init__(self, model: nn.Module, calls: ModelCalls, batch: int, length: int, cuda_graphs: bool):
+    def __init__(self, model: nn.Module, calls: ModelCalls, batch: int, length: int, cuda_graphs: bool,
+                 encoder_length: int | None = None):
         parameter = next(model.parameters())
-        self.model, self.batch, self.length = model, batch, length
+        self.model, self.batch, self.length, self.encoder_length = model, batch, length, encoder_length
         self.device, self.dtype = parameter.device, parameter.dtype
-        self.cache = new_static_cache(model, batch, length, self.device, self.dtype)
+        self.cache = new_static_cache(model, batch, length, self.device, self.dtype, encoder_length)
+        if encoder_length:  # an encoder-decoder: the encoder's output and mask, padded to encoder_length
+            width = model.config.get_text_config(decoder=True).hidden_size
+            self.encoder_states = torch.zeros(batch, encoder_length, width, dtype=self.dtype, device=self.device)
+            self.encoder_mask = torch.zeros(batch, encoder_length, dtype=torch.long, device=self.device)
         self.cache_keyword = cache_keyword(model)
         self.last_logits_only = takes_logits_to_keep(model)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
@@ -132,6 +137,16 @@ class DecodeLane:
         self.graph_failure = ""  # why capturing a step failed (its steps then run without CUDA graphs)
 
     # -- prefill ---------------------------------------------------------------------------------------------
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """An encoder-decoder's encoder, once per request (the model's own module, not compiled): its output and
+        mask go into the lane's buffers, zero padded (masked) up to ``encoder_length``."""
+        length = input_ids.shape[1]
+        states = self.model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        self.encoder_states.zero_()
+        self.encoder_states[:, :length] = states
+        self.encoder_mask.zero_()
+        self.encoder_mask[:, :length] = attention_mask
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Start a request: reset the cache, run the prompt (``batch`` x P, left padding in ``attention_mask``) and
@@ -190,6 +205,11 @@ class DecodeLane:
 
     def _forward(self, call: Callable[..., Any], input_ids: torch.Tensor, positions: torch.Tensor,
                  prefill: bool) -> Any:
+        if self.encoder_length:  # positions are relative in T5-style models: none are passed
+            kwargs = {"decoder_input_ids": input_ids, "decoder_attention_mask": self.mask,
+                      "attention_mask": self.encoder_mask, "encoder_outputs": (self.encoder_states,),
+                      self.cache_keyword: self.cache, "use_cache": True}
+            return call(self.model, **kwargs)
         kwargs = {"input_ids": input_ids, "attention_mask": self.mask, "position_ids": positions,
                   self.cache_keyword: self.cache, "use_cache": True}
         if prefill and self.last_logits_only:
@@ -231,6 +251,10 @@ class DecodeLane:
             tensor.copy_(value)
 
     def _cache_counters(self) -> list[torch.Tensor]:
-        """The cache layers' write counters (tensors transformers' static layers advance in place)."""
-        counters = (getattr(layer, "cumulative_length", None) for layer in getattr(self.cache, "layers", ()))
+        """The cache layers' write counters (tensors transformers' static layers advance in place), of both caches
+        of an encoder-decoder."""
+        caches = [getattr(self.cache, name, None) for name in ("self_attention_cache", "cross_attention_cache")]
+        layers = [layer for cache in caches if cache is not None for layer in cache.layers] or \
+            list(getattr(self.cache, "layers", ()))
+        counters = (getattr(layer, "cumulative_length", None) for layer in layers)
         return [c for c in counters if isinstance(c, torch.Tensor)]

@@ -1,5 +1,6 @@
-"""How a transformers causal LM is called for generation: which models take the fast path, the keyword its
-forward takes the KV cache by, and the static cache itself. Everything version-dependent about transformers is here."""
+"""How a transformers model is called for generation: which models take the fast path (causal LMs, and
+encoder-decoders such as T5), the keyword its forward takes the KV cache by, and the static caches. Everything
+version-dependent about transformers is here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn as nn
 
 __all__ = ["why_not_generative", "cache_keyword", "takes_logits_to_keep", "new_static_cache", "cache_bytes",
-           "default_max_length"]
+           "default_max_length", "is_encoder_decoder", "decoder_start_token"]
 
 _DEFAULT_MAX_LENGTH = 4096
 
@@ -20,8 +21,8 @@ def why_not_generative(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     if config is None or not callable(getattr(model, "generate", None)):
         return f"{type(model).__name__} is not a transformers model with generate()"
-    if getattr(config, "is_encoder_decoder", False):
-        return "encoder-decoder models (T5's cross-attention cache) generate through transformers' own loop"
+    if is_encoder_decoder(model) and not _takes_encoder_outputs(model):
+        return f"{type(model).__name__}.forward takes no encoder_outputs and decoder_input_ids"
     if not _static_cache_class():
         return "this transformers version has no StaticCache"
     if cache_keyword(model) is None:
@@ -30,6 +31,25 @@ def why_not_generative(model: nn.Module) -> str | None:
         return ("attention layers with a rolling cache (chunked or other sliding kinds): transformers counts their "
                 "tokens in a Python int, which a compiled or captured decode step would freeze")
     return None
+
+
+def is_encoder_decoder(model: nn.Module) -> bool:
+    return bool(getattr(model.config, "is_encoder_decoder", False))
+
+
+def _takes_encoder_outputs(model: nn.Module) -> bool:
+    parameters = inspect.signature(model.forward).parameters
+    return callable(getattr(model, "get_encoder", None)) and {"encoder_outputs", "decoder_input_ids",
+                                                              "decoder_attention_mask"} <= parameters.keys()
+
+
+def decoder_start_token(model: nn.Module) -> int:
+    """The token an encoder-decoder's output starts with (its generation config's, else its config's, else 0)."""
+    for source in (getattr(model, "generation_config", None), model.config):
+        token = getattr(source, "decoder_start_token_id", None)
+        if token is not None:
+            return int(token)
+    return 0
 
 
 def _has_sliding_layers(model: nn.Module) -> bool:
@@ -74,31 +94,48 @@ def default_max_length(model: nn.Module) -> int:
     return getattr(model.config, "max_position_embeddings", None) or _DEFAULT_MAX_LENGTH
 
 
-def new_static_cache(model: nn.Module, batch: int, length: int, device: torch.device, dtype: torch.dtype) -> Any:
-    """A transformers ``StaticCache`` of ``batch`` x ``length`` tokens, allocated now; running out of memory for it
-    is an error naming its size."""
+def new_static_cache(model: nn.Module, batch: int, length: int, device: torch.device, dtype: torch.dtype,
+                     encoder_length: int | None = None) -> Any:
+    """A transformers ``StaticCache`` of ``batch`` x ``length`` tokens, allocated now (with ``encoder_length``: an
+    ``EncoderDecoderCache`` whose cross-attention cache holds that many encoder tokens); running out of memory for
+    it is an error naming its size."""
+    caches = [_allocated_cache(model, batch, n, device, dtype) for n in (length, encoder_length) if n]
+    if encoder_length is None:
+        return caches[0]
+    from transformers import EncoderDecoderCache
+
+    return EncoderDecoderCache(*caches)
+
+
+def _allocated_cache(model: nn.Module, batch: int, length: int, device: torch.device, dtype: torch.dtype) -> Any:
     cache = _with_full_length_layers(_static_cache_class()(config=model.config, max_cache_len=length), length)
-    config = model.config.get_text_config(decoder=True)
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers, heads, head_dim = _kv_shape(model)
     try:
         cache.early_initialization(batch_size=batch, num_heads=heads, head_dim=head_dim, dtype=dtype, device=device)
     except torch.OutOfMemoryError as error:
         size = cache_bytes(model, batch, length, dtype) / 2**30
         raise torch.OutOfMemoryError(
-            f"the static KV cache for generation ({batch} sequences x {length} tokens x "
-            f"{config.num_hidden_layers} layers, {size:.2f} GiB) does not fit on {device}: lower "
-            "generation.max_length or generation.batch_buckets") from error
+            f"the static KV cache for generation ({batch} sequences x {length} tokens x {layers} layers, "
+            f"{size:.2f} GiB) does not fit on {device}: lower generation.max_length or generation.batch_buckets"
+        ) from error
     return cache
+
+
+def _kv_shape(model: nn.Module) -> tuple[int, int, int]:
+    """(decoder layers, key/value heads, head dim) of the model's caches."""
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = (getattr(config, "head_dim", None) or getattr(config, "d_kv", None)
+                or config.hidden_size // config.num_attention_heads)
+    layers = getattr(config, "num_decoder_layers", None) or config.num_hidden_layers
+    return layers, heads, head_dim
 
 
 def cache_bytes(model: nn.Module, batch: int, length: int, dtype: torch.dtype) -> int:
     """Bytes of keys and values a static cache of ``batch`` x ``length`` tokens holds (sliding layers as full)."""
-    config = model.config.get_text_config(decoder=True)
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers, heads, head_dim = _kv_shape(model)
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * batch * heads * length * head_dim * element
+    return 2 * layers * batch * heads * length * head_dim * element
 
 
 def _static_cache_class() -> Any:

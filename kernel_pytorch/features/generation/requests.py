@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from kernel_pytorch.features.generation.lane import MAX_EOS_TOKENS
+from kernel_pytorch.features.generation.model_calls import is_encoder_decoder
 from kernel_pytorch.features.generation.sampling import SamplingSettings
 
 __all__ = ["LoopRequest", "loop_request"]
@@ -59,7 +60,7 @@ def loop_request(model: nn.Module, inputs: Any, generation_config: Any, kwargs: 
     reason = _unhonoured_setting(config)
     if reason:
         return reason
-    prompt = input_ids.shape[1]
+    prompt = 1 if is_encoder_decoder(model) else input_ids.shape[1]  # the decoder's length: its start token
     max_new = config.max_new_tokens if config.max_new_tokens is not None else (config.max_length or 20) - prompt
     if max_new <= 0:
         return f"max_length={config.max_length} leaves no new token after a prompt of {prompt}"
