@@ -89,3 +89,20 @@ def test_sampling_steps_replay_from_cuda_graphs_with_fresh_random_numbers():
                             temperature=1.5) for _ in range(2)]
     assert not torch.equal(*draws)  # each replay draws new random numbers
     assert all("sample" in lane.graphs for lane in model.generate.decoder.lanes.values())
+
+
+@torch.no_grad()
+def test_t5_float32_tokens_equal_the_unoptimized_model_with_graphs():
+    import transformers
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).cuda().eval()
+    reference = copy.deepcopy(model)
+    optimized = kernel_pytorch.optimize(model)
+    input_ids = torch.randint(2, 64, (3, 11), device="cuda")
+    expected = reference.generate(input_ids, max_new_tokens=16, do_sample=False)
+    assert torch.equal(optimized.generate(input_ids, max_new_tokens=16, do_sample=False), expected)
+    assert all("greedy" in lane.graphs for lane in optimized.generate.decoder.lanes.values())
