@@ -31,7 +31,7 @@ def _eager_first_step(model, input_ids, attention_mask):
     return out.logits[:, -1].float(), tokens[:, 0], step.logits[:, -1].float()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
 @torch.no_grad()
 def test_first_decode_step_within_bf16_tolerance_of_eager(family):
     model = causal_lm(family).to("cuda", torch.bfloat16)
