@@ -86,8 +86,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import (RESULTS_DIR, environment, measure, same_device_models, save_figure,  # noqa: E402
-                                write_final_result, write_result)
+from benchmarks.harness import (environment, measure, same_device_models, save_figure,  # noqa: E402
+                                scaled_run_args, scaled_run_parser, write_final_result, write_result)
 from kernel_pytorch.errors import first_line  # noqa: E402
 
 EAGER = "transformers eager"
@@ -715,19 +715,13 @@ def plot(payload: dict, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------- main
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1b only, batch 1, 64 new tokens")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cpu: a smoke run of the whole flow on a tiny fp32 model (no measurement)")
+    parser = scaled_run_parser(__doc__, "1b only, batch 1, 64 new tokens")
     parser.add_argument("--models", nargs="+", choices=list(MODEL_SIZES), default=None,
                         help="default: 1b 7b; with --quick or --device cpu 1b")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
     parser.add_argument("--batches", nargs="+", type=int, default=None, help="default: 1 8 32; --quick 1")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--fresh", action="store_true", help="do not merge into the existing result file")
-    args = parser.parse_args(argv)
-    if args.quick and args.device == "cpu":
-        parser.error("--quick and --device cpu are two different reductions; choose one")
+    args = scaled_run_args(parser, argv)
     if args.models is None:
         args.models = ["1b"] if args.quick or args.device == "cpu" else list(MODEL_SIZES)
     if args.batches is not None and min(args.batches) < 1:

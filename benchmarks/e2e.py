@@ -68,8 +68,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import (RESULTS_DIR, environment, measure, same_device_models, save_figure,  # noqa: E402
-                                write_final_result, write_result)
+from benchmarks.harness import (environment, measure, same_device_models, save_figure,  # noqa: E402
+                                scaled_run_args, scaled_run_parser, write_final_result, write_result)
 from kernel_pytorch.testing import LlamaStyleConfig, LlamaStyleLM  # noqa: E402
 
 EAGER, COMPILE, OURS = "eager", "torch.compile", "optimize"
@@ -566,20 +566,14 @@ def plot(payload: dict, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------- main
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 layers, small batches, fewer runs")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cpu: a smoke run of the whole flow on tiny fp32 models (no measurement)")
+    parser = scaled_run_parser(__doc__, "2 layers, small batches, fewer runs")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=None,
                         help=f"default: all; with --quick {' '.join(QUICK_MODELS)}")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS),
                         help="a subset (a model runs those of its providers that are named)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--fresh", action="store_true", help="do not merge into the existing result file")
-    args = parser.parse_args(argv)
-    if args.quick and args.device == "cpu":
-        parser.error("--quick and --device cpu are two different reductions; choose one")
+    args = scaled_run_args(parser, argv)
     if args.models is None:
         args.models = list(QUICK_MODELS if args.quick else MODELS)
     return args

@@ -6,6 +6,7 @@ larger than the H100's 50 MB and H200's 60 MB L2), so that inputs are read from 
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import platform
@@ -22,7 +23,8 @@ import torch
 from kernel_pytorch.timing import captured_calls
 
 __all__ = ["Timing", "measure", "measure_gpu_time", "host_us_per_call", "environment", "write_result", "timing_dict",
-           "same_device_models", "save_figure", "write_final_result", "RESULTS_DIR"]
+           "same_device_models", "save_figure", "write_final_result", "scaled_run_parser", "scaled_run_args",
+           "RESULTS_DIR"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _L2_FLUSH_BYTES = 256 * 2**20
@@ -131,6 +133,25 @@ def earlier_parts(path: Path, parts: Iterable[str]) -> dict[str, Any]:
     recorded = earlier.get("environments", {})
     environments = {part: recorded.get(part, earlier.get("environment")) for part in kept}
     return {**kept, "environments": environments} if kept else {}
+
+
+def scaled_run_parser(description: str, quick_help: str) -> argparse.ArgumentParser:
+    """The options every whole-model benchmark shares: ``--quick`` (``quick_help`` says what it reduces),
+    ``--device cpu`` (a smoke run of the flow on tiny fp32 models) and ``--out``; see :func:`scaled_run_args`."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: a smoke run of the whole flow on tiny fp32 models (no measurement)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    return parser
+
+
+def scaled_run_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parsed, refusing ``--quick`` with ``--device cpu`` (two different reductions)."""
+    args = parser.parse_args(argv)
+    if args.quick and args.device == "cpu":
+        parser.error("--quick and --device cpu are two different reductions; choose one")
+    return args
 
 
 def same_device_models(path: Path, fresh: bool) -> dict[str, Any]:

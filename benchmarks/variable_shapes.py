@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import RESULTS_DIR, save_figure, write_final_result, write_result  # noqa: E402
+from benchmarks.harness import (save_figure, scaled_run_args, scaled_run_parser, write_final_result,  # noqa: E402
+                                write_result)
 from kernel_pytorch.features.shape_buckets.ladder import (auto_batch_buckets, auto_length_buckets,  # noqa: E402
                                                           bucket_for)
 
@@ -282,18 +283,12 @@ def plot(payload: dict, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------- main
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 layers, 300 requests")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cpu: a smoke run of the whole flow on a tiny fp32 model (no measurement)")
+    parser = scaled_run_parser(__doc__, "2 layers, 300 requests")
     parser.add_argument("--requests", type=int, default=None, help="how many requests (default by scale)")
     parser.add_argument("--max-batch", type=int, default=None, help="largest request batch (default 32)")
     parser.add_argument("--max-length", type=int, default=None, help="longest request (default 512)")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
-    args = parser.parse_args(argv)
-    if args.quick and args.device == "cpu":
-        parser.error("--quick and --device cpu are two different reductions; choose one")
+    args = scaled_run_args(parser, argv)
     return args
 
 
