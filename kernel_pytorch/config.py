@@ -202,15 +202,17 @@ class MemoryConfig(ConfigModel):
 
 
 class GenerationConfig(ConfigModel):
-    """Fast ``model.generate()`` for transformers causal LMs: ``optimize(model, generation=GenerationConfig(...))``,
-    a dict of these fields, or True / False / 'auto' for ``enabled`` (``kernel_pytorch.features.generation``)."""
+    """Fast ``model.generate()`` for transformers causal LMs and encoder-decoders: ``optimize(model,
+    generation=GenerationConfig(...))``, a dict of these fields, or True / False / 'auto' for ``enabled``
+    (``kernel_pytorch.features.generation``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool | Literal["auto"] = Field(
         "auto", description="Replace the model's generate() by a static-KV-cache decode loop (CUDA graphs on NVIDIA "
         "GPUs) where the request allows, transformers' own loop with a report line where it does not. 'auto': on "
-        "for decoder-only transformers models that can generate; True also says why a model cannot."
+        "for transformers models that can generate (causal LMs, encoder-decoders); True also says why a model "
+        "cannot."
     )
     max_length: PositiveInt | None = Field(
         None, description="The most tokens (prompt + new tokens) a request's KV cache may hold; None: the model's "
@@ -338,7 +340,8 @@ class OptimizeConfig(ConfigModel):
         "offload (MemoryConfig, or a dict of its fields): off by default."
     )
     generation: GenerationConfig = Field(
-        default_factory=GenerationConfig, description="Fast generate() for transformers causal LMs: static KV "
+        default_factory=GenerationConfig, description="Fast generate() for transformers causal LMs and "
+        "encoder-decoders: static KV "
         "cache, decode steps replayed from CUDA graphs (GenerationConfig, a dict of its fields, or True / False / "
         "'auto' for its enabled field): 'auto' by default."
     )
