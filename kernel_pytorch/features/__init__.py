@@ -1,7 +1,8 @@
 """Optional capabilities of ``optimize``, each one :class:`Feature` (``features/base.py`` gives the hooks).
 
 Registration order is the order ``optimize`` runs their hooks in, and the order their wrappers nest around the
-compiled call: the memory wrappers inside, context parallelism (shard in, gather out) outermost.
+compiled call: the memory wrappers inside, then shape buckets (pad in, slice out), context parallelism (shard in,
+gather out) outermost. Generation wraps ``model.generate``, not the call.
 """
 
 from kernel_pytorch.features.base import Feature, OptimizeRun, enabled_features, register_feature, registered_features
