@@ -1,4 +1,5 @@
-"""``Decoder``: static-KV-cache decoding of a transformers causal LM, for ``generate()`` and for plain loops.
+"""``Decoder``: static-KV-cache decoding of a transformers causal LM or encoder-decoder, for ``generate()`` and
+for plain loops.
 
     decoder = kernel_pytorch.Decoder(model)                 # the model optimized or not
     logits = decoder.prefill(input_ids, attention_mask, max_new_tokens=64)
