@@ -19,7 +19,8 @@ import torch.nn as nn
 from kernel_pytorch.compiled_call import call_module, compiled_entry
 from kernel_pytorch.errors import first_line
 from kernel_pytorch.features.generation.sampling import SamplingSettings, draw, warped_scores
-from kernel_pytorch.features.generation.model_calls import cache_keyword, new_static_cache, takes_logits_to_keep
+from kernel_pytorch.features.generation.model_calls import (cache_keyword, is_encoder_decoder, new_static_cache,
+                                                             takes_logits_to_keep)
 
 __all__ = ["DecodeLane", "TokenLoop", "ModelCalls", "MAX_EOS_TOKENS"]
 
@@ -34,14 +35,17 @@ class ModelCalls:
 
     prefill: Callable[..., Any]
     step: Callable[..., Any]
+    encode: Callable[..., Any]  # an encoder-decoder's encoder: ``encode(encoder, **kwargs)``
 
     @classmethod
     def of(cls, model: nn.Module, backend: Callable[..., Any] | str | None) -> ModelCalls:
         """Compiled through ``backend`` (an optimized model's own: its passes and verification), each call with a
         dynamo cache of its own; without a backend the model runs as it is, still from a static cache."""
         if backend is None:
-            return cls(call_module, call_module)
-        return cls(compiled_entry(model, backend, dynamic=True), compiled_entry(model, backend, dynamic=True))
+            return cls(call_module, call_module, call_module)
+        encoder = model.get_encoder() if is_encoder_decoder(model) else None
+        return cls(*(compiled_entry(module, backend, dynamic=True) if module is not None else call_module
+                     for module in (model, model, encoder)))
 
 
 class TokenLoop:
@@ -128,7 +132,7 @@ class DecodeLane:
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.mask = torch.zeros(batch, length, dtype=torch.long, device=self.device)
         self.write_index = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.prefill_call, self.step_call = calls.prefill, calls.step
+        self.prefill_call, self.step_call, self.encode_call = calls.prefill, calls.step, calls.encode
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[str, torch.Tensor] = {}
@@ -139,10 +143,11 @@ class DecodeLane:
     # -- prefill ---------------------------------------------------------------------------------------------
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        """An encoder-decoder's encoder, once per request (the model's own module, not compiled): its output and
-        mask go into the lane's buffers, zero padded (masked) up to ``encoder_length``."""
+        """An encoder-decoder's encoder, once per request (compiled like the decoder): its output and mask go into
+        the lane's buffers, zero padded (masked) up to ``encoder_length``."""
         length = input_ids.shape[1]
-        states = self.model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        encoder = self.model.get_encoder()
+        states = self.encode_call(encoder, input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         self.encoder_states.zero_()
         self.encoder_states[:, :length] = states
         self.encoder_mask.zero_()
