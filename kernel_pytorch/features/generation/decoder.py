@@ -91,7 +91,7 @@ class Decoder:
         """Feed one token per sequence (batch,): the next logits (batch x vocab; a buffer the next step reuses)."""
         if self.lane is None:
             raise RuntimeError("Decoder.step() before prefill(): start a request with prefill(input_ids)")
-        if self.lane.write_index.item() >= self.lane.length:
+        if self.lane.next_slot >= self.lane.length:
             raise GenerationLimitError(f"the KV cache of {self.lane.length} tokens is full: pass a larger "
                                        "max_new_tokens to prefill() (at most generation max_length="
                                        f"{self.max_length})")

@@ -22,9 +22,8 @@ from kernel_pytorch.features.generation.sampling import SamplingSettings, draw, 
 from kernel_pytorch.features.generation.model_calls import (cache_keyword, is_encoder_decoder, new_static_cache,
                                                              takes_logits_to_keep)
 
-__all__ = ["DecodeLane", "TokenLoop", "ModelCalls", "MAX_EOS_TOKENS"]
+__all__ = ["DecodeLane", "TokenLoop", "ModelCalls"]
 
-MAX_EOS_TOKENS = 8  # a request with more EOS ids takes transformers' loop
 _WARMUP_STEPS = 2  # before capture: compiles the step and lets lazily made kernels and workspaces exist
 
 
@@ -58,7 +57,7 @@ class TokenLoop:
         self.alive = torch.zeros(max_new, dtype=torch.long, device=device)  # unfinished rows after each step
         self.step = torch.zeros(1, dtype=torch.long, device=device)
         self.min_new = torch.zeros(1, dtype=torch.long, device=device)
-        self.eos = torch.full((MAX_EOS_TOKENS,), -1, dtype=torch.long, device=device)  # -1 never matches a token
+        self.is_eos: torch.Tensor | None = None  # (vocab,) bool, made at the first request (the logits' width)
         self.pad = torch.zeros(1, dtype=torch.long, device=device)
         self.sampling = False
         self.temperature = torch.ones(1, device=device)
@@ -74,8 +73,11 @@ class TokenLoop:
         self.alive.zero_()
         self.step.zero_()
         self.min_new.fill_(min_new)
-        self.eos.fill_(-1)
-        self.eos[:len(eos)] = torch.tensor(eos, dtype=torch.long)
+        vocab = prefill_logits.shape[-1]
+        if self.is_eos is None:  # made once, before any step is captured: the graphs read this tensor
+            self.is_eos = torch.zeros(vocab, dtype=torch.bool, device=prefill_logits.device)
+        self.is_eos.zero_()
+        self.is_eos[[token for token in eos if 0 <= token < vocab]] = True
         self.pad.fill_(pad)
         self.sampling = sampling is not None
         if sampling is not None:
@@ -92,9 +94,7 @@ class TokenLoop:
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token, greedy or sampled; EOS forbidden before ``min_new`` tokens (as transformers'
         MinNewTokensLogitsProcessor, which runs before the sampling warpers)."""
-        too_early = (self.step < self.min_new).unsqueeze(-1) & _is_eos(torch.arange(logits.shape[-1],
-                                                                                     device=logits.device), self.eos)
-        logits = logits.masked_fill(too_early, float("-inf"))
+        logits = logits.masked_fill((self.step < self.min_new) & self.is_eos, float("-inf"))
         if not self.sampling:
             return logits.argmax(-1)
         return draw(warped_scores(logits, self.temperature, self.top_k, self.top_p))
@@ -103,14 +103,10 @@ class TokenLoop:
         """Store this step's tokens (pad once a row finished, as transformers does) and return them."""
         tokens = torch.where(self.unfinished, tokens, self.pad)
         self.generated.index_copy_(1, self.step, tokens.unsqueeze(1))
-        self.unfinished &= ~_is_eos(tokens, self.eos)
+        self.unfinished &= ~self.is_eos[tokens]
         self.alive.index_copy_(0, self.step, self.unfinished.sum().reshape(1))
         self.step += 1
         return tokens
-
-
-def _is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
-    return (tokens.unsqueeze(-1) == eos).any(-1)
 
 
 class DecodeLane:
@@ -132,6 +128,7 @@ class DecodeLane:
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.mask = torch.zeros(batch, length, dtype=torch.long, device=self.device)
         self.write_index = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.next_slot = 0  # write_index as the host knows it: checking the cache is not full needs no sync
         self.prefill_call, self.step_call, self.encode_call = calls.prefill, calls.step, calls.encode
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
@@ -170,6 +167,7 @@ class DecodeLane:
         out = self._forward(self.prefill_call, input_ids, positions, prefill=True)
         self.positions.copy_(positions[:, -1:] + 1)
         self.write_index.fill_(prompt_length)
+        self.next_slot = prompt_length
         return out.logits[:, -1]
 
     # -- decode steps ----------------------------------------------------------------------------------------
@@ -177,11 +175,13 @@ class DecodeLane:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """One decode step for ``tokens`` (``batch``): the next position's logits (a buffer, overwritten next step)."""
         self.tokens.copy_(tokens.reshape(self.batch, 1))
+        self.next_slot += 1
         return self._run("logits")
 
     def loop_steps(self, count: int) -> None:
         """``count`` steps of the token loop; each feeds its token to the next (``self.loop`` holds the tokens)."""
         kind = "sample" if self.loop.sampling else "greedy"
+        self.next_slot += count
         for _ in range(count):
             self._run(kind)
 

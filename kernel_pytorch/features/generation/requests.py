@@ -10,7 +10,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from kernel_pytorch.features.generation.lane import MAX_EOS_TOKENS
 from kernel_pytorch.features.generation.model_calls import is_encoder_decoder
 from kernel_pytorch.features.generation.sampling import SamplingSettings
 
@@ -65,8 +64,6 @@ def loop_request(model: nn.Module, inputs: Any, generation_config: Any, kwargs: 
     if max_new <= 0:
         return f"max_length={config.max_length} leaves no new token after a prompt of {prompt}"
     eos = _token_list(config.eos_token_id)
-    if len(eos) > MAX_EOS_TOKENS:
-        return f"{len(eos)} EOS token ids (the loop takes at most {MAX_EOS_TOKENS})"
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     if attention_mask is None:
         attention_mask = _inferred_attention_mask(input_ids, config.pad_token_id, eos)
