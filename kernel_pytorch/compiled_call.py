@@ -40,7 +40,7 @@ from torch._dynamo.exc import TorchDynamoException
 from kernel_pytorch.errors import KernelPytorchError, first_line
 
 __all__ = ["CompiledCall", "GraphRun", "RecompileLimitWarning", "UnoptimizedCallWarning", "call_module", "compiled_entry",
-           "install"]
+           "call_in_chain", "entry_recompile_limit", "install"]
 
 # TorchDynamo's default limit (8) is for one function; a model's call contract needs more variants: a
 # transformers generate() alone is captured with and without a cache, for prefill and decode, and at
@@ -103,6 +103,19 @@ def compiled_entry(model: nn.Module, backend: Callable[..., Any], dynamic: bool 
 def _compile_takes_recompile_limit() -> bool:
     return "recompile_limit" in inspect.signature(torch.compile).parameters  # torch >= 2.13
 
+
+def entry_recompile_limit() -> int:
+    """How many variants TorchDynamo captures of one compiled entry: RECOMPILE_LIMIT where torch.compile takes a
+    limit per function (torch >= 2.13), else Dynamo's global limit."""
+    return RECOMPILE_LIMIT if _compile_takes_recompile_limit() else torch._dynamo.config.recompile_limit
+
+
+def call_in_chain(call: Any, kinds: type | tuple[type, ...]) -> Any:
+    """The first call of type ``kinds`` in a model's ``_compiled_call_impl`` chain, or None: the wrappers around the
+    compiled call (activation offload, shape buckets, context parallelism) each keep the call they wrap as ``inner``."""
+    while call is not None and not isinstance(call, kinds):
+        call = getattr(call, "inner", None)
+    return call
 
 class CompiledCall:
     """``model._compiled_call_impl`` after ``optimize``: ``call(*args, **kwargs)`` runs the model compiled.

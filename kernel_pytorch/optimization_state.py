@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from kernel_pytorch.compiled_call import CompiledCall, install
+from kernel_pytorch.compiled_call import CompiledCall, call_in_chain, install
 from kernel_pytorch.report import OptimizationReport
 
 __all__ = ["AroundCall", "OptimizationState"]
@@ -60,9 +60,7 @@ class OptimizationState:
         line, and ``optimize`` optimizes the model again."""
         if not self.active:
             return False
-        call = self.model._compiled_call_impl
-        while call is not None and not isinstance(call, (CompiledCall, _InstallAtFirstCall)):
-            call = getattr(call, "inner", None)  # the wrappers around it (activation offload, context parallel)
+        call = call_in_chain(self.model._compiled_call_impl, (CompiledCall, _InstallAtFirstCall))
         if call is None:
             self.active = False
             self.unoptimized_because = ("its compiled call was replaced (by model.compile() or an assignment to "

@@ -11,13 +11,12 @@ argument sizes unlike the first call's) go to the compiled call found inside, as
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from kernel_pytorch.compiled_call import RECOMPILE_LIMIT, CompiledCall
+from kernel_pytorch.compiled_call import CompiledCall, call_in_chain, entry_recompile_limit
 from kernel_pytorch.errors import KernelPytorchError
 from kernel_pytorch.features.shape_buckets.ladder import Ladder, bucket_for
 from kernel_pytorch.features.shape_buckets.padding import (CallShape, NamedCall, Parameters, argument_dims,
@@ -145,9 +144,7 @@ class ShapeBucketCall:
         return entry
 
     def _compiled_call(self) -> CompiledCall:
-        call = self.inner
-        while call is not None and not isinstance(call, CompiledCall):
-            call = getattr(call, "inner", None)
+        call = call_in_chain(self.inner, CompiledCall)
         if call is None:
             raise KernelPytorchError("shape_buckets found no compiled call inside its wrapper")
         return call
@@ -168,9 +165,7 @@ class ShapeBucketCall:
 
 def bucket_call(model: nn.Module) -> ShapeBucketCall:
     """The :class:`ShapeBucketCall` in ``model``'s chain of calls."""
-    call = getattr(model, "_compiled_call_impl", None)
-    while call is not None and not isinstance(call, ShapeBucketCall):
-        call = getattr(call, "inner", None)
+    call = call_in_chain(getattr(model, "_compiled_call_impl", None), ShapeBucketCall)
     if call is None:
         raise ValueError(f"{type(model).__name__} was not optimized with shape_buckets (optimize(model, "
                          "shape_buckets='auto'))")
@@ -187,9 +182,7 @@ def _continues_a_sequence(call: NamedCall) -> bool:
 def graphs_per_entry() -> int:
     """Buckets per compiled entry: half the recaptures TorchDynamo allows it (its recompile limit), the other half
     left for each bucket's graph in the other grad mode."""
-    limit = RECOMPILE_LIMIT if "recompile_limit" in inspect.signature(torch.compile).parameters else \
-        torch._dynamo.config.recompile_limit  # torch < 2.13 takes no limit per compiled function
-    return max(1, limit // 2)
+    return max(1, entry_recompile_limit() // 2)
 
 
 def _grad_mode(training: bool) -> Any:
