@@ -298,8 +298,8 @@ class GraphOptimizer:
         without_graphs = self.compiler.name == "inductor" and not self.compiler.uses_cuda_graphs
         for feature in self.features:
             note = feature.compile_note(gm, training, without_graphs)
-            if note is not None and note not in self.report.notes:
-                self.report.notes.append(note)
+            if note is not None:
+                self.report.note(note)
         if without_graphs and attention_only(gm):
             self.report.notes.append(f"{name}: run eagerly, not by Inductor: its only compute is fused attention, "
                                      "which Inductor would call as it is (this saves its wrapper's host time)")

@@ -39,8 +39,8 @@ from torch._dynamo.exc import TorchDynamoException
 
 from kernel_pytorch.errors import KernelPytorchError, first_line
 
-__all__ = ["CompiledCall", "GraphRun", "RecompileLimitWarning", "UnoptimizedCallWarning", "call_module", "compiled_entry",
-           "call_in_chain", "entry_recompile_limit", "install"]
+__all__ = ["CompiledCall", "GraphRun", "RecompileLimitWarning", "UnoptimizedCallWarning", "call_module",
+           "compiled_entry", "call_in_chain", "entry_recompile_limit", "install"]
 
 # TorchDynamo's default limit (8) is for one function; a model's call contract needs more variants: a
 # transformers generate() alone is captured with and without a cache, for prefill and decode, and at
@@ -201,8 +201,7 @@ class CompiledCall:
         return out
 
     def _note(self, text: str) -> None:
-        if text not in self.report.notes:
-            self.report.notes.append(text)
+        self.report.note(text)
 
 
 class _InFlight:

@@ -128,6 +128,15 @@ class OptimizationReport(BaseModel):
     shape_buckets: list[ShapeBucketRecord] = Field(default_factory=list, description="the shape buckets that served "
                                                    "calls, in the order first hit")
 
+    def note(self, text: str) -> None:
+        """Add ``text`` to the notes once (a path that runs at every call, or again on a copy, says it once)."""
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def set_note(self, prefix: str, text: str) -> None:
+        """Replace the note starting with ``prefix`` by ``text`` (a line kept current, e.g. counts per call)."""
+        self.notes[:] = [note for note in self.notes if not note.startswith(prefix)] + [text]
+
     def add_time(self, phase: str, seconds: float) -> None:
         self.timings_s[phase] = round(self.timings_s.get(phase, 0.0) + seconds, 6)
 

@@ -91,8 +91,7 @@ def _wrap_compiled_call(model: nn.Module, report, *, config) -> None:
             "gathered; parameter gradients averaged over the group. Per-graph verification is off (a sharded "
             "graph differs from the captured one by design); the end-to-end check compares with the unsharded "
             "model on the full example inputs")
-    if note not in report.notes:  # a copy of the model installs it again, with its report copied
-        report.notes.append(note)
+    report.note(note)  # once: a copy of the model installs it again, with its report copied
 
 
 class ContextParallelCall:

@@ -61,15 +61,14 @@ class FastGenerate:
 
     def _note(self, text: str) -> None:
         state = getattr(self.model, "_kernel_pytorch", None)
-        if state is not None and text not in state.report.notes:
-            state.report.notes.append(text)
+        if state is not None:
+            state.report.note(text)
 
     def _set_lanes_line(self, line: str) -> None:
         """The report's one line on the lanes (their requests and cache memory), replaced at each request."""
         state = getattr(self.model, "_kernel_pytorch", None)
         if state is not None:
-            notes = state.report.notes
-            notes[:] = [note for note in notes if not note.startswith(_LANES_LINE)] + [line]
+            state.report.set_note(_LANES_LINE, line)
 
     def __reduce__(self) -> tuple:
         # A copy of the model (deepcopy, pickle) gets a FastGenerate of its own: no caches, no CUDA graphs.

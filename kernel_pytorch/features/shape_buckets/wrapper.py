@@ -71,7 +71,7 @@ class ShapeBucketCall:
         call = with_attention_mask(call, shape, lead_tensor(call).device) if ladder.length else call
         dims = argument_dims(call, shape, self.plan.verdict.arguments)
         if dims is None:
-            self._note_once(f"{NOTE_PREFIX}: a call whose argument sizes do not follow its lead argument's batch and "
+            self.report.note(f"{NOTE_PREFIX}: a call whose argument sizes do not follow its lead argument's batch and "
                             "length as the first call's did ran unbucketed")
             return self.inner(*args, **kwargs)
         bucket = self._bucket(shape, ladder)
@@ -128,7 +128,7 @@ class ShapeBucketCall:
             fix = f"raise shape_buckets.max_{dim}" if auto else f"add a larger bucket to shape_buckets.{dim}"
             raise ShapeBucketError(f"a {dim} of {size} is larger than the largest {dim} bucket ({buckets[-1]}): {fix}, "
                                    "or set shape_buckets.beyond_largest='new_bucket'")
-        self._note_once(f"{NOTE_PREFIX}: a {dim} of {size}, above the largest bucket ({buckets[-1]}), was served as a "
+        self.report.note(f"{NOTE_PREFIX}: a {dim} of {size}, above the largest bucket ({buckets[-1]}), was served as a "
                         "bucket of its own (beyond_largest='new_bucket')")
         return size
 
@@ -157,10 +157,6 @@ class ShapeBucketCall:
         record.calls += 1
         record.real_elements += shape.batch * (shape.length or 1)
         record.padded_elements += bucket.batch * (bucket.length or 1)
-
-    def _note_once(self, text: str) -> None:
-        if text not in self.report.notes:
-            self.report.notes.append(text)
 
 
 def bucket_call(model: nn.Module) -> ShapeBucketCall:
@@ -212,4 +208,4 @@ def set_note(report: OptimizationReport, plan: BucketPlan) -> None:
         text = (f"{NOTE_PREFIX}: {served.describe()}, compiled entries of at most {graphs_per_entry()} buckets of one "
                 f"batch size; {verdict.measured}; calls and padding waste in the shape buckets table"
                 + "".join(f". {line}" for line in refused))
-    report.notes[:] = [note for note in report.notes if not note.startswith(NOTE_PREFIX)] + [text]
+    report.set_note(NOTE_PREFIX, text)
