@@ -130,14 +130,20 @@ def _training_errors(model, reference, x: torch.Tensor) -> tuple[float, str, flo
     return rel_err(out, expected), worst, errors[worst]
 
 
+def _optimized_window(model: Attention, x: torch.Tensor, window: int, mode: str, console: Console):
+    """A copy of ``model`` optimized on ``x``, and its attention rewrite line (printed)."""
+    optimized = optimize(copy.deepcopy(model), example_inputs=(x,))
+    line = _attention_line(optimized)
+    console.print(f"sliding window {window}, {mode} at {x.shape[1]} tokens: {escape(line)}")
+    return optimized, line
+
+
 def _sliding_window(s: Sizes, device: str, console: Console) -> Part:
     """Part 1: the window recognized, the same outputs and gradients, timed against eager."""
     torch.manual_seed(0)
     eager = Attention(s.dim, s.heads, s.window).to(device=device, dtype=s.dtype).eval()
     x = torch.randn(1, s.length, s.dim, device=device, dtype=s.dtype)
-    model = optimize(copy.deepcopy(eager), example_inputs=(x,))
-    line = _attention_line(model)
-    console.print(f"[bold]sliding window {s.window}[/], inference at {s.length} tokens: {escape(line)}")
+    model, line = _optimized_window(eager, x, s.window, "inference", console)
     if f"causal sliding window {s.window}" not in line:
         return Part(f"the window was not recognized: {line}")
     x = torch.randn_like(x)
@@ -149,9 +155,7 @@ def _sliding_window(s: Sizes, device: str, console: Console) -> Part:
     # Training: a copy optimized in train mode (the kernel is chosen for forward + backward there).
     trained = copy.deepcopy(eager).train()
     x = torch.randn(1, s.train_length, s.dim, device=device, dtype=s.dtype)
-    model_train = optimize(copy.deepcopy(trained), example_inputs=(x,))
-    train_line = _attention_line(model_train)
-    console.print(f"sliding window {s.window}, training at {s.train_length} tokens: {escape(train_line)}")
+    model_train, train_line = _optimized_window(trained, x, s.window, "training", console)
     if f"causal sliding window {s.window}" not in train_line:
         return Part(f"the window was not recognized in training: {train_line}")
     train_error, worst, grad_error = _training_errors(model_train, trained, torch.randn_like(x))
