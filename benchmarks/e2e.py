@@ -3,6 +3,8 @@
 
     python benchmarks/e2e.py [--quick | --device cpu] [--models llama_style hf_llama gpt2 bert vit]
                              [--providers ...] [--parts train inference] [--out DIR] [--fresh]
+    python benchmarks/e2e.py --models hf_llama_sdpa hf_qwen3 hf_gemma2 hf_llama_vocab128k
+                             [--parts train train_long inference] [--vocab-layers N] ...   (issue 28's set)
 
 Models (full size; ``--quick``: 2 layers and smaller batches, by default ``llama_style`` and ``bert`` only, to
 stay under two minutes of compiling; ``--device cpu``: tiny fp32 configs):
@@ -44,10 +46,34 @@ Issue 9's targets (the absolute ones at full size only): Llama-style train step 
 with FP8, inference <= 22 ms, train peak <= 13.2 GiB (transformers + SDPA + compile); and each transformers
 model faster than ``torch.compile`` of the same model. ``miss_ratio`` = value / target (> 1: missed by that factor).
 
+Issue 28's set, models as users bring them (``--models`` names only these; its own file, see below):
+
+- ``hf_llama_sdpa``: ``hf_llama``'s architecture with transformers' default attention implementation (SDPA);
+- ``hf_qwen3``: ``Qwen3ForCausalLM`` of the same sizes (12 layers, d 2048, 16 heads / 4 kv, head dim 128, ffn
+  5632, vocab 32000), its defaults otherwise (q/k norms, untied head), default attention (SDPA);
+- ``hf_gemma2``: ``Gemma2ForCausalLM`` of the same sizes (``query_pre_attn_scalar`` = head dim), its defaults
+  otherwise: attention and final-logit soft-capping, sliding window 4096 on every other layer, tied head; its
+  default attention is ``eager`` (transformers' SDPA path cannot soft-cap);
+- ``hf_llama_vocab128k``: ``hf_llama_sdpa`` with Llama 3's vocabulary (128256), ``train`` only, at 8 x 2048
+  (``--vocab-layers`` makes it shallower should it not fit). Providers ``torch.compile``, ``optimize`` and, when
+  ``liger_kernel`` is importable, Liger-Kernel's fused linear cross-entropy (only that kernel, on the model
+  instance) + ``torch.compile``; recorded as not installed otherwise.
+
+Their parts: ``train`` (4 x 2048 tokens), ``train_long`` (1 x 16384) and ``inference`` (4 x 2048). Their train
+step is the forward with ``labels=`` (transformers computes the loss inside the model, from fp32 logits),
+backward, fused AdamW step, zero_grad; ``optimize`` gets the same keyword arguments as its example inputs.
+Providers: ``eager``, ``torch.compile``, ``optimize``, each (model, part) in one process. Issue 28's targets
+against ``torch.compile`` of the same model: train >= 1.15x at 4 x 2048, >= 1.3x at 1 x 16384, inference
+>= 1.15x, peak memory no higher; at vocab 128256, peak >= 40% lower and the step no slower, and (when Liger ran)
+peak and step no worse than Liger + compile. The Gemma-2 ``train_long`` baselines are expected to run out of
+memory (eager attention materializes 16 x 16384^2 scores per layer): the error is the result.
+
 Results merge into ``--out``/e2e.json (``e2e_quick.json``, ``e2e_cpu.json``) case by case, written after
 each case, so that ``--models`` / ``--parts`` / ``--providers`` subsets run as separate commands build one
 file (``--fresh`` starts a new one; a file from another device is never merged). Also e2e.png: ms per
-provider, per model, train and inference. ``--device cpu`` is a smoke run of the whole flow (tiny fp32
+provider, per model, train and inference. Issue 28's set goes to e2e_default_attention.json (and
+``_quick`` / ``_cpu``) and its plot, ms and peak GiB per provider for each (model, part); the two sets are run
+by separate commands. ``--device cpu`` is a smoke run of the whole flow (tiny fp32
 models; ``torch.compile`` with the ``aot_eager`` backend to keep it under two minutes), not a measurement.
 """
 
@@ -56,10 +82,12 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import importlib.util
+import inspect
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +106,9 @@ OURS_FP8, OURS_FP8_AUTO = "optimize (fp8=True)", "optimize (fp8='auto')"
 # cast kernels per matmul, and their launches left the GPU idle between them.
 OURS_GRAPHS, OURS_FP8_AUTO_GRAPHS = "optimize (reduce-overhead)", "optimize (fp8='auto', reduce-overhead)"
 HF_SDPA_COMPILE = "transformers sdpa + torch.compile"
-PROVIDERS = (EAGER, COMPILE, OURS, OURS_FP8, OURS_FP8_AUTO, OURS_GRAPHS, OURS_FP8_AUTO_GRAPHS, HF_SDPA_COMPILE)
+LIGER_COMPILE = "Liger fused linear cross-entropy + torch.compile"
+PROVIDERS = (EAGER, COMPILE, OURS, OURS_FP8, OURS_FP8_AUTO, OURS_GRAPHS, OURS_FP8_AUTO_GRAPHS, HF_SDPA_COMPILE,
+             LIGER_COMPILE)
 # The OptimizeConfig fields each optimize provider adds.
 OPTIMIZE_OPTIONS = {OURS: {}, OURS_FP8: {"fp8": True}, OURS_FP8_AUTO: {"fp8": "auto"},
                     OURS_GRAPHS: {"compile": "reduce-overhead"},
@@ -87,7 +117,13 @@ OPTIMIZE_OPTIONS = {OURS: {}, OURS_FP8: {"fp8": True}, OURS_FP8_AUTO: {"fp8": "a
 FP8_VS_BF16 = {OURS_FP8: OURS, OURS_FP8_AUTO: OURS, OURS_FP8_AUTO_GRAPHS: OURS_GRAPHS}
 FP8_STEP_SPEEDUP_TARGET = 1.15
 PARTS = ("train", "inference")
+TRAIN_LONG = "train_long"  # issue 28's train step at 1 x 16384 tokens
+ALL_PARTS = ("train", TRAIN_LONG, "inference")
 GIB = 2**30
+
+# Issue 28's targets: optimize against torch.compile of the same model.
+SPEEDUP_TARGETS = {"train": 1.15, TRAIN_LONG: 1.3, "inference": 1.15}
+LARGE_VOCAB_PEAK_REDUCTION = 0.40  # vocab 128256: peak at least 40% lower than compile's
 
 # Issue 9, measured on an H100 for the full-size Llama-style model (context in the JSON, not our results).
 ISSUE_REFERENCE_MS = {"train": {EAGER: 192.8, COMPILE: 97.5, HF_SDPA_COMPILE: 80.8},
@@ -104,6 +140,7 @@ class Setup:
     runs: int
     warmup: int  # calls after the first (timed apart) and before the timed ones
     compile_backend: str
+    vocab_layers: int | None = None  # hf_llama_vocab128k's layers; None: those of the other models
 
 
 def make_setup(quick: bool, device: str) -> Setup:
@@ -125,6 +162,7 @@ class Workload:
     items: int  # tokens (or images) per step
     attention: tuple[int, int, int, int, int, bool]  # layers, batch, heads, seq, head_dim, causal
     info: dict[str, Any] = field(default_factory=dict)
+    loss_in_model: bool = False  # kwargs hold labels= and the model returns its loss (issue 28's set)
 
     @property
     def example_inputs(self) -> Any:
@@ -168,8 +206,9 @@ def _causal_lm(s: Setup, model: nn.Module, vocab: int, layers: int, heads: int, 
                     {**info, "batch": batch, "seq": seq, "unit": "tokens"})
 
 
-def build_llama_style(s: Setup, attn: str = "eager") -> Workload:
-    """``attn`` is unused: the model's attention is its own hand-written code (the builders share a signature)."""
+def build_llama_style(s: Setup, attn: str = "eager", part: str = "train") -> Workload:
+    """``attn`` is unused: the model's attention is its own hand-written code (the builders share a signature;
+    ``part`` too: issue 9's models use one shape for both parts)."""
     c = llama_style_config(s)
     model = _build(s, lambda: LlamaStyleLM(c))
     info = {"model": "kernel_pytorch.testing.LlamaStyleLM (plain attention, fp32 softmax, additive mask)",
@@ -189,7 +228,7 @@ def hf_llama_config(c: LlamaStyleConfig, attn: str):
         attn_implementation=attn)
 
 
-def build_hf_llama(s: Setup, attn: str = "eager") -> Workload:
+def build_hf_llama(s: Setup, attn: str = "eager", part: str = "train") -> Workload:
     import transformers
 
     c = llama_style_config(s)
@@ -200,7 +239,7 @@ def build_hf_llama(s: Setup, attn: str = "eager") -> Workload:
                       shape=_llama_shape(s))
 
 
-def build_gpt2(s: Setup, attn: str = "eager") -> Workload:
+def build_gpt2(s: Setup, attn: str = "eager", part: str = "train") -> Workload:
     import transformers
 
     size = _pick(s, dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, n_positions=1024),
@@ -215,7 +254,7 @@ def build_gpt2(s: Setup, attn: str = "eager") -> Workload:
                       info, keyword=True, shape=_pick(s, (8, 1024), (2, 1024), (2, 32)))
 
 
-def build_bert(s: Setup, attn: str = "eager") -> Workload:
+def build_bert(s: Setup, attn: str = "eager", part: str = "train") -> Workload:
     import transformers
 
     size = _pick(s, dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
@@ -236,7 +275,7 @@ def build_bert(s: Setup, attn: str = "eager") -> Workload:
                     (config.num_hidden_layers, batch, heads, seq, config.hidden_size // heads, False), info)
 
 
-def build_vit(s: Setup, attn: str = "eager") -> Workload:
+def build_vit(s: Setup, attn: str = "eager", part: str = "train") -> Workload:
     import transformers
 
     size = _pick(s, dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
@@ -259,20 +298,108 @@ def build_vit(s: Setup, attn: str = "eager") -> Workload:
                     (config.num_hidden_layers, batch, heads, seq, config.hidden_size // heads, False), info)
 
 
+# --------------------------------------------------------- issue 28: transformers models as users bring them
+
+def issue28_shape(s: Setup, part: str) -> tuple[int, int]:
+    """(batch, seq) of an issue-28 part: 4 x 2048 for ``train`` and ``inference``, 1 x 16384 for ``train_long``."""
+    if part == TRAIN_LONG:
+        return _pick(s, (1, 16384), (1, 4096), (1, 64))
+    return _pick(s, (4, 2048), (2, 1024), (2, 32))
+
+
+def large_vocab_shape(s: Setup) -> tuple[int, int]:
+    return _pick(s, (8, 2048), (2, 2048), (4, 32))
+
+
+def _with_positions(c: LlamaStyleConfig, seq: int) -> LlamaStyleConfig:
+    return replace(c, max_seq_len=max(c.max_seq_len, seq))
+
+
+def _transformers_sizes(c: LlamaStyleConfig) -> dict:
+    """The Llama-style sizes in the names LlamaConfig, Qwen3Config and Gemma2Config share; no KV cache."""
+    return dict(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim,
+                num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+                head_dim=c.head_dim, max_position_embeddings=c.max_seq_len, use_cache=False)
+
+
+def _labelled_causal_lm(s: Setup, model_class: type, config, part: str, shape: tuple[int, int]) -> Workload:
+    """A transformers causal LM built with the attention implementation its config asks for (None: the
+    default transformers picks, recorded in ``info``); in the train parts its kwargs carry ``labels=``."""
+    model = _build(s, lambda: model_class(config))
+    batch, seq = shape
+    tokens = _ints(s, config.vocab_size, batch, seq)
+    kwargs = {"input_ids": tokens} if part == "inference" else {"input_ids": tokens, "labels": tokens}
+    picked = getattr(model.config, "_attn_implementation", None)
+    info = {"model": f"transformers {model_class.__name__}, default attention ({picked})",
+            "attn_implementation": picked, "config": _config_dict(config), "unit": "tokens",
+            "loss": "labels= (computed by the model)", "shapes": "batch and seq per part, in each result"}
+    attention = (config.num_hidden_layers, batch, config.num_attention_heads, seq, config.head_dim, True)
+    return Workload(model, (), kwargs, tokens, batch * seq, attention, info, loss_in_model=part != "inference")
+
+
+def build_hf_llama_default(s: Setup, attn: str | None = None, part: str = "train") -> Workload:
+    """``hf_llama``'s architecture with the attention transformers picks when none is asked for (SDPA)."""
+    import transformers
+
+    shape = issue28_shape(s, part)
+    config = hf_llama_config(_with_positions(llama_style_config(s), shape[1]), attn)
+    return _labelled_causal_lm(s, transformers.LlamaForCausalLM, config, part, shape)
+
+
+def build_hf_qwen3(s: Setup, attn: str | None = None, part: str = "train") -> Workload:
+    """Qwen3 at the Llama-style sizes; its own defaults otherwise (q/k RMSNorm, untied head)."""
+    import transformers
+
+    shape = issue28_shape(s, part)
+    c = _with_positions(llama_style_config(s), shape[1])
+    config = transformers.Qwen3Config(**_transformers_sizes(c), attn_implementation=attn)
+    return _labelled_causal_lm(s, transformers.Qwen3ForCausalLM, config, part, shape)
+
+
+def build_hf_gemma2(s: Setup, attn: str | None = None, part: str = "train") -> Workload:
+    """Gemma-2 at the Llama-style sizes, the scores scaled by 1/sqrt(head dim) as in Gemma-2 2B/9B; its own
+    defaults otherwise (soft-capped attention and logits, sliding window 4096 every other layer, tied head)."""
+    import transformers
+
+    shape = issue28_shape(s, part)
+    c = _with_positions(llama_style_config(s), shape[1])
+    config = transformers.Gemma2Config(**_transformers_sizes(c), query_pre_attn_scalar=c.head_dim,
+                                       attn_implementation=attn)
+    return _labelled_causal_lm(s, transformers.Gemma2ForCausalLM, config, part, shape)
+
+
+def large_vocab_config(s: Setup) -> LlamaStyleConfig:
+    """The Llama-style sizes with Llama 3's vocabulary (the CPU smoke run: 1000), ``s.vocab_layers`` deep."""
+    c = llama_style_config(s)
+    c = replace(c, vocab_size=_pick(s, 128256, 128256, 1000), n_layers=s.vocab_layers or c.n_layers)
+    return _with_positions(c, large_vocab_shape(s)[1])
+
+
+def build_hf_llama_large_vocab(s: Setup, attn: str | None = None, part: str = "train") -> Workload:
+    import transformers
+
+    config = hf_llama_config(large_vocab_config(s), attn)
+    return _labelled_causal_lm(s, transformers.LlamaForCausalLM, config, part, large_vocab_shape(s))
+
+
 def _config_dict(config) -> dict:
     """The size fields of a transformers config (the whole to_dict() is 60+ keys of defaults)."""
     keys = ("vocab_size", "hidden_size", "n_embd", "intermediate_size", "num_hidden_layers", "n_layer",
-            "num_attention_heads", "n_head", "num_key_value_heads", "max_position_embeddings", "n_positions",
-            "image_size", "patch_size", "num_labels", "tie_word_embeddings")
+            "num_attention_heads", "n_head", "num_key_value_heads", "head_dim", "max_position_embeddings",
+            "n_positions", "image_size", "patch_size", "num_labels", "tie_word_embeddings", "sliding_window",
+            "layer_types", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
     data = config.to_dict()
     return {key: data[key] for key in keys if key in data}
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    build: Callable[..., Workload]
+    build: Callable[..., Workload]  # (setup, attn_implementation, part) -> Workload
     providers: tuple[str, ...]
     transformers: bool  # its issue target: optimize faster than torch.compile of the same model
+    parts: tuple[str, ...] = PARTS
+    attention: str | None = "eager"  # the attn_implementation asked for; None: the one transformers picks
+    large_vocab: bool = False  # issue 28's vocab-128256 targets (memory, step time) instead of the speedups
 
 
 MODELS = {
@@ -282,6 +409,17 @@ MODELS = {
     "bert": ModelSpec(build_bert, (EAGER, COMPILE, OURS), transformers=True),
     "vit": ModelSpec(build_vit, (EAGER, COMPILE, OURS), transformers=True),
 }
+
+# Issue 28's set: transformers models with their default attention, the loss computed inside by labels=.
+DEFAULT_ATTENTION_MODELS = {
+    "hf_llama_sdpa": ModelSpec(build_hf_llama_default, (EAGER, COMPILE, OURS), True, ALL_PARTS, None),
+    "hf_qwen3": ModelSpec(build_hf_qwen3, (EAGER, COMPILE, OURS), True, ALL_PARTS, None),
+    "hf_gemma2": ModelSpec(build_hf_gemma2, (EAGER, COMPILE, OURS), True, ALL_PARTS, None),
+    # eager left out: at 8 x 2048 x 128256 its fp32 logits, log-softmax and their gradients alone are ~30 GB
+    "hf_llama_vocab128k": ModelSpec(build_hf_llama_large_vocab, (COMPILE, OURS, LIGER_COMPILE), True, ("train",),
+                                    None, large_vocab=True),
+}
+ALL_MODELS = {**MODELS, **DEFAULT_ATTENTION_MODELS}
 
 # --quick's default models, so that it stays under two minutes on an H100: every compile-using provider costs
 # a compile of its own (~5-10 s at 2 layers), ~25 of them for all five models. The Llama-style model runs
@@ -362,7 +500,9 @@ def apply_provider(provider: str, w: Workload, s: Setup, training: bool, result:
     """The model ``provider`` gives; optimize runs now (capture, passes, compile, verification)."""
     if provider == EAGER:
         return w.model
-    if provider in (COMPILE, HF_SDPA_COMPILE):
+    if provider == LIGER_COMPILE:
+        apply_liger_fused_linear_cross_entropy(w.model)
+    if provider in (COMPILE, HF_SDPA_COMPILE, LIGER_COMPILE):
         result["compile_backend"] = s.compile_backend
         return torch.compile(w.model, backend=s.compile_backend)
     import kernel_pytorch
@@ -375,13 +515,29 @@ def apply_provider(provider: str, w: Workload, s: Setup, training: bool, result:
     return model
 
 
+def liger_installed() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def apply_liger_fused_linear_cross_entropy(model: nn.Module) -> None:
+    """Liger-Kernel's fused linear cross-entropy on this model instance, none of its other kernels (its RoPE
+    switch would patch the transformers module for every later model of the process)."""
+    import liger_kernel.transformers as liger
+
+    apply = getattr(liger, f"apply_liger_kernel_to_{model.config.model_type}")
+    others = ("rope", "cross_entropy", "rms_norm", "layer_norm", "swiglu", "geglu")
+    parameters = inspect.signature(apply).parameters
+    apply(fused_linear_cross_entropy=True, model=model, **{name: False for name in others if name in parameters})
+
+
 def _logits(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
 def make_step(model: nn.Module, w: Workload, training: bool) -> Callable[[], None]:
-    """One training step (forward, fp32 cross-entropy, backward, fused AdamW, zero_grad) or one no-grad
-    forward; a closure over the model, optimizer and inputs."""
+    """One training step (forward, fp32 cross-entropy, backward, fused AdamW, zero_grad; the loss the model
+    returns where its kwargs hold labels=) or one no-grad forward; a closure over the model, optimizer and
+    inputs."""
     if not training:
         def forward() -> None:
             with torch.no_grad():
@@ -390,6 +546,12 @@ def make_step(model: nn.Module, w: Workload, training: bool) -> Callable[[], Non
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     targets = w.targets.flatten()
+    if w.loss_in_model:
+        def labelled_train_step() -> None:
+            model(*w.args, **w.kwargs).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return labelled_train_step
 
     def train_step() -> None:
         logits = _logits(model(*w.args, **w.kwargs))
@@ -403,17 +565,21 @@ def make_step(model: nn.Module, w: Workload, training: bool) -> Callable[[], Non
 def run_case(name: str, part: str, provider: str, s: Setup, info_out: dict) -> dict:
     """One (model, part, provider): build, set up, first call, timed calls. Errors are recorded, not raised;
     everything is released before returning. ``info_out`` gets the model's description."""
-    training = part == "train"
+    training = part != "inference"
     result: dict[str, Any] = {"date": environment()["date"]}
+    if provider == LIGER_COMPILE and not liger_installed():
+        return {**result, "skipped": "not installed: liger_kernel is not importable"}
+    spec = ALL_MODELS[name]
     w = model = step = None
     try:
-        attn = "sdpa" if provider == HF_SDPA_COMPILE else "eager"
-        w = (build_hf_llama if provider == HF_SDPA_COMPILE else MODELS[name].build)(s, attn)
+        w = build_hf_llama(s, "sdpa") if provider == HF_SDPA_COMPILE else spec.build(s, spec.attention, part)
         w.model.train(training)
         if provider == HF_SDPA_COMPILE:
             result["model"] = w.info["model"]
         else:
             info_out.update(w.info, parameters=sum(p.numel() for p in w.model.parameters()), dtype=str(s.dtype))
+        if name in DEFAULT_ATTENTION_MODELS:  # issue 28's parts differ in shape: each result says its own
+            result.update(batch=w.attention[1], seq=w.attention[3])
         started = time.perf_counter()
         model = apply_provider(provider, w, s, training, result)
         result["setup_s"] = round(time.perf_counter() - started, 2)
@@ -442,13 +608,16 @@ def run_case(name: str, part: str, provider: str, s: Setup, info_out: dict) -> d
 
 def add_speedups(entry: dict) -> None:
     """Per provider with a time: the speedup over eager and over torch.compile of the same model, and over
-    transformers + SDPA + compile where that ran (> 1: faster)."""
+    transformers + SDPA + compile where that ran (> 1: faster); the peak memory over compile's (< 1: less)."""
     providers = entry["providers"]
+    compile_peak = providers.get(COMPILE, {}).get("peak_gib")
     for result in providers.values():
-        for key in [k for k in result if k.startswith("speedup_vs_")]:
+        for key in [k for k in result if k.startswith("speedup_vs_") or k == "peak_vs_compile"]:
             del result[key]  # from an earlier merge; recomputed from what is there now
         if "ms" not in result:
             continue
+        if compile_peak and result.get("peak_gib") is not None:
+            result["peak_vs_compile"] = round(result["peak_gib"] / compile_peak, 3)
         for base, key in ((EAGER, "speedup_vs_eager"), (COMPILE, "speedup_vs_compile"),
                           (HF_SDPA_COMPILE, "speedup_vs_transformers_sdpa_compile")):
             base_ms = providers.get(base, {}).get("ms")
@@ -502,27 +671,89 @@ def targets(payload: dict) -> list[dict]:
             if providers:
                 out.append(_target(f"{name} {part}: optimize faster than torch.compile", name, part, OURS,
                                    providers.get(OURS, {}).get("ms"), providers.get(COMPILE, {}).get("ms"), "ms"))
+    return out + issue28_targets(payload)
+
+
+def _versus(what: str, name: str, part: str, ours: dict, base_provider: str, base: dict, key: str, factor: float,
+            unit: str) -> dict:
+    """A target line for optimize's ``key`` (ms or peak_gib) against ``factor`` x the baseline's; the baseline's
+    value, or why it has none (its error: compile out of memory is a result too), kept beside."""
+    base_value = base.get(key)
+    line = _target(what, name, part, OURS, ours.get(key),
+                   None if base_value is None else round(base_value * factor, 3), unit)
+    line["baseline"] = {"provider": base_provider, "value": base_value}
+    if "ms" not in base:
+        line["baseline"]["error"] = base.get("error") or base.get("skipped") or "not run"
+    return line
+
+
+def _speedup_targets(name: str, part: str, providers: dict) -> list[dict]:
+    ours, compiled = providers.get(OURS, {}), providers.get(COMPILE, {})
+    speedup = SPEEDUP_TARGETS[part]
+    return [_versus(f"{name} {part}: optimize >= {speedup}x torch.compile", name, part, ours, COMPILE, compiled,
+                    "ms", 1 / speedup, "ms"),
+            _versus(f"{name} {part}: optimize peak memory no higher than torch.compile's", name, part, ours,
+                    COMPILE, compiled, "peak_gib", 1.0, "GiB")]
+
+
+def _large_vocab_targets(name: str, part: str, providers: dict) -> list[dict]:
+    """Peak >= 40% lower than compile's and the step no slower; where Liger ran (or was found missing), its
+    peak and step as the reference to beat."""
+    ours = providers.get(OURS, {})
+    percent = round(LARGE_VOCAB_PEAK_REDUCTION * 100)
+    lines = []
+    for base_provider, label in ((COMPILE, "torch.compile"), (LIGER_COMPILE, "Liger + torch.compile")):
+        if base_provider not in providers:
+            continue
+        base = providers[base_provider]
+        lower = 1 - LARGE_VOCAB_PEAK_REDUCTION if base_provider == COMPILE else 1.0
+        peak_what = f">= {percent}% lower than {label}'s" if base_provider == COMPILE else f"no higher than {label}'s"
+        lines += [_versus(f"{name} {part}: optimize peak memory {peak_what}", name, part, ours, base_provider, base,
+                          "peak_gib", lower, "GiB"),
+                  _versus(f"{name} {part}: optimize step no slower than {label}", name, part, ours, base_provider,
+                          base, "ms", 1.0, "ms")]
+    return lines
+
+
+def issue28_targets(payload: dict) -> list[dict]:
+    """Issue 28's 'Numbers to reach' for the models of its set that the file holds, at any scale."""
+    out = []
+    for name, entry in payload.get("models", {}).items():
+        spec = DEFAULT_ATTENTION_MODELS.get(name)
+        for part in spec.parts if spec else ():
+            providers = entry.get(part, {}).get("providers", {})
+            if providers:
+                out += (_large_vocab_targets if spec.large_vocab else _speedup_targets)(name, part, providers)
     return out
+
+
+def _summary_cell(name: str, provider: str, r: dict) -> str:
+    if "ms" not in r:
+        return f"{provider} {r.get('error') or r.get('skipped') or 'no time'}"
+    cell = f"{provider} {r['ms']:.2f} ms"
+    if provider != COMPILE and "speedup_vs_compile" in r:
+        cell += f" ({r['speedup_vs_compile']}x compile)"
+    if name in DEFAULT_ATTENTION_MODELS and r.get("peak_gib") is not None:
+        cell += f", peak {r['peak_gib']:.2f} GiB"
+    return cell
+
+
+def _verdict(t: dict) -> str:
+    if t["meets"] is None and t.get("baseline", {}).get("error"):
+        return f"not measured ({t['baseline']['provider']}: {t['baseline']['error']})"
+    return {True: "meets", False: f"MISSED ({t['miss_ratio']}x the target)", None: "not measured"}[t["meets"]]
 
 
 def summary_lines(payload: dict) -> list[str]:
     lines = []
     for name, entry in payload.get("models", {}).items():
-        for part in PARTS:
+        for part in ALL_PARTS:
             providers = entry.get(part, {}).get("providers", {})
-            cells = []
-            for provider, r in providers.items():
-                if "ms" in r:
-                    cells.append(f"{provider} {r['ms']:.2f} ms" + (f" ({r['speedup_vs_compile']}x compile)"
-                                                                   if provider != COMPILE and "speedup_vs_compile" in r
-                                                                   else ""))
-                else:
-                    cells.append(f"{provider} {r.get('error', 'no time')}")
+            cells = [_summary_cell(name, provider, r) for provider, r in providers.items()]
             if cells:
                 lines.append(f"{name} {part}: " + "; ".join(cells))
     for t in payload.get("targets", []):
-        verdict = {True: "meets", False: f"MISSED ({t['miss_ratio']}x the target)", None: "not measured"}[t["meets"]]
-        lines.append(f"target: {t['what']}: {t['value']} {t['unit']} vs {t['target']} -> {verdict}")
+        lines.append(f"target: {t['what']}: {t['value']} {t['unit']} vs {t['target']} -> {_verdict(t)}")
     return lines
 
 
@@ -563,38 +794,100 @@ def plot(payload: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+def _target_line(payload: dict, name: str, part: str, unit: str) -> float | None:
+    """The torch.compile-relative target of optimize's ms or GiB for (name, part), None where there is none."""
+    return next((t["target"] for t in payload.get("targets", []) if (t["model"], t["part"], t["unit"]) ==
+                 (name, part, unit) and t.get("baseline", {}).get("provider") == COMPILE), None)
+
+
+def plot_default_attention(payload: dict, path: Path) -> None:
+    """Issue 28's set: for each (model, part), ms per provider on top and peak GiB below; optimize's targets
+    (from torch.compile's numbers) as dotted lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = [(name, part) for name, entry in payload.get("models", {}).items() for part in ALL_PARTS
+               if entry.get(part, {}).get("providers")]
+    if not columns:
+        return
+    fig, axes = plt.subplots(2, len(columns), figsize=(3.2 * len(columns), 7.0), squeeze=False)
+    for col, (name, part) in enumerate(columns):
+        part_entry = payload["models"][name][part]
+        providers = part_entry["providers"]
+        shape = next((f"{r['batch']} x {r['seq']}" for r in providers.values() if "batch" in r), "")
+        for row, (key, unit, label) in enumerate((("ms", "ms", "ms per step" if part != "inference" else
+                                                   "ms per forward"), ("peak_gib", "GiB", "peak GiB"))):
+            ax = axes[row][col]
+            names = list(providers)
+            values = [providers[p].get(key) or 0.0 for p in names]
+            bars = ax.bar(range(len(names)), values, color=["tab:red" if p.startswith(OURS) else "tab:grey"
+                                                            for p in names])
+            for bar, p in zip(bars, names):
+                value = providers[p].get(key)
+                text = f"{value:.1f}" if value is not None else ("skipped" if "skipped" in providers[p] else "error")
+                ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                            va="bottom", fontsize=6)
+            goal = _target_line(payload, name, part, unit)
+            if goal is not None:
+                ax.axhline(goal, color="black", linestyle=":", linewidth=1, label="optimize's target")
+                ax.legend(fontsize=6)
+            ax.set_xticks(range(len(names)), [n.replace(" + ", "\n+ ") for n in names], rotation=35, ha="right",
+                          fontsize=6)
+            ax.set_title(f"{name}, {part} {shape}", fontsize=8)
+            ax.set_ylabel(label, fontsize=7)
+    fig.suptitle(f"transformers models, default attention, labels= loss; {payload['environment']['device']} "
+                 f"({payload.get('scale')})", fontsize=9)
+    save_figure(fig, path)
+
+
 # ---------------------------------------------------------------------------------------------------- main
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = scaled_run_parser(__doc__, "2 layers, small batches, fewer runs")
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=None,
-                        help=f"default: all; with --quick {' '.join(QUICK_MODELS)}")
+    parser.add_argument("--models", nargs="+", choices=list(ALL_MODELS), default=None,
+                        help=f"default: issue 9's {' '.join(MODELS)}; with --quick {' '.join(QUICK_MODELS)}; "
+                             f"issue 28's set ({' '.join(DEFAULT_ATTENTION_MODELS)}) is named, in a command apart")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS),
                         help="a subset (a model runs those of its providers that are named)")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--parts", nargs="+", choices=ALL_PARTS, default=list(ALL_PARTS),
+                        help=f"a model runs those of its parts that are named ({TRAIN_LONG}: issue 28's 1 x 16384 "
+                             "train step)")
+    parser.add_argument("--vocab-layers", type=int, default=None,
+                        help="layers of hf_llama_vocab128k (default: 12 as the others; 2 with --quick)")
     parser.add_argument("--fresh", action="store_true", help="do not merge into the existing result file")
     args = scaled_run_args(parser, argv)
     if args.models is None:
         args.models = list(QUICK_MODELS if args.quick else MODELS)
+    if len({name in DEFAULT_ATTENTION_MODELS for name in args.models}) > 1:
+        parser.error("issue 28's models (" + " ".join(DEFAULT_ATTENTION_MODELS) + ") write their own file: "
+                     "run them in a command apart from issue 9's")
     return args
 
 
 def cases(args: argparse.Namespace) -> list[tuple[str, str, str]]:
-    """(model, part, provider) in run order: per model, train then inference; eager first."""
-    return [(name, part, provider) for name in args.models for part in args.parts
-            for provider in MODELS[name].providers if provider in args.providers]
+    """(model, part, provider) in run order: per model, its parts in the order named, eager first."""
+    return [(name, part, provider) for name in args.models for part in args.parts if part in ALL_MODELS[name].parts
+            for provider in ALL_MODELS[name].providers if provider in args.providers]
 
 
-def result_name(s: Setup) -> str:
-    return "e2e" + {"full": "", "quick": "_quick", "cpu": "_cpu"}[s.scale]
+def is_default_attention_run(models: list[str]) -> bool:
+    return bool(models) and models[0] in DEFAULT_ATTENTION_MODELS  # parse_args refuses mixed selections
+
+
+def result_name(s: Setup, models: list[str] = ()) -> str:
+    """e2e.json for issue 9's models, e2e_default_attention.json for issue 28's; _quick / _cpu appended."""
+    base = "e2e_default_attention" if is_default_attention_run(list(models)) else "e2e"
+    return base + {"full": "", "quick": "_quick", "cpu": "_cpu"}[s.scale]
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/e2e.py needs a CUDA GPU (or --device cpu for a smoke run)")
-    s = make_setup(args.quick, args.device)
-    name = result_name(s)
+    s = replace(make_setup(args.quick, args.device), vocab_layers=args.vocab_layers)
+    name = result_name(s, args.models)
     started = time.perf_counter()
     if s.device == "cuda":
         # The harness's L2-flush buffer (256 MiB) stays allocated once made: made before the first case so
@@ -603,7 +896,7 @@ def main(argv: list[str] | None = None) -> None:
     release(s)
     payload: dict[str, Any] = {"scale": s.scale, "dtype": str(s.dtype), "runs": s.runs,
                                "models": same_device_models(args.out / f"{name}.json", args.fresh)}
-    if s.scale == "full":
+    if s.scale == "full" and not is_default_attention_run(args.models):
         payload["issue_reference_ms"] = {"llama_style": ISSUE_REFERENCE_MS}
     for model_name, part, provider in cases(args):
         entry = payload["models"].setdefault(model_name, {})
@@ -622,7 +915,8 @@ def main(argv: list[str] | None = None) -> None:
     payload["targets"] = targets(payload)
     payload["summary"] = summary_lines(payload)
     payload["seconds"] = round(time.perf_counter() - started, 1)
-    write_final_result(name, payload, args.out, plot)
+    write_final_result(name, payload, args.out,
+                       plot_default_attention if is_default_attention_run(args.models) else plot)
 
 
 if __name__ == "__main__":
