@@ -256,10 +256,13 @@ def _token_chunk(n_rows: int, vocab: int, chunk: int) -> int:
     return chunk if chunk > 0 else max(1, min(n_rows, CHUNK_ELEMENTS // vocab))
 
 
-def _logits_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], logits: Tensor, labels: Tensor,
-               ignore_index: int, label_smoothing: float, softcap: float, reduction: str,
+def _logits_ce(hidden: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], logits: Tensor,
+               labels: Tensor, ignore_index: int, label_smoothing: float, softcap: float, reduction: str,
                chunk: int) -> tuple[Tensor, Tensor]:
-    _check(hidden, weight, labels, reduction)
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if hidden is not None:
+        _check(hidden, weight, labels, reduction)
     rows = _token_chunk(logits.shape[0], logits.shape[1], chunk)
     loss_rows = torch.empty(logits.shape[0], dtype=tu.acc_dtype(logits.dtype), device=logits.device)
     lse = torch.empty_like(loss_rows)
@@ -278,12 +281,24 @@ def _logits_ce_fake(hidden, weight, bias, logits, labels, ignore_index, label_sm
     return logits.new_empty((), dtype=dtype), logits.new_empty(logits.shape[0], dtype=dtype)
 
 
-def _logits_ce_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], logits: Tensor,
-                        labels: Tensor, lse: Tensor, ignore_index: int, label_smoothing: float, softcap: float,
-                        reduction: str, chunk: int, need_hidden: bool,
-                        need_weight: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _logits_grad(logits: Tensor, labels: Tensor, lse: Tensor, scale: Tensor, params: tuple) -> Tensor:
+    """The gradient w.r.t. the logits themselves, in their dtype (no LM head to send it to)."""
+    ignore_index, label_smoothing, softcap = params
+    d_logits = torch.empty_like(logits)
+    _write_grad(logits, labels, lse, scale, d_logits, 0, logits.shape[1], ignore_index, label_smoothing, softcap,
+                False)
+    return d_logits
+
+
+def _logits_ce_backward(grad_loss: Tensor, hidden: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
+                        logits: Tensor, labels: Tensor, lse: Tensor, ignore_index: int, label_smoothing: float,
+                        softcap: float, reduction: str, chunk: int, need_hidden: bool,
+                        need_weight: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     n_rows, vocab = logits.shape
     scale = _gradient_scale(grad_loss, labels, ignore_index, reduction)
+    if hidden is None:  # three distinct empty tensors: a custom op's outputs may not alias each other
+        return (logits.new_empty(0), logits.new_empty(0), logits.new_empty(0),
+                _logits_grad(logits, labels, lse, scale, (ignore_index, label_smoothing, softcap)))
     width = _vocab_slice(n_rows, vocab, chunk)
     d_hidden = _accumulator(hidden, *hidden.shape) if need_hidden else hidden.new_empty(0)
     d_weight = torch.empty_like(weight) if need_weight else weight.new_empty(0)
@@ -302,14 +317,19 @@ def _logits_ce_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, bias:
             _add_product(d_hidden, g, weight[v0:v1])
     if bias is not None and need_weight:
         d_bias = d_bias.to(bias.dtype)
-    return (d_hidden.to(hidden.dtype) if need_hidden else d_hidden), d_weight, d_bias
+    return (d_hidden.to(hidden.dtype) if need_hidden else d_hidden), d_weight, d_bias, logits.new_empty(0)
 
 
 def _logits_ce_backward_fake(grad_loss, hidden, weight, bias, logits, labels, lse, ignore_index, label_smoothing,
                              softcap, reduction, chunk, need_hidden, need_weight):
-    d_bias = bias.new_empty(bias.shape) if bias is not None and need_weight else weight.new_empty(0)
-    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
-            torch.empty_like(weight) if need_weight else weight.new_empty(0), d_bias)
+    def empty():
+        return logits.new_empty(0)
+
+    if hidden is None:
+        return empty(), empty(), empty(), torch.empty_like(logits)
+    d_bias = bias.new_empty(bias.shape) if bias is not None and need_weight else empty()
+    return (torch.empty_like(hidden) if need_hidden else empty(), torch.empty_like(weight) if need_weight else empty(),
+            d_bias, empty())
 
 
 logits_ce_op = torch.library.custom_op("kernel_pytorch::logits_cross_entropy", _logits_ce, mutates_args=())
@@ -327,32 +347,36 @@ def _logits_ce_setup(ctx, inputs, output) -> None:
 
 def _logits_ce_grad(ctx, grad_loss, _grad_lse):
     hidden, weight, bias, logits, labels, lse = ctx.saved_tensors
-    need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-    d_hidden, d_weight, d_bias = logits_ce_backward_op(grad_loss, hidden, weight, bias, logits, labels, lse,
-                                                       *ctx.params, need_hidden, need_weight)
-    return (d_hidden if need_hidden else None, d_weight if ctx.needs_input_grad[1] else None,
-            d_bias if ctx.needs_input_grad[2] else None, None, None, None, None, None, None, None)
+    wanted = ctx.needs_input_grad
+    d_hidden, d_weight, d_bias, d_logits = logits_ce_backward_op(
+        grad_loss, hidden, weight, bias, logits, labels, lse, *ctx.params, wanted[0], wanted[1] or wanted[2])
+    return (d_hidden if wanted[0] else None, d_weight if wanted[1] else None, d_bias if wanted[2] else None,
+            d_logits if hidden is None and wanted[3] else None, None, None, None, None, None, None)
 
 
 logits_ce_op.register_autograd(_logits_ce_grad, setup_context=_logits_ce_setup)
 
 
-def logits_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], logits: Tensor, labels: Tensor, *,
-                         ignore_index: int = -100, label_smoothing: float = 0.0, softcap: Optional[float] = None,
-                         reduction: str = "mean", chunk: int = 0) -> Tensor:
+def logits_cross_entropy(hidden: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], logits: Tensor,
+                         labels: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0,
+                         softcap: Optional[float] = None, reduction: str = "mean", chunk: int = 0) -> Tensor:
     """``F.cross_entropy(logits.float().view(-1, V), labels.view(-1), ...)`` where ``logits = F.linear(hidden,
     weight, bias)`` (soft-capped by ``softcap`` when given) is kept anyway (an output): the gradient goes to
     ``hidden``, ``weight`` and ``bias`` directly, slice by slice of the vocabulary (``chunk`` columns; 0: by
-    :data:`CHUNK_ELEMENTS`), never through ``logits``. The float32 loss, a 0-d tensor.
+    :data:`CHUNK_ELEMENTS`), never through ``logits``. With ``hidden`` and ``weight`` None (the LM head is in
+    another graph), the gradient goes to ``logits``, in their dtype; only the row statistics are saved,
+    not a float32 copy. The float32 loss, a 0-d tensor.
 
     >>> h, w = torch.randn(6, 8), torch.randn(11, 8)
     >>> labels = torch.tensor([1, 2, -100, 4, 5, 6])
     >>> loss = logits_cross_entropy(h, w, None, h @ w.T, labels)
     """
-    d = hidden.shape[-1]
-    loss, _ = logits_ce_op(hidden.reshape(-1, d), weight, bias, logits.reshape(-1, logits.shape[-1]),
-                           labels.reshape(-1), ignore_index, float(label_smoothing), float(softcap or 0.0),
-                           reduction, chunk)
+    if (hidden is None) != (weight is None) or (hidden is None and bias is not None):
+        raise ValueError("logits_cross_entropy: give hidden and weight (and maybe bias) together, or none of them")
+    if hidden is not None:
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+    loss, _ = logits_ce_op(hidden, weight, bias, logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index, float(label_smoothing), float(softcap or 0.0), reduction, chunk)
     return loss
 
 
