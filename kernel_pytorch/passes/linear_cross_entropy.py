@@ -1,0 +1,313 @@
+"""The LM head's cross-entropy loss -> the fused ops of :mod:`kernel_pytorch.ops.linear_cross_entropy`.
+
+Matched: a ``F.cross_entropy(x, target, ...)`` (``nn.CrossEntropyLoss`` reaches the graph as this call) whose
+``x`` is 2-D ``(N, V)``, reached from the logits through views, reshapes, ``contiguous`` and dtype casts only,
+with no other use of those steps; the logits are ``F.linear(h, W, b)`` (the LM head), optionally soft-capped
+as Gemma-2 does (``tanh(logits / c) * c``). transformers' ``ForCausalLMLoss`` spells it::
+
+    # before                                              # after (the logits are also an output)
+    logits = F.linear(h, W, None)                         logits = F.linear(h, W, None)
+    logits_1 = logits.to(torch.float32)                   loss = logits_cross_entropy(h, W, None, logits,
+    labels = F.pad(ids, (0, 1), value=-100)                   shift_labels_2, ignore_index=-100, ...)
+    shift_labels = labels[..., 1:].contiguous()           labels = F.pad(ids, (0, 1), value=-100)  ...
+    logits_2 = logits_1.view(-1, V)
+    loss = F.cross_entropy(logits_2, shift_labels_2, ignore_index=-100, reduction="mean")
+    (loss / num_items_in_batch, with reduction="sum": the division stays, the op computes the sum)
+
+Three rewrites, by what the graph holds (the op module's docstring says why each keeps what it keeps):
+
+* the logits are also used elsewhere (an output: every transformers model returns them) ->
+  ``logits_cross_entropy(h, W, b, logits, ...)``: the loss from those logits, its gradient sent to h, W, b
+  slice by slice of the vocabulary;
+* the logits feed only the loss (a hand-written model that returns the loss) ->
+  ``linear_cross_entropy(h, W, b, ...)``: the logits never exist in full;
+* no LM head in this graph (the logits are a graph input: GPT-2's ``loss_function`` logs a warning, a graph
+  break between the head and the loss) -> ``logits_cross_entropy(None, None, None, logits, ...)``: no float32
+  copy saved, the gradient of the logits in their dtype.
+
+Skipped, with the reason: class weights, ``reduction="none"``, a target of class probabilities, an input
+that is not ``(N, V)`` logits, a float32 copy or view of the logits used elsewhere too.
+
+On a GPU the choice is measured: the fused op replaces the unfused subgraph only where its forward
+(+ backward when training) on the example shapes, compiled as the graph will be, is no slower than the
+unfused one by more than :data:`TIME_MARGIN` (its point is the memory; a slower step is not taken).
+Elsewhere (the CPU) it is taken: the same work, less memory.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch.fx import Node
+
+from kernel_pytorch.errors import first_line
+from kernel_pytorch.ops.linear_cross_entropy import linear_cross_entropy, logits_cross_entropy
+from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, candidates
+from kernel_pytorch.passes.graph_utils import erase_unused, set_example_value
+from kernel_pytorch.passes.normalize import is_call
+from kernel_pytorch.passes.registry import register_pass
+from kernel_pytorch.passes.shape_constants import example_value
+from kernel_pytorch.timing import fastest_cuda_ms
+
+__all__ = ["LinearCrossEntropyPass", "TIME_MARGIN"]
+
+# The fused op is taken where it measured at most this much slower than the unfused loss (timing noise between
+# interleaved rounds is about 1-2%, kernel_pytorch/timing.py); what it is for is the memory it frees.
+TIME_MARGIN = 0.02
+_CROSS_ENTROPY = inspect.signature(F.cross_entropy)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass
+class _Loss:
+    """A matched loss: the cross-entropy call and what it reads."""
+
+    loss: Node
+    labels: Node
+    logits: Node  # the tensor the loss reads, before its casts and views (capped, when soft-capped)
+    steps: list[Node]  # the casts and views between the logits and the loss
+    options: dict[str, Any]  # ignore_index, label_smoothing, reduction
+    softcap: Optional[float] = None
+    cap_nodes: list[Node] = field(default_factory=list)  # truediv, tanh, mul
+    head: Optional[Node] = None  # F.linear(h, W, b) giving the (uncapped) logits, if in this graph
+
+    @property
+    def logits_kept(self) -> bool:
+        """Whether anything but the loss reads the logits or a step of the head on the way to them."""
+        way = ([self.head] if self.head is not None else []) + self.cap_nodes + [self.logits]
+        return any(len(node.users) > 1 for node in way)  # the casts and views: one user each (_match)
+
+
+# ----------------------------------------------------------------------------------------------- matching
+
+def _options(node: Node) -> dict[str, Any] | str:
+    """The loss's ignore_index, label_smoothing and reduction, or why it is not fused."""
+    try:
+        bound = _CROSS_ENTROPY.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return "cross_entropy called with arguments it does not bind"
+    bound.apply_defaults()
+    arguments = bound.arguments
+    if arguments["weight"] is not None:
+        return "class weights (weight=) are not fused"
+    if arguments["size_average"] is not None or arguments["reduce"] is not None:
+        return "the legacy size_average / reduce arguments are not fused"
+    if arguments["reduction"] not in ("mean", "sum"):
+        return f"reduction={arguments['reduction']!r}: per-token losses are not fused"
+    if not isinstance(arguments["ignore_index"], int) or not isinstance(arguments["label_smoothing"], (int, float)):
+        return "ignore_index or label_smoothing is not a constant"
+    return {"ignore_index": arguments["ignore_index"], "label_smoothing": float(arguments["label_smoothing"]),
+            "reduction": arguments["reduction"]}
+
+
+def _is_cast_or_view(node: Node) -> bool:
+    if is_call(node, "view", "reshape") and isinstance(example_value(node), torch.Tensor):
+        source = example_value(node.args[0])
+        return isinstance(source, torch.Tensor) and source.shape[-1:] == example_value(node).shape[-1:]
+    if is_call(node, "contiguous"):
+        return len(node.args) == 1 and not node.kwargs
+    return is_call(node, "to") and len(node.args) == 2 and not node.kwargs and node.args[1] in _FLOATS
+
+
+def _soft_cap(node: Node) -> Optional[tuple[float, Node, list[Node]]]:
+    """``(c, x, [mul, tanh, truediv])`` when ``node`` is ``tanh(x / c) * c`` (either operand order)."""
+    if not is_call(node, operator.mul):
+        return None
+    for tanh, cap in (node.args[:2], node.args[1::-1]):
+        if is_call(tanh, torch.tanh) and isinstance(cap, (int, float)) and cap > 0:
+            inner = tanh.args[0]
+            if is_call(inner, operator.truediv) and inner.args[1] == cap and isinstance(inner.args[0], Node):
+                return float(cap), inner.args[0], [node, tanh, inner]
+    return None
+
+
+def _head(node: Node, vocab: int) -> Optional[Node]:
+    """``node`` if it is an LM head ``F.linear(h, W, b)`` with ``W`` of ``vocab`` rows, all in one dtype."""
+    if not is_call(node, F.linear) or len(node.args) < 2:
+        return None
+    values = [example_value(a) for a in node.args[:3] if a is not None] + [example_value(node)]
+    if not all(isinstance(v, torch.Tensor) for v in values) or values[1].dim() != 2 or values[1].shape[0] != vocab:
+        return None
+    return node if len({v.dtype for v in values}) == 1 else None  # under autocast the dtypes differ
+
+
+def _match(node: Node) -> _Loss | str | None:
+    if not is_call(node, F.cross_entropy) or len(node.args) < 2:
+        return None
+    options = _options(node)
+    if isinstance(options, str):
+        return options
+    source, labels = node.args[:2]
+    value, label_value = example_value(source), example_value(labels)
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.dtype not in _FLOATS:
+        return "the loss's input is not (tokens, classes) logits"
+    if not isinstance(label_value, torch.Tensor) or label_value.is_floating_point():
+        return "the target is class probabilities, not class indices"
+    steps = []
+    while isinstance(source, Node) and _is_cast_or_view(source):
+        steps.append(source)
+        source = source.args[0]
+    if any(len(step.users) > 1 for step in steps):
+        return "a float32 copy or view of the logits is also used elsewhere (it would stay materialized)"
+    match = _Loss(node, labels, source, steps, options)
+    capped = _soft_cap(source)
+    if capped is not None:
+        match.softcap, raw, match.cap_nodes = capped
+        match.head = _head(raw, value.shape[1])
+    else:
+        match.head = _head(source, value.shape[1])
+    if match.head is None:  # the loss from the logits alone: soft-capping, if any, stays in the graph
+        match.softcap, match.cap_nodes = None, []
+    return match
+
+
+# ------------------------------------------------------------------------------------------------ rewriting
+
+def _fused_call(match: _Loss, training: bool) -> tuple[Callable[..., Any], tuple, dict[str, Any], str]:
+    """The fused op, its arguments, and what the report says of it."""
+    kwargs = dict(match.options, softcap=match.softcap)
+    if match.head is None:
+        return (logits_cross_entropy, (None, None, None, match.logits, match.labels), kwargs,
+                "cross-entropy -> logits_cross_entropy (the LM head is in another graph: no float32 copy kept)")
+    hidden, weight, *bias = match.head.args
+    bias = bias[0] if bias else None
+    capped = f", soft-capped at {match.softcap:g}" if match.softcap else ""
+    if match.logits_kept:
+        return (logits_cross_entropy, (hidden, weight, bias, match.logits, match.labels), kwargs,
+                f"LM head + cross-entropy{capped} -> logits_cross_entropy (from the logits the model returns; "
+                "no float32 copy, gradient by vocabulary slices)")
+    grads = training and bool(getattr(example_value(match.loss), "requires_grad", False))
+    kwargs.update(need_hidden=grads and example_value(hidden).requires_grad,
+                  need_weight=grads and any(example_value(p).requires_grad for p in (weight, bias) if p is not None))
+    return (linear_cross_entropy, (hidden, weight, bias, match.labels), kwargs,
+            f"LM head + cross-entropy{capped} -> linear_cross_entropy (the logits never materialized)")
+
+
+def _replace(gm: torch.fx.GraphModule, match: _Loss, target: Callable[..., Any], args: tuple,
+             kwargs: dict[str, Any]) -> None:
+    with gm.graph.inserting_before(match.loss):
+        fused = gm.graph.call_function(target, args, kwargs)
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in match.loss.meta:
+            fused.meta[key] = match.loss.meta[key]
+    set_example_value(gm, fused)
+    match.loss.replace_all_uses_with(fused)
+    head = [match.head] if match.head is not None else []
+    erase_unused(gm.graph, [match.loss, *match.steps, *match.cap_nodes, *head])
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+def _example_tensors(match: _Loss) -> dict[str, torch.Tensor]:
+    """Fresh random tensors shaped as the example values of what the loss reads."""
+    def like(node: Any, requires_grad: bool = False) -> Optional[torch.Tensor]:
+        value = example_value(node) if isinstance(node, Node) else None
+        if value is None:
+            return None
+        if not value.is_floating_point():
+            return torch.randint(0, example_value(match.steps[-1] if match.steps else match.logits).shape[-1],
+                                 value.shape, device=value.device)
+        return torch.randn(value.shape, dtype=value.dtype, device=value.device, requires_grad=requires_grad)
+
+    if match.head is None:
+        return {"logits": like(match.logits, True), "labels": like(match.labels)}
+    hidden, weight, *bias = match.head.args
+    return {"hidden": like(hidden, True), "weight": like(weight, True),
+            "bias": like(bias[0], True) if bias and bias[0] is not None else None, "labels": like(match.labels)}
+
+
+def _unfused_loss(match: _Loss) -> Callable[..., Any]:
+    options, softcap = match.options, match.softcap
+
+    def loss(hidden=None, weight=None, bias=None, logits=None, labels=None):
+        if logits is None:
+            logits = F.linear(hidden, weight, bias)
+            logits = torch.tanh(logits / softcap) * softcap if softcap else logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1), **options), logits
+
+    return loss
+
+
+def _fused_loss(match: _Loss, training: bool) -> Callable[..., Any]:
+    options, softcap, kept = match.options, match.softcap, match.logits_kept
+
+    def loss(hidden=None, weight=None, bias=None, logits=None, labels=None):
+        if logits is not None:
+            return logits_cross_entropy(None, None, None, logits, labels, **options), logits
+        if not kept:
+            return linear_cross_entropy(hidden, weight, bias, labels, softcap=softcap, need_hidden=training,
+                                        need_weight=training, **options), None
+        logits = F.linear(hidden, weight, bias)
+        logits = torch.tanh(logits / softcap) * softcap if softcap else logits
+        return logits_cross_entropy(hidden, weight, bias, logits, labels, softcap=softcap, **options), logits
+
+    return loss
+
+
+def _step(loss: Callable[..., Any], tensors: dict[str, torch.Tensor], training: bool) -> Callable[[], None]:
+    leaves = [t for t in tensors.values() if t is not None and t.requires_grad]
+
+    def step() -> None:
+        if training:
+            torch.autograd.grad(loss(**tensors)[0], leaves)
+        else:
+            with torch.no_grad():
+                loss(**tensors)
+
+    return step
+
+
+_MEASURED: dict[tuple, tuple[bool, str]] = {}
+
+
+def _measured_choice(match: _Loss, ctx: PassContext) -> tuple[bool, str]:
+    """Whether the fused op is taken on this GPU, and the measurement that says so (cached per shape)."""
+    tensors = _example_tensors(match)
+    key = (tuple((k, tuple(t.shape), t.dtype) for k, t in tensors.items() if t is not None), match.softcap,
+           tuple(match.options.items()), match.logits_kept, ctx.training, ctx.compiled)
+    if key not in _MEASURED:
+        steps = {}
+        for name, loss in (("unfused", _unfused_loss(match)), ("fused", _fused_loss(match, ctx.training))):
+            loss = torch.compile(loss, dynamic=False) if ctx.compiled else loss
+            steps[name] = _step(loss, tensors, ctx.training)
+        try:
+            ms = fastest_cuda_ms(steps)
+        except Exception as error:  # a measurement that fails leaves the graph as it was, with the reason
+            _MEASURED[key] = (False, f"not measured ({first_line(error)}): unfused loss kept")
+        else:
+            faster = ms["fused"] <= ms["unfused"] * (1 + TIME_MARGIN)
+            _MEASURED[key] = (faster, f"measured fused {ms['fused']:.3f} ms, unfused {ms['unfused']:.3f} ms")
+    return _MEASURED[key]
+
+
+def _decision(match: _Loss, ctx: PassContext) -> tuple[bool, str]:
+    value = example_value(match.loss)
+    if getattr(value, "device", torch.device("cpu")).type != "cuda" or not torch.cuda.is_available():
+        return True, "no GPU to measure on: taken for the memory"
+    return _measured_choice(match, ctx)
+
+
+@register_pass
+class LinearCrossEntropyPass(GraphPass):
+    """The LM head's cross-entropy -> a fused op that keeps no float32 logits (module docstring)."""
+
+    name = "linear_cross_entropy"
+    description = "LM head + cross-entropy loss -> fused ops that keep no float32 logits (chunked, measured on GPUs)"
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        result = PassResult()
+        for found in candidates(gm.graph.nodes, _match, result):
+            target, args, kwargs, description = _fused_call(found.match, ctx.training)
+            take, why = _decision(found.match, ctx)
+            if not take:
+                result.skip(found.location, f"{description.split(' -> ')[0]}: fused op slower ({why})")
+                continue
+            _replace(gm, found.match, target, args, kwargs)
+            result.rewrite(found.location, f"{description}; {why}")
+        return result
