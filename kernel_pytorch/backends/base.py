@@ -66,9 +66,10 @@ class Backend:
     # which the activations pass then turns into one packed gated activation.
     # "context_parallel" after both (with the context_parallel option only): it makes the fused RoPE tables and
     # attention calls global.
+    # "linear_cross_entropy" reads only the LM head and the loss, which no other pass rewrites.
     # "fp8" last: it converts the linears as the horizontal fusion left them (passes/fp8_linear.py: why).
     graph_passes: ClassVar[tuple[str, ...]] = ("normalize", "norms", "horizontal_gemm", "activations", "rope",
-                                               "attention", "context_parallel", "fp8")
+                                               "attention", "context_parallel", "linear_cross_entropy", "fp8")
     module_passes: ClassVar[tuple[str, ...]] = ()
     kernels: ClassVar[tuple[Kernel, ...]] = ()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kernel_pytorch.passes import (activations, attention, context_parallel, fp8_linear,  # noqa: F401 (registers them)
                                    horizontal_gemm, normalize, norms, rope)
+from kernel_pytorch.passes import linear_cross_entropy  # noqa: F401 (registers it)
 from kernel_pytorch.passes.base import (Candidate, GraphPass, ModulePass, PassContext, PassResult, Rewrite, Skip,
                                        candidates, replace_module)
 from kernel_pytorch.passes.manager import PassManager
