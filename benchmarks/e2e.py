@@ -800,43 +800,56 @@ def _target_line(payload: dict, name: str, part: str, unit: str) -> float | None
                  (name, part, unit) and t.get("baseline", {}).get("provider") == COMPILE), None)
 
 
+def _bar_label(result: dict, key: str) -> str:
+    if result.get(key) is not None:
+        return f"{result[key]:.1f}"
+    return "skipped" if "skipped" in result else "error" if "error" in result else "n/a"
+
+
+def _bars(ax, providers: dict, key: str, goal: float | None, title: str, ylabel: str) -> None:
+    """One panel: ``key`` per provider (optimize in red), optimize's target as a dotted line."""
+    names = list(providers)
+    bars = ax.bar(range(len(names)), [providers[p].get(key) or 0.0 for p in names],
+                  color=["tab:red" if p.startswith(OURS) else "tab:grey" for p in names])
+    for bar, p in zip(bars, names):
+        ax.annotate(_bar_label(providers[p], key), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=6)
+    if goal is not None:
+        ax.axhline(goal, color="black", linestyle=":", linewidth=1, label="optimize's target")
+        ax.legend(fontsize=6)
+    short = {LIGER_COMPILE: "Liger FLCE + compile"}
+    ax.set_xticks(range(len(names)), [short.get(n, n) for n in names], rotation=30, ha="right", fontsize=6)
+    ax.set_title(title, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=7)
+
+
 def plot_default_attention(payload: dict, path: Path) -> None:
-    """Issue 28's set: for each (model, part), ms per provider on top and peak GiB below; optimize's targets
+    """Issue 28's set: a row per model, per part two panels, ms per provider and peak GiB; optimize's targets
     (from torch.compile's numbers) as dotted lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    columns = [(name, part) for name, entry in payload.get("models", {}).items() for part in ALL_PARTS
-               if entry.get(part, {}).get("providers")]
-    if not columns:
+    models = payload.get("models", {})
+    parts = [part for part in ALL_PARTS if any(entry.get(part, {}).get("providers") for entry in models.values())]
+    if not parts:
         return
-    fig, axes = plt.subplots(2, len(columns), figsize=(3.2 * len(columns), 7.0), squeeze=False)
-    for col, (name, part) in enumerate(columns):
-        part_entry = payload["models"][name][part]
-        providers = part_entry["providers"]
-        shape = next((f"{r['batch']} x {r['seq']}" for r in providers.values() if "batch" in r), "")
-        for row, (key, unit, label) in enumerate((("ms", "ms", "ms per step" if part != "inference" else
-                                                   "ms per forward"), ("peak_gib", "GiB", "peak GiB"))):
-            ax = axes[row][col]
-            names = list(providers)
-            values = [providers[p].get(key) or 0.0 for p in names]
-            bars = ax.bar(range(len(names)), values, color=["tab:red" if p.startswith(OURS) else "tab:grey"
-                                                            for p in names])
-            for bar, p in zip(bars, names):
-                value = providers[p].get(key)
-                text = f"{value:.1f}" if value is not None else ("skipped" if "skipped" in providers[p] else "error")
-                ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
-                            va="bottom", fontsize=6)
-            goal = _target_line(payload, name, part, unit)
-            if goal is not None:
-                ax.axhline(goal, color="black", linestyle=":", linewidth=1, label="optimize's target")
-                ax.legend(fontsize=6)
-            ax.set_xticks(range(len(names)), [n.replace(" + ", "\n+ ") for n in names], rotation=35, ha="right",
-                          fontsize=6)
-            ax.set_title(f"{name}, {part} {shape}", fontsize=8)
-            ax.set_ylabel(label, fontsize=7)
+    fig, axes = plt.subplots(len(models), 2 * len(parts), figsize=(2.9 * 2 * len(parts), 3.2 * len(models)),
+                             squeeze=False)
+    for row, (name, entry) in enumerate(models.items()):
+        for col, part in enumerate(parts):
+            providers = entry.get(part, {}).get("providers", {})
+            time_ax, memory_ax = axes[row][2 * col], axes[row][2 * col + 1]
+            if not providers:
+                time_ax.axis("off")
+                memory_ax.axis("off")
+                continue
+            shape = next((f"{r['batch']} x {r['seq']}" for r in providers.values() if "batch" in r), "")
+            _bars(time_ax, providers, "ms", _target_line(payload, name, part, "ms"), f"{name}, {part} {shape}",
+                  "ms per step" if part != "inference" else "ms per forward")
+            _bars(memory_ax, providers, "peak_gib", _target_line(payload, name, part, "GiB"),
+                  f"{name}, {part}: peak", "peak GiB")
     fig.suptitle(f"transformers models, default attention, labels= loss; {payload['environment']['device']} "
                  f"({payload.get('scale')})", fontsize=9)
     save_figure(fig, path)
