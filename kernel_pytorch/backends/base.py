@@ -66,10 +66,13 @@ class Backend:
     # which the activations pass then turns into one packed gated activation.
     # "context_parallel" after both (with the context_parallel option only): it makes the fused RoPE tables and
     # attention calls global.
+    # "decode_attention" before "attention": it takes the one-token SDPA calls of decode steps, which the attention
+    # pass would otherwise dispatch as general attention.
     # "linear_cross_entropy" reads only the LM head and the loss, which no other pass rewrites.
     # "fp8" last: it converts the linears as the horizontal fusion left them (passes/fp8_linear.py: why).
     graph_passes: ClassVar[tuple[str, ...]] = ("normalize", "norms", "horizontal_gemm", "activations", "rope",
-                                               "attention", "context_parallel", "linear_cross_entropy", "fp8")
+                                               "decode_attention", "attention", "context_parallel",
+                                               "linear_cross_entropy", "fp8")
     module_passes: ClassVar[tuple[str, ...]] = ()
     kernels: ClassVar[tuple[Kernel, ...]] = ()
 

@@ -210,7 +210,8 @@ def decode_native(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale
     """PyTorch's SDPA on the unexpanded cache (``enable_gqa``): the path off CUDA, and the reference."""
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    # enable_gqa=True also for equal head counts (then a no-op): no comparison of sizes that may be symbolic
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def _use_triton(q: Tensor, k: Tensor) -> bool:

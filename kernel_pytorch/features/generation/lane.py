@@ -43,8 +43,21 @@ class ModelCalls:
         if backend is None:
             return cls(call_module, call_module, call_module)
         encoder = model.get_encoder() if is_encoder_decoder(model) else None
-        return cls(*(compiled_entry(module, backend, dynamic=True) if module is not None else call_module
-                     for module in (model, model, encoder)))
+        return cls(*(_with_constant_floats(compiled_entry(module, backend, dynamic=True)) if module is not None
+                     else call_module for module in (model, model, encoder)))
+
+
+def _with_constant_floats(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` traced with the model's float attributes (attention scale, RoPE scaling) as constants: with
+    dynamic shapes Dynamo otherwise makes each a graph input read by ``.item()``, and a scale that is not a
+    constant keeps the attention passes from rewriting (and Inductor from folding) it. A changed attribute
+    then recompiles, as any guarded constant does."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 class TokenLoop:

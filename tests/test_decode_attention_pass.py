@@ -1,0 +1,99 @@
+"""The decode_attention pass (kernel_pytorch/passes/decode_attention.py): one-token SDPA calls of decode steps go to
+the decode op, on transformers families with SDPA attention and on a plain decode loop; other calls are left to
+the attention pass; results equal the unoptimized model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernel_pytorch
+from kernel_pytorch import report_of
+
+from .generation_models import causal_lm, left_padded_prompts
+
+SDPA_FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mistral_sliding", "gpt2"]
+
+
+def _decode_rewrites(model) -> list:
+    return [r for r in report_of(model).rewrites if r.pass_name == "decode_attention"]
+
+
+@pytest.mark.parametrize("family", SDPA_FAMILIES)
+def test_decode_steps_of_transformers_models_take_the_decode_op(family):
+    model = causal_lm(family)
+    reference = copy.deepcopy(model)
+    optimized = kernel_pytorch.optimize(model)
+    input_ids, attention_mask = left_padded_prompts(3, 9)
+    tokens = optimized.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=False)
+    expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=False)
+    assert torch.equal(tokens, expected)
+    rewrites = _decode_rewrites(optimized)
+    # every layer of the step graph, and nothing in the prefill's (many query tokens)
+    assert len(rewrites) == model.config.num_hidden_layers, rewrites
+    assert len({r.graph for r in rewrites}) == 1
+    assert all("-> decode_attention" in r.replacement for r in rewrites)
+
+
+class CachedAttention(nn.Module):
+    """A plain decode step: one new token's q/k/v, the k/v written into a cache buffer at ``position``, SDPA over
+    the cache with GQA and a mask of the filled positions."""
+
+    def __init__(self, dim=64, heads=8, kv_heads=2, length=40):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=False)
+        self.register_buffer("k_cache", torch.randn(1, kv_heads, length, self.head_dim))
+        self.register_buffer("v_cache", torch.randn(1, kv_heads, length, self.head_dim))
+
+    def forward(self, x, position):
+        q = self.q(x).view(1, 1, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(1, 1, 2 * self.kv_heads, self.head_dim).transpose(1, 2).chunk(2, dim=1)
+        self.k_cache.index_copy_(2, position, k)
+        self.v_cache.index_copy_(2, position, v)
+        filled = (torch.arange(self.k_cache.shape[2]) <= position)[None, None, None, :]
+        out = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=filled, enable_gqa=True)
+        return out.transpose(1, 2).reshape(1, 1, -1)
+
+
+def test_a_plain_decode_step_takes_the_decode_op():
+    torch.manual_seed(0)
+    model = CachedAttention().eval()
+    reference = copy.deepcopy(model)
+    x, position = torch.randn(1, 1, 64), torch.tensor([7])
+    optimized = kernel_pytorch.optimize(model, example_inputs=(x, position))
+    with torch.no_grad():
+        for step in range(7, 12):
+            x = torch.randn(1, 1, 64)
+            got, want = optimized(x, torch.tensor([step])), reference(x, torch.tensor([step]))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(_decode_rewrites(optimized)) == 1
+
+
+class OneQueryAttention(nn.Module):
+    """One query token attending over a context (attention pooling): a one-token SDPA call that trains."""
+
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+
+    def forward(self, query, context):
+        def split(t):
+            return t.view(t.shape[0], t.shape[1], self.heads, -1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(split(self.q(query)), split(self.k(context)), split(self.v(context)))
+        return out.transpose(1, 2).flatten(2)
+
+
+def test_training_graphs_are_left_to_the_attention_pass():
+    torch.manual_seed(0)
+    model = OneQueryAttention().train()
+    optimized = kernel_pytorch.optimize(model, example_inputs=(torch.randn(2, 1, 64), torch.randn(2, 9, 64)))
+    skipped = [s for s in report_of(optimized).skipped if s.pass_name == "decode_attention"]
+    assert not _decode_rewrites(optimized)
+    assert [s.reason for s in skipped] == ["a training graph (the decode kernel has no backward)"]
