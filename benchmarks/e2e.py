@@ -65,8 +65,8 @@ backward, fused AdamW step, zero_grad; ``optimize`` gets the same keyword argume
 Providers: ``eager``, ``torch.compile``, ``optimize``, each (model, part) in one process. Issue 28's targets
 against ``torch.compile`` of the same model: train >= 1.15x at 4 x 2048, >= 1.3x at 1 x 16384, inference
 >= 1.15x, peak memory no higher; at vocab 128256, peak >= 40% lower and the step no slower, and (when Liger ran)
-peak and step no worse than Liger + compile. The Gemma-2 ``train_long`` baselines are expected to run out of
-memory (eager attention materializes 16 x 16384^2 scores per layer): the error is the result.
+peak and step no worse than Liger + compile. The Gemma-2 ``train_long`` baselines should run out of memory on
+an 80 GB GPU (eager attention keeps 16 x 16384^2 scores per layer, 8.6 GB in bf16): the error is the result.
 
 Results merge into ``--out``/e2e.json (``e2e_quick.json``, ``e2e_cpu.json``) case by case, written after
 each case, so that ``--models`` / ``--parts`` / ``--providers`` subsets run as separate commands build one
@@ -316,7 +316,7 @@ def _with_positions(c: LlamaStyleConfig, seq: int) -> LlamaStyleConfig:
 
 
 def _transformers_sizes(c: LlamaStyleConfig) -> dict:
-    """The Llama-style sizes in the names LlamaConfig, Qwen3Config and Gemma2Config share; no KV cache."""
+    """The Llama-style sizes in the names Qwen3Config and Gemma2Config share; no KV cache."""
     return dict(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim,
                 num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
                 head_dim=c.head_dim, max_position_embeddings=c.max_seq_len, use_cache=False)
