@@ -651,3 +651,59 @@ def test_gpu_compile_fullgraph_inductor(cuda, dtype):
     ref.float().square().sum().backward()
     for got, want in zip(args, clones):
         assert rel(got.grad, want.grad) < 2 * TOL[dtype]
+
+
+# ------------------------------------------------------------- LayerNorm with parameters in another dtype
+
+MIXED_PARAMETERS = [(torch.float32, None), (None, torch.float32), (torch.float32, torch.float32),
+                    (torch.bfloat16, torch.float32)]
+
+
+def check_layer_norm_with_mixed_parameters(device, weight_dtype, bias_dtype, rows=64, hidden=1000,
+                                           output_tolerance=4e-3):
+    """A bf16 LayerNorm whose weight / bias are float32 (Cohere's, written out in float32): the op computes
+    in float32 and rounds once, as the model's float32 formula cast back does; gradients in each dtype."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, hidden, dtype=torch.bfloat16, device=device, requires_grad=True)
+    params = [torch.randn(hidden, dtype=d, device=device, requires_grad=True) if d else None
+              for d in (weight_dtype, bias_dtype)]
+    leaves = [x, *[p for p in params if p is not None]]
+    copies = [t.detach().clone().requires_grad_() for t in leaves]
+    w_ref, b_ref = (copies.pop(1) if p is not None else None for p in params)
+    x32 = copies[0].float()
+    centered = x32 - x32.mean(-1, keepdim=True)
+    expected = centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + 1e-5)
+    expected = expected * w_ref.float() if w_ref is not None else expected
+    expected = (expected + b_ref.float() if b_ref is not None else expected).to(torch.bfloat16)
+    y = L.layer_norm(x, *params, eps=1e-5)
+    assert y.dtype == torch.bfloat16 and rel(y, expected) < output_tolerance
+    projection = torch.randn(rows, hidden, device=device)
+    (y.float() * projection).sum().backward()
+    (expected.float() * projection).sum().backward()
+    references = [copies[0], *[r for r in (w_ref, b_ref) if r is not None]]
+    for leaf, reference in zip(leaves, references):
+        assert leaf.grad.dtype == leaf.dtype and rel(leaf.grad, reference.grad) < 2e-2
+
+
+@pytest.mark.parametrize("weight_dtype, bias_dtype", MIXED_PARAMETERS, ids=str)
+def test_native_layer_norm_takes_parameters_in_another_dtype(weight_dtype, bias_dtype):
+    check_layer_norm_with_mixed_parameters("cpu", weight_dtype, bias_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("triton", [False, True], ids=["native", "triton"])
+@pytest.mark.parametrize("weight_dtype, bias_dtype", MIXED_PARAMETERS, ids=str)
+def test_gpu_layer_norm_takes_parameters_in_another_dtype(cuda, weight_dtype, bias_dtype, triton, monkeypatch):
+    if triton:  # route every size to the Triton kernels
+        for name in ("TRITON_FWD_MIN_ELEMENTS", "TRITON_BWD_MIN_ELEMENTS", "TRITON_BWD_MIN_HIDDEN"):
+            monkeypatch.setattr(L, name, 0)
+    check_layer_norm_with_mixed_parameters(cuda, weight_dtype, bias_dtype, rows=4096, hidden=2048)
+
+
+@interp
+@pytest.mark.parametrize("weight_dtype, bias_dtype", MIXED_PARAMETERS, ids=str)
+def test_interp_layer_norm_takes_parameters_in_another_dtype(triton_on_cpu, weight_dtype, bias_dtype):
+    # the interpreter's float32 -> bf16 conversion does not round to nearest even as the GPU does
+    check_layer_norm_with_mixed_parameters("cpu", weight_dtype, bias_dtype, rows=8, hidden=33,
+                                           output_tolerance=TOL[torch.bfloat16])
+    assert triton_on_cpu.get("layer_norm_fwd") and triton_on_cpu.get("layer_norm_bwd")

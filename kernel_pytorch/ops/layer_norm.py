@@ -192,11 +192,26 @@ def _aten_stats_dtype(x: Tensor) -> torch.dtype:
     return x.dtype if x.device.type in ("cpu", "mtia") else tu.acc_dtype(x.dtype)
 
 
+def _aten_takes(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> bool:
+    """Whether ATen's LayerNorm takes these dtypes: its CPU kernels refuse some mixes (a float32 bias
+    without weight, a bf16 weight with a float32 bias), so any parameter not in x's dtype takes the formula
+    (a float32 weight on a bf16 LayerNorm written out in float32, as Cohere's)."""
+    return all(p is None or p.dtype == x.dtype for p in (weight, bias))
+
+
 def _layer_norm_fwd_native(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                            residual: Optional[Tensor], eps: float):
     h, inp = row_norm.residual_sum(x, residual)
-    y, mean, rstd = torch.ops.aten.native_layer_norm(inp, [inp.shape[-1]], weight, bias, eps)
     acc, shape = tu.acc_dtype(x.dtype), inp.shape[:-1]
+    if not _aten_takes(x, weight, bias):  # the formula, in ACC, rounded once as the kernels do
+        x32 = inp.to(acc)
+        mean = x32.mean(-1, keepdim=True)
+        rstd = torch.rsqrt((x32 - mean).pow(2).mean(-1, keepdim=True) + eps)
+        y = (x32 - mean) * rstd
+        y = y * weight.to(acc) if weight is not None else y
+        y = y + bias.to(acc) if bias is not None else y
+        return y.to(x.dtype).contiguous(), h, mean.reshape(shape), rstd.reshape(shape)
+    y, mean, rstd = torch.ops.aten.native_layer_norm(inp, [inp.shape[-1]], weight, bias, eps)
     return y.to(x.dtype).contiguous(), h, mean.reshape(shape).to(acc), rstd.reshape(shape).to(acc)
 
 
@@ -204,6 +219,8 @@ def _layer_norm_bwd_native(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias
                            rstd: Tensor, dh: Optional[Tensor], weight_grad: bool, bias_grad: bool):
     weight_grad = weight_grad and weight is not None
     bias_grad = bias_grad and bias is not None
+    if not _aten_takes(x, weight, bias):
+        return _layer_norm_bwd_formula(dy, x, weight, bias, mean, rstd, dh, weight_grad, bias_grad)
     stats = _aten_stats_dtype(x)
     dx, dw, db = torch.ops.aten.native_layer_norm_backward(
         dy, x, [x.shape[-1]], mean.unsqueeze(-1).to(stats), rstd.unsqueeze(-1).to(stats), weight, bias,
@@ -211,6 +228,22 @@ def _layer_norm_bwd_native(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias
     if dh is not None:
         dx = dx + dh
     return dx.contiguous(), (dw if weight_grad else None), (db if bias_grad else None)
+
+
+def _layer_norm_bwd_formula(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                            mean: Tensor, rstd: Tensor, dh: Optional[Tensor], weight_grad: bool, bias_grad: bool):
+    """The backward kernel's formula in ACC: xhat = (x - mean) * rstd, g = dy * w,
+    dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), dw = sum(dy * xhat), db = sum(dy)."""
+    acc = tu.acc_dtype(x.dtype)
+    x32, dy32 = tu.as_rows(x).to(acc), tu.as_rows(dy).to(acc)
+    xhat = (x32 - mean.reshape(-1, 1).to(acc)) * rstd.reshape(-1, 1).to(acc)
+    g = dy32 * weight.to(acc) if weight is not None else dy32
+    dx = rstd.reshape(-1, 1).to(acc) * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    if dh is not None:
+        dx = dx + tu.as_rows(dh).to(acc)
+    dw = (dy32 * xhat).sum(0).to(weight.dtype) if weight_grad else None
+    db = dy32.sum(0).to(bias.dtype) if bias_grad else None
+    return dx.to(x.dtype).reshape(x.shape).contiguous(), dw, db
 
 
 # ------------------------------------------------------------------------------------------ custom ops
