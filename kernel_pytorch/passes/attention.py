@@ -1,9 +1,17 @@
-"""Hand-written attention -> one fused attention call, matched by meaning rather than by one template.
+"""Attention -> one fused attention call whose kernel the dispatcher chooses: hand-written attention, matched
+by meaning rather than by one template, and existing ``F.scaled_dot_product_attention`` calls.
 
 Every ``torch.softmax`` of a normalized graph (see :mod:`kernel_pytorch.passes.normalize`) is a
 candidate. The matcher (:mod:`kernel_pytorch.passes.attention_match`) walks back from it through casts,
 masks, biases and scale factors to a Q·Kᵀ product, and forward through casts and dropout to a ·V
 product, and proves each step; what it cannot prove is skipped, with the reason in the report.
+
+Every SDPA call is a candidate too (transformers' default attention, ``attn_implementation="sdpa"``): left
+alone it keeps PyTorch's own kernel choice. :mod:`kernel_pytorch.passes.sdpa_match` reads it into the same
+record, its ``attn_mask`` as one mask term, so the call gets what a hand-written one gets: a causal mask
+becomes ``is_causal``, a window or block pattern is recognized (guarded where it reads sizes or buffers),
+repeated K/V become ``enable_gqa``, and the dispatcher chooses the kernel. Its report line starts with
+"SDPA call".
 
 Before and after (a Llama layer as Dynamo captures it, after normalization)::
 
@@ -66,7 +74,9 @@ What is matched, and how each part is decided:
   reported. Where the option is set but a call is not eligible, the report says why and it stays dense.
 
 Not attention, skipped with the reason: softmax over another axis, probabilities modified or used
-before or beside ·V (returned attention weights), scores used elsewhere, a non-constant scale.
+before or beside ·V (returned attention weights), scores used elsewhere, a non-constant scale. Reading only
+the scores' dtype or static shape is not a use: T5's ``softmax(scores.float()).type_as(scores)`` matches,
+and a reader outside the matched chain reads the dtype or size as a constant instead.
 ``relu`` attention has no softmax, so it is not a candidate at all.
 
 Example::
@@ -99,6 +109,7 @@ from kernel_pytorch.passes.graph_utils import erase_unused, is_view, set_example
 from kernel_pytorch.passes.mask_pattern import PatternDecision, decide_pattern
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
+from kernel_pytorch.passes.sdpa_match import is_sdpa_call, match_sdpa_call
 from kernel_pytorch.passes.shape_constants import Bindings, ConstantEvaluator, example_value, static_int
 
 __all__ = ["AttentionPass"]
@@ -292,13 +303,42 @@ def _pattern_arguments(decision: PatternDecision, mask: Node, builder: _Builder)
 
 
 def _match_or_reason(node: Node, constants: ConstantEvaluator) -> Optional[AttentionMatch | str]:
-    """The attention around a ``torch.softmax`` call, or why it is not attention (None: not a softmax)."""
-    if not is_call(node, torch.softmax):
-        return None
+    """The attention around a ``torch.softmax`` call or of an SDPA call, or why it is not attention (None:
+    neither)."""
     try:
-        return match_attention(node, constants)
+        if is_call(node, torch.softmax):
+            return match_attention(node, constants)
+        if is_sdpa_call(node):
+            return match_sdpa_call(node)
     except NotAttention as reason:
         return str(reason)
+    return None
+
+
+def _detach_metadata_reads(graph: torch.fx.Graph, match: AttentionMatch) -> None:
+    """Readers of the dtype or static shape of a node the rewrite removes read it no longer, so that the
+    node can go: ``x.type_as(scores)`` becomes ``x.to(dtype)``; ``scores.size(-1)``, ``scores.dtype`` their
+    value. Readers in the matched chain itself are erased with it."""
+    removable = set(match.removable)
+    for reader in match.metadata_reads:
+        if reader._erased or reader in removable:
+            continue
+        value = example_value(reader)
+        if is_call(reader, "type_as"):
+            reader.target, reader.args = "to", (reader.args[0], value.dtype)
+            continue
+        constant = tuple(value) if isinstance(value, tuple) else value  # torch.Size -> a plain tuple
+        for user in list(reader.users):
+            user.args = torch.fx.node.map_aggregate(user.args, lambda a: constant if a is reader else a)
+            user.kwargs = torch.fx.node.map_aggregate(user.kwargs, lambda a: constant if a is reader else a)
+        graph.erase_node(reader)
+
+
+def _describe_scale(match: AttentionMatch, q: Any) -> str:
+    if match.scale is not None:
+        return f"scale {match.scale!r}"
+    head_dim = static_int(q.shape[-1]) if isinstance(q, torch.Tensor) else None
+    return f"scale {head_dim ** -0.5!r} (SDPA's default)" if head_dim else "scale 1/sqrt(E) (SDPA's default)"
 
 
 @register_pass
@@ -340,6 +380,7 @@ class AttentionPass(GraphPass):
         v, v_copied = _compact_value(v, builder, ctx.training)
         q_dtype = example_value(q).dtype
         plan = _MaskPlan()
+        plan.is_causal = match.is_causal
         before_mask = set(graph.nodes)
         mask = _mask_node(match, builder, q_dtype, constants, bindings, plan)
         pattern = plan.pattern.pattern if plan.pattern is not None else None
@@ -384,13 +425,15 @@ class AttentionPass(GraphPass):
                 out = graph.call_function(torch.permute, (call, match.out_dims))
             out.meta.update(match.pv.meta)
         match.pv.replace_all_uses_with(out)
+        _detach_metadata_reads(graph, match)
         before = set(graph.nodes)
         erase_unused(graph, match.removable)
         removed = before - set(graph.nodes)
-        parts = ["causal"] if plan.is_causal else []
+        parts = ["SDPA call"] if match.source == "sdpa" else []
+        parts += ["causal"] if plan.is_causal else []
         if match.enable_gqa and match.heads:
             parts.append(f"gqa {match.heads[0]}/{match.heads[1]}")
-        parts.append(f"scale {match.scale!r}")
+        parts.append(_describe_scale(match, example_value(q)))
         if match.dropout_p:
             parts.append(f"dropout {match.dropout_p!r}")
         parts.append(plan.description)

@@ -29,7 +29,8 @@ from kernel_pytorch.passes.shape_constants import (
     static_numel,
 )
 
-__all__ = ["AttentionMatch", "MaskTerm", "Operand", "NotAttention", "match_attention"]
+__all__ = ["AttentionMatch", "MaskTerm", "Operand", "NotAttention", "match_attention", "unrepeated_heads",
+           "reads_metadata_only", "value_users"]
 
 class NotAttention(Exception):
     """The candidate is not (provably) attention; ``str(error)`` is the reason for the report."""
@@ -63,13 +64,16 @@ class MaskTerm:
 
 @dataclass
 class AttentionMatch:
-    softmax: Node
-    qk: Node
-    pv: Node
+    """One attention call: hand-written (``softmax`` and ``qk`` set, ``pv`` the ·V product) or an existing
+    ``F.scaled_dot_product_attention`` call (``source == "sdpa"``, ``pv`` the call, no softmax or Q·Kᵀ node)."""
+
+    softmax: Optional[Node]
+    qk: Optional[Node]
+    pv: Node  # the node the fused call replaces
     q: Operand
     k: Operand
     v: Operand
-    scale: float
+    scale: Optional[float]  # None: SDPA's default, 1/sqrt(E) (an SDPA call given no scale)
     scores_shape: tuple
     terms: list[MaskTerm] = field(default_factory=list)
     dropout_p: float = 0.0
@@ -77,6 +81,10 @@ class AttentionMatch:
     heads: Optional[tuple[int, int]] = None  # (query heads, key/value heads) when they differ
     out_dims: Optional[tuple[int, ...]] = None  # permute of SDPA's output (einsum ·V with another layout)
     removable: list[Node] = field(default_factory=list)  # erased once they have no users
+    is_causal: bool = False  # an SDPA call's own is_causal=True (a hand-written one's comes from its mask)
+    source: str = "softmax"  # "softmax" (hand-written) | "sdpa" (an F.scaled_dot_product_attention call)
+    # Nodes that read only the dtype or shape of a node the rewrite removes (T5's ``probs.type_as(scores)``).
+    metadata_reads: list[Node] = field(default_factory=list)
 
 
 def _shape(node: Node) -> tuple:
@@ -112,6 +120,40 @@ def _cast_dtype(node: Node) -> Optional[torch.dtype]:
 
 def _single_user(node: Node) -> bool:
     return len(node.users) == 1
+
+
+_METADATA_ATTRIBUTES = ("dtype", "shape", "ndim", "device")
+
+
+def reads_metadata_only(user: Node, node: Node) -> bool:
+    """Whether ``user`` reads only ``node``'s dtype or static shape, not its values: ``x.type_as(node)``
+    (x on node's device: a cast to its dtype), ``node.dtype``/``.shape``/``.ndim``, and ``node.size()`` or
+    ``node.dim()`` whose result is known at capture (a symbolic size read is a use: it needs the tensor)."""
+    if is_call(user, "type_as") and len(user.args) == 2 and not user.kwargs:
+        source, other = user.args
+        return other is node and source is not node and _same_device(source, node)
+    if is_call(user, getattr) and user.args[:1] == (node,) and user.args[1:] in ((a,) for a in _METADATA_ATTRIBUTES):
+        return user.args[1] in ("dtype", "device") or _static_metadata(example_value(user))
+    if is_call(user, "size", "dim") and user.args[:1] == (node,) and node not in user.args[1:]:
+        return _static_metadata(example_value(user))
+    return False
+
+
+def value_users(node: Node) -> list[Node]:
+    """The users of ``node`` that read its values (see :func:`reads_metadata_only`)."""
+    return [user for user in node.users if not reads_metadata_only(user, node)]
+
+
+def _same_device(a: Any, b: Node) -> bool:
+    va, vb = example_value(a), example_value(b)
+    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.device == vb.device
+
+
+def _static_metadata(value: Any) -> bool:
+    """An int, or a tuple of ints (torch.Size), with no symbolic size."""
+    if isinstance(value, (tuple, list)):
+        return all(type(v) is int for v in value)
+    return type(value) is int
 
 
 def _product_kind(node: Node) -> Optional[str]:
@@ -187,6 +229,7 @@ class _Matcher:
         self.softmax = softmax
         self.constants = constants
         self.removable: list[Node] = []
+        self.metadata_reads: list[Node] = []
 
     # -- softmax ---------------------------------------------------------------------------------
 
@@ -259,8 +302,9 @@ class _Matcher:
         node = scores
         scale, after, terms = 1.0, 1.0, []
         while True:
-            if not _single_user(node):
+            if len(value_users(node)) != 1:
                 raise NotAttention(f"attention scores ({node.name}) are also used elsewhere")
+            self.metadata_reads += [user for user in node.users if reads_metadata_only(user, node)]
             if not same_shape(_shape(node), shape):
                 raise NotAttention(f"{node.name} has shape {_shape(node)}, the scores {shape}: "
                                    "a broadcast not understood")
@@ -513,7 +557,7 @@ class _Matcher:
             raise NotAttention(f"Q, K, V have ranks {[len(s) for s in shapes]}")
         if not same_shape(shapes[0][:-1] + shapes[1][-2:-1], shape):
             raise NotAttention(f"scores {shape} are not Q {shapes[0]} times K {shapes[1]} transposed")
-        k_unrepeated, v_unrepeated = self._unrepeat(k), self._unrepeat(v)
+        k_unrepeated, v_unrepeated = unrepeated_heads(k), unrepeated_heads(v)
         enable_gqa, heads = False, None
         if k_unrepeated and v_unrepeated and k_unrepeated[1] == v_unrepeated[1]:
             k, v = Operand(k_unrepeated[0]), Operand(v_unrepeated[0])
@@ -532,64 +576,65 @@ class _Matcher:
         return AttentionMatch(softmax=self.softmax, qk=qk, pv=pv, q=q, k=k, v=v, scale=scale,
                               scores_shape=shape, terms=terms, dropout_p=dropout_p, enable_gqa=enable_gqa,
                               heads=heads, out_dims=out_dims,
-                              removable=[n for n in self.removable if isinstance(n, Node)])
+                              removable=[n for n in self.removable if isinstance(n, Node)],
+                              metadata_reads=self.metadata_reads)
 
     @staticmethod
     def _operand_shape(operand: Operand) -> tuple:
         shape = _shape(operand.node)
         return shape if operand.dims is None else tuple(shape[d] for d in operand.dims)
 
-    def _unrepeat(self, operand: Operand) -> Optional[tuple[Node, int, list[Node]]]:
-        """``(x, n, nodes)`` when the operand repeats each head of ``x`` n times in place (repeat_kv,
-        ``repeat_interleave(n, dim=heads)``): SDPA's ``enable_gqa`` does the same from ``x``."""
-        node = operand.node
-        if operand.dims is not None or not isinstance(node, Node):
+def unrepeated_heads(operand: Operand) -> Optional[tuple[Node, int, list[Node]]]:
+    """``(x, n, nodes)`` when the operand repeats each head of ``x`` n times in place (repeat_kv,
+    ``repeat_interleave(n, dim=heads)``): SDPA's ``enable_gqa`` does the same from ``x``."""
+    node = operand.node
+    if operand.dims is not None or not isinstance(node, Node):
+        return None
+    shape = _shape(node)
+    if len(shape) < 4:
+        return None
+    heads_axis = len(shape) - 3
+    if is_call(node, torch.repeat_interleave):
+        args = list(node.args) + [None] * (3 - len(node.args))
+        source = args[0]
+        repeats = node.kwargs.get("repeats", args[1])
+        dim = node.kwargs.get("dim", args[2])
+        if not isinstance(source, Node) or not isinstance(repeats, int) or not isinstance(dim, int):
             return None
-        shape = _shape(node)
-        if len(shape) < 4:
+        if dim % len(shape) != heads_axis or set(node.kwargs) - {"repeats", "dim", "output_size"}:
             return None
-        heads_axis = len(shape) - 3
-        if is_call(node, torch.repeat_interleave):
-            args = list(node.args) + [None] * (3 - len(node.args))
-            source = args[0]
-            repeats = node.kwargs.get("repeats", args[1])
-            dim = node.kwargs.get("dim", args[2])
-            if not isinstance(source, Node) or not isinstance(repeats, int) or not isinstance(dim, int):
-                return None
-            if dim % len(shape) != heads_axis or set(node.kwargs) - {"repeats", "dim", "output_size"}:
-                return None
-            return source, repeats, [node]
-        if not is_call(node, "reshape", "view"):
-            return None
-        expanded = node.args[0]
-        if not (isinstance(expanded, Node) and is_call(expanded, "expand") and _single_user(expanded)):
-            return None
-        inserted = expanded.args[0]
-        if not (isinstance(inserted, Node) and _single_user(inserted)):
-            return None
-        if is_call(inserted, torch.unsqueeze) and len(inserted.args) == 2:
-            source = inserted.args[0]
-        elif is_call(inserted, operator.getitem) and _only_full_slices_and_one_none(inserted.args[1]):
-            source = inserted.args[0]
-        else:
-            return None
-        if not isinstance(source, Node):
-            return None
-        src = _shape(source)
-        if len(src) != len(shape):
-            return None
-        groups = static_int(_shape(expanded)[heads_axis + 1])
-        batch, kv_heads, rest = src[:heads_axis], src[heads_axis], src[heads_axis + 1:]
-        if groups is None:
-            return None
-        expected_inserted = (*batch, kv_heads, 1, *rest)
-        expected_expanded = (*batch, kv_heads, groups, *rest)
-        if not (same_shape(_shape(inserted), expected_inserted) and same_shape(_shape(expanded), expected_expanded)):
-            return None
-        hk = static_int(kv_heads)
-        if hk is None or not same_shape(shape, (*batch, hk * groups, *rest)):
-            return None
-        return source, groups, [node, expanded, inserted]
+        return source, repeats, [node]
+    if not is_call(node, "reshape", "view"):
+        return None
+    expanded = node.args[0]
+    if not (isinstance(expanded, Node) and is_call(expanded, "expand") and _single_user(expanded)):
+        return None
+    inserted = expanded.args[0]
+    if not (isinstance(inserted, Node) and _single_user(inserted)):
+        return None
+    if is_call(inserted, torch.unsqueeze) and len(inserted.args) == 2:
+        source = inserted.args[0]
+    elif is_call(inserted, operator.getitem) and _only_full_slices_and_one_none(inserted.args[1]):
+        source = inserted.args[0]
+    else:
+        return None
+    if not isinstance(source, Node):
+        return None
+    src = _shape(source)
+    if len(src) != len(shape):
+        return None
+    groups = static_int(_shape(expanded)[heads_axis + 1])
+    batch, kv_heads, rest = src[:heads_axis], src[heads_axis], src[heads_axis + 1:]
+    if groups is None:
+        return None
+    expected_inserted = (*batch, kv_heads, 1, *rest)
+    expected_expanded = (*batch, kv_heads, groups, *rest)
+    if not (same_shape(_shape(inserted), expected_inserted) and same_shape(_shape(expanded), expected_expanded)):
+        return None
+    hk = static_int(kv_heads)
+    if hk is None or not same_shape(shape, (*batch, hk * groups, *rest)):
+        return None
+    return source, groups, [node, expanded, inserted]
 
 
 def _has_product_ancestor(node: Node, limit: int = 32) -> bool:

@@ -28,6 +28,12 @@ permute                   ``torch.permute(x, (d0, d1, ...))``
 shape functions           ``torch.unsqueeze/squeeze/flatten/repeat_interleave/masked_fill/chunk/split``
                           with the arguments as written; ``torch.cat([t0, t1, ...], dim)``
 dropout                   ``F.dropout(x, p, training, False)``
+SDPA                      ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
+                          scale=scale, enable_gqa=enable_gqa)``, every argument given
+in-place arithmetic       ``x += y`` (``operator.iadd``, ``x.add_(y)``; ``-= *= /=`` too) becomes
+                          ``operator.add(x, y)`` where nobody else can see the write: ``x`` is a fresh
+                          result (an arithmetic op or a product) read by this op alone, and the
+                          out-of-place dtype is ``x``'s
 view / reshape / expand   ``call_method`` with unpacked sizes: ``x.view(a, b)``; ``contiguous`` stays
 ========================  ============================================================================
 
@@ -292,6 +298,20 @@ _DROPOUT: dict[Callable[..., Any], inspect.Signature] = {
 _SIZE_METHODS = ("view", "reshape", "expand")
 _RESHAPE = _sig(lambda input, shape: None)
 
+# F.scaled_dot_product_attention (torch._C._nn's): scale and enable_gqa are keyword-only there.
+_SDPA = _sig(lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+             enable_gqa=False: None)
+
+# In-place arithmetic -> its out-of-place operator (operator.iadd is how Dynamo records ``x += y``).
+_IN_PLACE: dict[Target, Callable[..., Any]] = {
+    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+    operator.itruediv: operator.truediv, "add_": operator.add, "sub_": operator.sub, "mul_": operator.mul,
+    "div_": operator.truediv,
+}
+# Results that are always a new tensor (never a view or the input itself, as ``x.to(x.dtype)`` is): writing
+# one in place is seen by nobody but its readers.
+_FRESH_RESULTS = (operator.add, operator.sub, operator.mul, operator.truediv, operator.matmul, torch.bmm)
+
 
 # ---------------------------------------------------------------------------------------------------
 # Rules: one small function per family
@@ -518,6 +538,38 @@ def _contiguous(node: Node) -> Optional[_Call]:
     return _method("contiguous", *node.args, **node.kwargs) if node.args else None
 
 
+def _sdpa(node: Node) -> Optional[_Call]:
+    bound = _bind(_SDPA, node)
+    if bound is None:
+        return None
+    bound.apply_defaults()
+    a = bound.arguments
+    return _function(F.scaled_dot_product_attention, a["query"], a["key"], a["value"], a["attn_mask"], a["dropout_p"],
+                     a["is_causal"], scale=a["scale"], enable_gqa=a["enable_gqa"])
+
+
+def _in_place(canonical: Callable[..., Any]) -> _Rule:
+    """``x op= y`` -> ``op(x, y)`` when the write is invisible (see the table in the module docstring)."""
+    def rule(node: Node) -> Optional[_Call]:
+        if len(node.args) != 2 or node.kwargs:
+            return None
+        target, other = node.args
+        if not (isinstance(target, Node) and target.op == "call_function" and target.target in _FRESH_RESULTS
+                and len(target.users) == 1):
+            return None
+        value = target.meta.get("example_value")
+        other_value = other.meta.get("example_value") if isinstance(other, Node) else other
+        if not isinstance(value, torch.Tensor) or not isinstance(other_value, (torch.Tensor, int, float)) \
+                or isinstance(other_value, bool):
+            return None
+        # x += y keeps x's dtype; x + y promotes (fp16 + fp32 is fp32): respelt only where they agree.
+        if torch.result_type(value, other_value) != value.dtype:
+            return None
+        return _function(canonical, target, other)
+
+    return rule
+
+
 def _build_rules() -> dict[tuple[str, Target], _Rule]:
     rules: dict[tuple[str, Target], _Rule] = {}
     for canonical, sources in _ARITHMETIC.items():
@@ -547,6 +599,8 @@ def _build_rules() -> dict[tuple[str, Target], _Rule]:
         rules[_key(name)] = rules[_key(getattr(torch.Tensor, name))] = _size_method(name)
     rules[_key(torch.reshape)] = _torch_reshape
     rules[_key(torch.Tensor.contiguous)] = _contiguous
+    rules[_key(F.scaled_dot_product_attention)] = _sdpa
+    rules.update({_key(source): _in_place(canonical) for source, canonical in _IN_PLACE.items()})
     return rules
 
 

@@ -1,0 +1,303 @@
+"""The attention pass on existing ``F.scaled_dot_product_attention`` calls: every spelling of the call is
+matched, its mask decided as a hand-written one's would be (causal -> is_causal, windows recognized, padding
+kept as a tensor), repeated K/V used with ``enable_gqa``, and the call handed to the dispatcher; the
+rewritten graph equals the original (values and gradients). Then transformers models with their default
+(SDPA) attention end to end, training and inference, with and without padding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernel_pytorch import optimize, report_of
+from kernel_pytorch.attention.dispatch import choose_kernel
+from kernel_pytorch.hardware import HardwareInfo
+
+from . import sdpa_models
+from .conftest import rel_err, twin
+from .test_attention_pass import B, E, H, L, Rewritten, _qkv, _with_keep, check, kwargs_of, repeat_kv
+
+# --------------------------------------------------------------------------------------------------
+# spellings of the call
+# --------------------------------------------------------------------------------------------------
+
+
+class Positional(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, None, 0.0, True)
+
+
+class Keywords(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(query=q, key=k, value=v, is_causal=False, scale=0.3, dropout_p=0.0)
+
+
+class DefaultScale(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+class NativeGQA(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class RepeatKV(nn.Module):
+    def __init__(self, how: str = "repeat_kv"):
+        super().__init__()
+        self.how = how
+
+    def forward(self, q, k, v):
+        rep = q.shape[1] // k.shape[1]
+        if self.how == "repeat_kv":
+            k, v = repeat_kv(k, rep), repeat_kv(v, rep)
+        else:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, scale=0.25)
+
+
+class BoolCausalMask(nn.Module):
+    def forward(self, q, k, v):
+        n = q.shape[-2]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(n, n, dtype=torch.bool).tril())
+
+
+class AdditiveCausalMask(nn.Module):
+    def forward(self, q, k, v):
+        n = q.shape[-2]
+        mask = torch.triu(torch.full((n, n), float("-inf")), diagonal=1)
+        return F.scaled_dot_product_attention(q, k, v, mask, scale=0.125)
+
+
+class SlidingWindow(nn.Module):
+    """Mistral's causal window of 3, as transformers' sdpa_mask builds it from index comparisons."""
+
+    def forward(self, q, k, v):
+        i = torch.arange(q.shape[-2])[None, None, :, None]
+        j = torch.arange(k.shape[-2])[None, None, None, :]
+        allowed = (j > i - 3) & (j <= i)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.expand(q.shape[0], -1, -1, -1))
+
+
+class PaddingBool(nn.Module):
+    def forward(self, q, k, v, keep):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep.bool()[:, None, None, :], scale=0.25)
+
+
+class PaddingAdditive(nn.Module):
+    def forward(self, q, k, v, keep):
+        additive = (1.0 - keep[:, None, None, :]) * torch.finfo(q.dtype).min
+        return F.scaled_dot_product_attention(q, k, v, additive)
+
+
+class BufferCausal(nn.Module):
+    def __init__(self, n: int = L):
+        super().__init__()
+        self.register_buffer("allowed", torch.tril(torch.ones(n, n, dtype=torch.bool)))
+
+    def forward(self, q, k, v):
+        n = q.shape[-2]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed[:n, :n])
+
+
+class WithDropout(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.2 if self.training else 0.0, is_causal=True)
+
+
+class CrossAttention(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, scale=0.5)
+
+
+class PositionBias(nn.Module):
+    """T5 through SDPA: unscaled, a trainable relative position bias (one per head) as the additive mask."""
+
+    def __init__(self, buckets: int = 8):
+        super().__init__()
+        self.bias = nn.Embedding(2 * buckets, H)
+        self.buckets = buckets
+
+    def forward(self, q, k, v):
+        relative = torch.arange(k.shape[-2])[None, :] - torch.arange(q.shape[-2])[:, None]
+        bias = self.bias(relative.clamp(-self.buckets, self.buckets - 1) + self.buckets).permute(2, 0, 1)[None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
+
+
+def _gqa_inputs():
+    return _qkv(heads=4, kv_heads=2)
+
+
+def _with_token_keep():
+    """q, k, v and an integer keep mask (no gradient: its finfo.min multiple would make one of infs)."""
+    *qkv, keep = _with_keep()
+    return (*qkv, keep.long())
+
+
+SPELLINGS = {
+    # name: (module, inputs, substrings of the report line, the call's expected keyword arguments)
+    "positional": (Positional, _qkv, ("causal", "no mask"), {"is_causal": True, "mask": None}),
+    "keywords": (Keywords, _qkv, ("scale 0.3", "no mask"), {"is_causal": False, "scale": 0.3}),
+    "default_scale": (DefaultScale, _qkv, (f"scale {E ** -0.5!r} (SDPA's default)",), {"scale": None}),
+    "native_gqa": (NativeGQA, _gqa_inputs, ("causal", "gqa 4/2"), {"enable_gqa": True, "is_causal": True}),
+    "repeat_kv": (RepeatKV, _gqa_inputs, ("gqa 4/2", "scale 0.25"), {"enable_gqa": True}),
+    "repeat_interleave": (lambda: RepeatKV("interleave"), _gqa_inputs, ("gqa 4/2",), {"enable_gqa": True}),
+    "bool_causal_mask": (BoolCausalMask, _qkv, ("causal", "no mask"), {"is_causal": True, "mask": None}),
+    "additive_causal_mask": (AdditiveCausalMask, _qkv, ("causal", "no mask"), {"is_causal": True, "mask": None}),
+    "sliding_window": (SlidingWindow, _qkv, ("causal sliding window 3",), {"is_causal": False}),
+    "padding_bool": (PaddingBool, _with_token_keep, ("mask bool",), {"is_causal": False}),
+    "padding_additive": (PaddingAdditive, _with_token_keep, ("mask additive",), {"is_causal": False}),
+    "cross_attention": (CrossAttention, lambda: _qkv(lq=5, lk=9), ("scale 0.5", "no mask"), {"scale": 0.5}),
+    "position_bias": (PositionBias, _qkv, ("scale 1.0", "mask additive"), {"scale": 1.0}),
+}
+
+
+@pytest.mark.parametrize("name", SPELLINGS)
+def test_sdpa_spelling_is_rewritten_with_equal_values_and_gradients(name):
+    factory, make_inputs, contains, expected = SPELLINGS[name]
+    rewritten = check(factory(), make_inputs, contains=("SDPA call", *contains), training=True)
+    call = kwargs_of(rewritten)
+    for key, value in expected.items():
+        assert call[key] == value if value is not None else call[key] is None, (key, call)
+    assert not [n for n in rewritten.gm.graph.nodes if n.target is F.scaled_dot_product_attention]
+
+
+def test_repeated_kv_are_removed_and_the_sources_passed():
+    rewritten = check(RepeatKV(), _gqa_inputs)
+    [call] = rewritten.calls
+    assert [tuple(a.meta["example_value"].shape) for a in call.args[1:3]] == [(B, 2, L, E)] * 2
+    assert not [n for n in rewritten.gm.graph.nodes if n.op == "call_method" and n.target == "expand"]
+
+
+def test_constant_causal_mask_subgraph_is_erased():
+    rewritten = check(BoolCausalMask(), _qkv)
+    assert not [n for n in rewritten.gm.graph.nodes if n.op == "call_method" and n.target == "tril"]
+
+
+def test_buffer_causal_mask_is_causal_behind_a_runtime_guard():
+    module = BufferCausal()
+    rewritten = check(module, _qkv, contains=("causal", "no mask"))
+    assert kwargs_of(rewritten)["is_causal"] and kwargs_of(rewritten)["mask"] is None
+    assert any("from a buffer" in r for r in rewritten.reasons), rewritten.reasons
+    [guard] = rewritten.result.guards
+    guard.bind(rewritten.gm.graph)
+    args = rewritten.runtime_args(*_qkv())
+    assert guard.holds(args)
+    module.allowed[0, 1] = True  # an in-place edit: no longer causal, the graph runs unrewritten
+    assert not guard.holds(args)
+
+
+def test_symbolic_sizes_sliding_window_is_recognized_behind_a_runtime_guard():
+    rewritten = check(SlidingWindow(), _qkv, dynamic=True, contains=("causal sliding window 3",))
+    assert kwargs_of(rewritten)["mask"] is not None  # on the CPU the dense kernel keeps the tensor
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_dropout_probability_is_kept_as_the_call_gave_it(training):
+    torch.manual_seed(0)
+    module = WithDropout().train(training)
+    rewritten = Rewritten(module, _qkv(), training=training)
+    assert kwargs_of(rewritten)["dropout_p"] == (0.2 if training else 0.0)
+    assert ("dropout 0.2" in rewritten.descriptions[0]) == training
+
+
+_NVIDIA = HardwareInfo(vendor="nvidia", device_name="sim H100", compute_capability=(9, 0), cudnn_attention=True,
+                       bf16=True, triton_usable=True)
+
+
+def _kernel_for(call: torch.fx.Node, training: bool) -> str:
+    """The kernel an H100 would get (unmeasured: first eligible) for this call's shapes in bf16."""
+    def on_meta(node):
+        value = node.meta["example_value"] if isinstance(node, torch.fx.Node) else None
+        if value is None:
+            return None
+        dtype = torch.bfloat16 if value.is_floating_point() else value.dtype
+        return torch.empty(tuple(value.shape), dtype=dtype, device="meta").requires_grad_(value.requires_grad)
+
+    q, k, v, mask = (on_meta(a) for a in call.args[:4])
+    return choose_kernel(q, k, v, mask, is_causal=call.kwargs["is_causal"], dropout_p=0.0,
+                         enable_gqa=call.kwargs["enable_gqa"], hardware=_NVIDIA, training=training)[0]
+
+
+@pytest.mark.parametrize("training, kernel", [(True, "efficient"), (False, "cudnn")])
+def test_trainable_position_bias_gets_a_kernel_with_a_mask_gradient(training, kernel):
+    torch.manual_seed(0)
+    module = PositionBias().train(training)
+    rewritten = Rewritten(module, _qkv(), training=training)
+    [call] = rewritten.calls
+    assert call.args[3].meta["example_value"].requires_grad  # captured with gradients on
+    assert _kernel_for(call, training) == kernel  # cuDNN returns no mask gradient: the efficient kernel does
+
+
+class ScaleFromSizes(nn.Module):
+    """A scale computed from a symbolic head size: a SymFloat, not a constant."""
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, scale=1.0 / q.shape[-1])
+
+
+def test_non_constant_scale_is_skipped_with_a_reason():
+    torch.manual_seed(0)
+    rewritten = Rewritten(ScaleFromSizes(), _qkv(), dynamic=True)
+    if rewritten.result.rewrites:  # Dynamo specialized the head size: a constant after all
+        assert "scale 0.125" in rewritten.descriptions[0]
+    else:
+        assert rewritten.reasons and "scale that is not a constant" in rewritten.reasons[0], rewritten.reasons
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers models with their default attention, end to end through optimize()
+# --------------------------------------------------------------------------------------------------
+
+CASES = [  # (family, training, padded): each family trains once (all gradients) and runs inference once
+    ("llama", True, True), ("llama", False, False),
+    ("qwen2", True, False), ("qwen2", False, True),
+    ("qwen3", True, True), ("qwen3", False, False),
+    ("mistral", True, False), ("mistral", False, True),
+    ("gpt2", True, True), ("gpt2", False, False),
+    ("bert", True, True), ("bert", False, False),
+    ("t5", True, True), ("t5", False, False),
+]
+
+
+def _first_output(model: nn.Module, inputs: dict) -> torch.Tensor:
+    return model(**inputs)[0]  # logits or last_hidden_state
+
+
+def _gradient_errors(model: nn.Module, reference: nn.Module) -> dict[str, float]:
+    """Every parameter's gradient error against the reference's (inf where one of them has none)."""
+    errors = {}
+    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
+        if p.grad is None or p_ref.grad is None:
+            errors[name] = 0.0 if p.grad is None and p_ref.grad is None else float("inf")
+        else:
+            errors[name] = rel_err(p.grad, p_ref.grad) if p_ref.grad.norm() > 0 else float(p.grad.norm())
+    return errors
+
+
+@pytest.mark.parametrize("family, training, padded", CASES)
+def test_transformers_default_attention_is_rewritten_and_matches(family, training, padded):
+    torch.manual_seed(0)
+    model, inputs, calls = sdpa_models.FAMILIES[family](padded)
+    model.train(training)
+    reference = twin(model)
+    optimize(model, example_inputs=inputs)
+    report = report_of(model)
+    lines = [r.replacement for r in report.rewrites if r.pass_name == "attention"]
+    assert len(lines) == calls and all(line.startswith("attention[sdpa]: SDPA call") for line in lines), lines
+    assert not [s for s in report.skipped if s.pass_name == "attention"]
+    assert report.rollbacks == [] and report.verification.passed, report.verification
+    fresh = sdpa_models.fresh_inputs(inputs)
+    with torch.set_grad_enabled(training):
+        out, expected = _first_output(model, fresh), _first_output(reference, fresh)
+        assert rel_err(out, expected) < 1e-5
+        if not training:
+            return
+        seed = torch.randn_like(expected)
+        (out * seed).sum().backward()
+        (expected * seed).sum().backward()
+    errors = _gradient_errors(model, reference)
+    assert errors and not {name: e for name, e in errors.items() if not e < 1e-4}, errors
