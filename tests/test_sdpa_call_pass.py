@@ -252,14 +252,14 @@ def test_non_constant_scale_is_skipped_with_a_reason():
 # transformers models with their default attention, end to end through optimize()
 # --------------------------------------------------------------------------------------------------
 
-CASES = [  # (family, training, padded): each family trains once (all gradients) and runs inference once
+CASES = [  # (family, training, padded): each family trains (all gradients); the decoders also run inference
     ("llama", True, True), ("llama", False, False),
     ("qwen2", True, False), ("qwen2", False, True),
     ("qwen3", True, True), ("qwen3", False, False),
     ("mistral", True, False), ("mistral", False, True),
     ("gpt2", True, True), ("gpt2", False, False),
-    ("bert", True, True), ("bert", False, False),
-    ("t5", True, True), ("t5", False, False),
+    ("bert", True, True),
+    ("t5", True, True),  # its inference SDPA call is the same (dropout 0 here), and the slowest capture
 ]
 
 
