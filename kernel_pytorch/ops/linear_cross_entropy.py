@@ -7,23 +7,29 @@ What transformers' causal LMs compute with ``labels=`` (``ForCausalLMLoss``)::
 
 Unfused, autograd keeps the float32 log-softmax (``N * V * 4`` bytes: 8.4 GB at vocab 128256 and 8 x 2048
 tokens) and the backward materializes the float32 gradient of the logits, then its copy in the model's dtype.
-Two ops replace the loss, by whether the logits are an output of the graph:
+Three ops replace the loss, by what the graph holds:
 
-* :func:`logits_cross_entropy` (the logits are an output, as in every transformers model): the bf16 logits
-  the model returns are kept anyway, so the loss is computed from *them* (per row: logsumexp and the loss,
-  in float32, one read; only the ``N`` float32 log-sum-exps are saved). The backward computes the logits'
-  gradient slice by slice over the vocabulary, ``g = scale * (softmax - target)``, from the saved
-  log-sum-exps, and turns each slice into its share of the gradients at once: ``dW[v0:v1] = g.T @ h`` (one
-  whole matmul per slice, float32 accumulation inside it) and ``dh += g @ W[v0:v1]``. Neither the float32
-  logits nor the full gradient of the logits exists; no matmul is added (the forward reuses the logits,
-  the backward does the two matmuls the linear's backward would). Recomputing the logits from the hidden
-  states instead would add a matmul to keep nothing the model does not keep already.
+* :func:`linear_logits_cross_entropy` (the logits are an output, as in every transformers model): the
+  logits the model returns are kept anyway, so it computes them (the head's matmul, soft-capped if asked) and
+  the loss from *them* (per row: logsumexp and loss in float32, one read), returning both; it saves only the
+  ``N`` float32 log-sum-exps beyond the logits. The backward computes the logits' gradient slice by slice
+  over the vocabulary, ``g = scale * (softmax - target)`` from the saved log-sum-exps, plus the gradient
+  that reaches the logits as an output, and turns each slice into its share at once: ``dW[v0:v1] = g.T @ h``
+  (one whole matmul per slice, float32 accumulation inside it) and ``dh += g @ W[v0:v1]``. Neither the
+  float32 logits nor the full gradient of the logits exists, and no matmul is added. Why one op for the head
+  and the loss: in a compiled graph the logits' gradient as an output arrives as zeros even when unused
+  (AOTAutograd materializes it), and a separate ``F.linear`` would run its two backward matmuls on them;
+  inside the op it is one more read per slice. Recomputing the logits from the hidden states instead would
+  add a matmul to keep nothing the model does not keep already.
 * :func:`linear_cross_entropy` (the logits feed only the loss: a hand-written model returning the loss):
   the logits are computed chunk by chunk over tokens and dropped, Liger-Kernel's scheme: each chunk's
   loss, and, when training, its gradient written over the chunk's logits and turned at once into ``dh`` for
   those tokens and its share of ``dW`` (float32 accumulator), so the backward only scales them by the
   loss's gradient. Nothing of size ``N * V`` is ever kept; between forward and backward it holds ``dh`` and
   ``dW`` (the sizes of the hidden states and the weight) instead of the logits.
+* :func:`logits_cross_entropy` with no head (the head is in another graph: a graph break before the loss):
+  the loss from the given logits, saving the log-sum-exps instead of a float32 log-softmax; the backward
+  writes the logits' gradient once, in their dtype.
 
 Numerics: logits rounded to the model's dtype by the matmul, as the model rounds them; the softmax, the loss,
 its reduction and the logits' gradient in float32; that gradient rounded to the model's dtype before the
@@ -35,14 +41,15 @@ model's output) and applies the cap's derivative ``1 - (x / c)**2`` in the backw
 
 Layers: ``_loss_rows_kernel`` / ``_grad_kernel`` (Triton: per row, log-sum-exp and loss in one read; the
 gradient from the saved log-sum-exp) with their native PyTorch twins (CPU, other devices, machines without
-Triton) -> ``kernel_pytorch::logits_cross_entropy`` (+ ``_backward``) and
-``kernel_pytorch::linear_cross_entropy`` (``custom_op``: the bodies loop over chunks with matmuls, opaque to
-Inductor so it neither unrolls the loops nor plans their buffers) -> the two functionals.
+Triton) -> ``kernel_pytorch::linear_logits_cross_entropy``, ``kernel_pytorch::linear_cross_entropy`` and
+``kernel_pytorch::logits_cross_entropy`` (+ ``_backward``, shared) (``custom_op``: the bodies loop over chunks
+with matmuls, opaque to Inductor so it neither unrolls the loops nor plans their buffers) -> the functionals.
 
 Example::
 
-    loss = logits_cross_entropy(hidden, lm_head.weight, None, logits, labels)   # logits = lm_head(hidden)
+    loss, logits = linear_logits_cross_entropy(hidden, lm_head.weight, None, labels)
     loss = linear_cross_entropy(hidden, lm_head.weight, None, labels, label_smoothing=0.1)
+    loss = logits_cross_entropy(None, None, None, logits, labels)
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ from torch import Tensor
 from kernel_pytorch.ops import triton_utils as tu
 from kernel_pytorch.ops.triton_utils import jit, tl
 
-__all__ = ["linear_cross_entropy", "logits_cross_entropy", "CHUNK_ELEMENTS"]
+__all__ = ["linear_cross_entropy", "linear_logits_cross_entropy", "logits_cross_entropy", "CHUNK_ELEMENTS"]
 
 # Elements of one chunk of logits (or of their gradient) in the model's dtype: 2**28 is 512 MB in bf16, the
 # most either op holds beyond its inputs; 8 chunks at 8 x 2048 tokens and vocab 128256. Fewer, larger chunks
@@ -119,9 +126,10 @@ def _grad_kernel(
     LABELS,  # (n_rows,) int64
     LSE,  # (n_rows,) fp32 logsumexp of each whole (capped) row
     SCALE,  # () fp32: the loss's gradient, divided by the count of counted rows for "mean"
+    T,  # (n_rows, n_cols) gradient of X as an output too (row stride stride_t), added; read only if HAS_TANGENT
     G,  # (n_rows, n_cols) output, row stride stride_g: the gradient of the loss w.r.t. X (may be X itself)
-    stride_x, stride_g, n_cols, col_offset, vocab, ignore_index, smoothing, softcap,
-    APPLY_CAP: tl.constexpr, CHAIN_CAP: tl.constexpr, BLOCK: tl.constexpr,
+    stride_x, stride_t, stride_g, n_cols, col_offset, vocab, ignore_index, smoothing, softcap,
+    APPLY_CAP: tl.constexpr, CHAIN_CAP: tl.constexpr, HAS_TANGENT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -132,9 +140,11 @@ def _grad_kernel(
         x = _soft_capped(x, softcap)
     g = tl.exp(x - tl.load(LSE + row)) - smoothing / vocab
     g -= tl.where(cols + col_offset == label, 1.0 - smoothing, 0.0)
-    if CHAIN_CAP:
-        g *= 1.0 - (x / softcap) * (x / softcap)
     g = tl.where(label != ignore_index, g * tl.load(SCALE), 0.0)
+    if HAS_TANGENT:
+        g += tl.load(T + row * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
+    if CHAIN_CAP:  # through the soft cap: d(c * tanh(r / c)) / dr = 1 - (x / c)**2
+        g *= 1.0 - (x / softcap) * (x / softcap)
     tl.store(G + row * stride_g + cols, g.to(G.dtype.element_ty), mask=mask)
 
 
@@ -151,14 +161,16 @@ def _loss_rows_triton(x: Tensor, labels: Tensor, ignore_index: int, smoothing: f
 
 
 def _grad_triton(x: Tensor, labels: Tensor, lse: Tensor, scale: Tensor, out: Tensor, col_offset: int, vocab: int,
-                 ignore_index: int, smoothing: float, softcap: float, apply_cap: bool) -> None:
+                 ignore_index: int, smoothing: float, softcap: float, apply_cap: bool,
+                 tangent: Optional[Tensor] = None) -> None:
     n_rows, n_cols = x.shape
     block = min(_GRAD_BLOCK, tu.next_power_of_2(n_cols))
+    t = tu.unused_pointer(x) if tangent is None else tangent
     with tu.device_guard(x), tu.eager_launches():
         tu.launch(_grad_kernel)[(n_rows, tu.cdiv(n_cols, block))](
-            x, labels, lse, scale, out, x.stride(0), out.stride(0), n_cols, col_offset, vocab, ignore_index,
-            smoothing, softcap or 1.0, APPLY_CAP=apply_cap, CHAIN_CAP=softcap > 0, BLOCK=block,
-            num_warps=_GRAD_WARPS)
+            x, labels, lse, scale, t, out, x.stride(0), t.stride(0) if tangent is not None else 0, out.stride(0),
+            n_cols, col_offset, vocab, ignore_index, smoothing, softcap or 1.0, APPLY_CAP=apply_cap,
+            CHAIN_CAP=softcap > 0, HAS_TANGENT=tangent is not None, BLOCK=block, num_warps=_GRAD_WARPS)
 
 
 # ------------------------------------------------------------------------------ the same, in PyTorch
@@ -181,7 +193,8 @@ def _loss_rows_torch(x: Tensor, labels: Tensor, ignore_index: int, smoothing: fl
 
 
 def _grad_torch(x: Tensor, labels: Tensor, lse: Tensor, scale: Tensor, out: Tensor, col_offset: int, vocab: int,
-                ignore_index: int, smoothing: float, softcap: float, apply_cap: bool) -> None:
+                ignore_index: int, smoothing: float, softcap: float, apply_cap: bool,
+                tangent: Optional[Tensor] = None) -> None:
     x = _capped(x, softcap, apply_cap)
     g = torch.exp(x - lse[:, None])
     if smoothing:
@@ -189,9 +202,12 @@ def _grad_torch(x: Tensor, labels: Tensor, lse: Tensor, scale: Tensor, out: Tens
     column = labels - col_offset
     hit = (labels != ignore_index) & (column >= 0) & (column < x.shape[1])
     g.scatter_add_(1, column.clamp(0, x.shape[1] - 1)[:, None], -(1.0 - smoothing) * hit.to(g.dtype)[:, None])
-    if softcap > 0:
+    g = torch.where((labels != ignore_index)[:, None], g * scale, 0.0)
+    if tangent is not None:
+        g += tangent
+    if softcap > 0:  # through the soft cap: d(c * tanh(r / c)) / dr = 1 - (x / c)**2
         g *= 1.0 - (x / softcap).square()
-    out.copy_(torch.where((labels != ignore_index)[:, None], g * scale, 0.0))
+    out.copy_(g)
 
 
 def _loss_rows(x: Tensor, *args) -> tuple[Tensor, Tensor]:
@@ -292,8 +308,8 @@ def _logits_grad(logits: Tensor, labels: Tensor, lse: Tensor, scale: Tensor, par
 
 def _logits_ce_backward(grad_loss: Tensor, hidden: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
                         logits: Tensor, labels: Tensor, lse: Tensor, ignore_index: int, label_smoothing: float,
-                        softcap: float, reduction: str, chunk: int, need_hidden: bool,
-                        need_weight: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                        softcap: float, reduction: str, chunk: int, need_hidden: bool, need_weight: bool,
+                        grad_logits: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     n_rows, vocab = logits.shape
     scale = _gradient_scale(grad_loss, labels, ignore_index, reduction)
     if hidden is None:  # three distinct empty tensors: a custom op's outputs may not alias each other
@@ -308,7 +324,7 @@ def _logits_ce_backward(grad_loss: Tensor, hidden: Optional[Tensor], weight: Opt
         v1 = min(v0 + width, vocab)
         g = g_buffer[:, :v1 - v0]
         _write_grad(logits[:, v0:v1], labels, lse, scale, g, v0, vocab, ignore_index, label_smoothing, softcap,
-                    False)
+                    False, None if grad_logits is None else grad_logits[:, v0:v1])
         if need_weight:
             torch.mm(g.t(), hidden, out=d_weight[v0:v1])
             if bias is not None:
@@ -321,7 +337,7 @@ def _logits_ce_backward(grad_loss: Tensor, hidden: Optional[Tensor], weight: Opt
 
 
 def _logits_ce_backward_fake(grad_loss, hidden, weight, bias, logits, labels, lse, ignore_index, label_smoothing,
-                             softcap, reduction, chunk, need_hidden, need_weight):
+                             softcap, reduction, chunk, need_hidden, need_weight, grad_logits=None):
     def empty():
         return logits.new_empty(0)
 
@@ -378,6 +394,74 @@ def logits_cross_entropy(hidden: Optional[Tensor], weight: Optional[Tensor], bia
     loss, _ = logits_ce_op(hidden, weight, bias, logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            ignore_index, float(label_smoothing), float(softcap or 0.0), reduction, chunk)
     return loss
+
+
+# ---------------------------------------------------------- the LM head and its loss, the logits an output
+
+def _linear_logits_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, ignore_index: int,
+                      label_smoothing: float, softcap: float, reduction: str,
+                      chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    _check(hidden, weight, labels, reduction)
+    logits = F.linear(hidden, weight, bias)  # the model's own logits, in its dtype
+    if softcap > 0:  # capped in fp32 and rounded once, a token chunk at a time (no fp32 copy of the whole)
+        rows = _token_chunk(logits.shape[0], logits.shape[1], chunk)
+        for r0 in range(0, logits.shape[0], rows):
+            logits[r0:r0 + rows] = _capped(logits[r0:r0 + rows], softcap, True)
+    loss, lse = _logits_ce(None, None, None, logits, labels, ignore_index, label_smoothing, softcap, reduction, chunk)
+    return loss, logits, lse
+
+
+def _linear_logits_ce_fake(hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, reduction, chunk):
+    dtype = tu.acc_dtype(hidden.dtype)
+    return (hidden.new_empty((), dtype=dtype), hidden.new_empty(hidden.shape[0], weight.shape[0]),
+            hidden.new_empty(hidden.shape[0], dtype=dtype))
+
+
+linear_logits_ce_op = torch.library.custom_op("kernel_pytorch::linear_logits_cross_entropy", _linear_logits_ce,
+                                              mutates_args=())
+linear_logits_ce_op.register_fake(_linear_logits_ce_fake)
+
+
+def _linear_logits_ce_setup(ctx, inputs, output) -> None:
+    hidden, weight, bias, labels, *params = inputs
+    _, logits, lse = output
+    ctx.save_for_backward(hidden, weight, bias, logits, labels, lse)
+    ctx.params = params
+    ctx.set_materialize_grads(False)  # unused logits get None, not an (N, V) tensor of zeros (eager)
+
+
+def _linear_logits_ce_grad(ctx, grad_loss, grad_logits, _grad_lse):
+    hidden, weight, bias, logits, labels, lse = ctx.saved_tensors
+    if grad_loss is None:  # only the logits were differentiated
+        grad_loss = torch.zeros((), dtype=lse.dtype, device=lse.device)
+    wanted = ctx.needs_input_grad
+    d_hidden, d_weight, d_bias, _ = logits_ce_backward_op(
+        grad_loss, hidden, weight, bias, logits, labels, lse, *ctx.params, wanted[0], wanted[1] or wanted[2],
+        grad_logits)
+    return (d_hidden if wanted[0] else None, d_weight if wanted[1] else None, d_bias if wanted[2] else None,
+            None, None, None, None, None, None)
+
+
+linear_logits_ce_op.register_autograd(_linear_logits_ce_grad, setup_context=_linear_logits_ce_setup)
+
+
+def linear_logits_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, *,
+                                ignore_index: int = -100, label_smoothing: float = 0.0,
+                                softcap: Optional[float] = None, reduction: str = "mean",
+                                chunk: int = 0) -> tuple[Tensor, Tensor]:
+    """``(loss, logits)``: ``logits = F.linear(hidden, weight, bias)`` (Gemma-2's ``tanh(x / softcap) * softcap``
+    of it when ``softcap`` is given), of shape ``hidden.shape[:-1] + (V,)`` in the model's dtype, and
+    ``F.cross_entropy(logits.float().view(-1, V), labels.view(-1), ...)`` from them. One op for both, so that
+    in a compiled graph the gradient reaching the logits as an output (zeros when unused) joins the loss's
+    slice by slice, with no matmul of its own (module docstring).
+
+    >>> h, w = torch.randn(2, 3, 8), torch.randn(11, 8)
+    >>> loss, logits = linear_logits_cross_entropy(h, w, None, torch.tensor([[1, 2, -100], [4, 5, 6]]))
+    """
+    loss, logits, _ = linear_logits_ce_op(hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1),
+                                          ignore_index, float(label_smoothing), float(softcap or 0.0), reduction,
+                                          chunk)
+    return loss, logits.view(*hidden.shape[:-1], weight.shape[0])
 
 
 # ------------------------------------------------------------------ the loss from the hidden states

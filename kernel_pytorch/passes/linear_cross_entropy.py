@@ -6,19 +6,20 @@ with no other use of those steps; the logits are ``F.linear(h, W, b)`` (the LM h
 as Gemma-2 does (``tanh(logits / c) * c``). transformers' ``ForCausalLMLoss`` spells it::
 
     # before                                              # after (the logits are also an output)
-    logits = F.linear(h, W, None)                         logits = F.linear(h, W, None)
-    logits_1 = logits.to(torch.float32)                   loss = logits_cross_entropy(h, W, None, logits,
+    logits = F.linear(h, W, None)                         labels = F.pad(ids, (0, 1), value=-100)  ...
+    logits_1 = logits.to(torch.float32)                   fused = linear_logits_cross_entropy(h, W, None,
     labels = F.pad(ids, (0, 1), value=-100)                   shift_labels_2, ignore_index=-100, ...)
-    shift_labels = labels[..., 1:].contiguous()           labels = F.pad(ids, (0, 1), value=-100)  ...
-    logits_2 = logits_1.view(-1, V)
+    shift_labels = labels[..., 1:].contiguous()           loss = fused[0]
+    logits_2 = logits_1.view(-1, V)                       logits = fused[1]     # what the model returns
     loss = F.cross_entropy(logits_2, shift_labels_2, ignore_index=-100, reduction="mean")
     (loss / num_items_in_batch, with reduction="sum": the division stays, the op computes the sum)
 
 Three rewrites, by what the graph holds (the op module's docstring says why each keeps what it keeps):
 
 * the logits are also used elsewhere (an output: every transformers model returns them) ->
-  ``logits_cross_entropy(h, W, b, logits, ...)``: the loss from those logits, its gradient sent to h, W, b
-  slice by slice of the vocabulary;
+  ``linear_logits_cross_entropy(h, W, b, ...)``, which computes the head's logits (soft-capped) and the loss
+  from them, and sends the gradient to h, W, b slice by slice of the vocabulary; the logits' other users
+  read its second output (the head and the loss in one op: see the op module on the gradient of an output);
 * the logits feed only the loss (a hand-written model that returns the loss) ->
   ``linear_cross_entropy(h, W, b, ...)``: the logits never exist in full;
 * no LM head in this graph (the logits are a graph input: GPT-2's ``loss_function`` logs a warning, a graph
@@ -26,7 +27,8 @@ Three rewrites, by what the graph holds (the op module's docstring says why each
   copy saved, the gradient of the logits in their dtype.
 
 Skipped, with the reason: class weights, ``reduction="none"``, a target of class probabilities, an input
-that is not ``(N, V)`` logits, a float32 copy or view of the logits used elsewhere too.
+that is not ``(N, V)`` logits, a float32 copy or view of the logits used elsewhere too, logits read before
+the loss's labels are computed (the fused op runs where the loss did).
 
 On a GPU the choice is measured: the fused op replaces the unfused subgraph only where its forward
 (+ backward when training) on the example shapes, compiled as the graph will be, is no slower than the
@@ -47,7 +49,8 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from kernel_pytorch.errors import first_line
-from kernel_pytorch.ops.linear_cross_entropy import linear_cross_entropy, logits_cross_entropy
+from kernel_pytorch.ops.linear_cross_entropy import (linear_cross_entropy, linear_logits_cross_entropy,
+                                                     logits_cross_entropy)
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, candidates
 from kernel_pytorch.passes.graph_utils import erase_unused, set_example_value
 from kernel_pytorch.passes.normalize import is_call
@@ -55,11 +58,15 @@ from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import example_value
 from kernel_pytorch.timing import fastest_cuda_ms
 
-__all__ = ["LinearCrossEntropyPass", "TIME_MARGIN"]
+__all__ = ["LinearCrossEntropyPass", "TIME_MARGIN", "MEASURED_TOKENS"]
 
 # The fused op is taken where it measured at most this much slower than the unfused loss (timing noise between
 # interleaved rounds is about 1-2%, kernel_pytorch/timing.py); what it is for is the memory it frees.
 TIME_MARGIN = 0.02
+# Tokens the measurement runs (fewer when the graph has fewer): the costs on both sides grow with the tokens, so
+# their ratio is measured at a size that leaves the model's own memory alone (the unfused loss at 8 x 2048
+# tokens and vocab 128256 needs over 20 GB of temporaries).
+MEASURED_TOKENS = 4096
 _CROSS_ENTROPY = inspect.signature(F.cross_entropy)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -137,6 +144,13 @@ def _head(node: Node, vocab: int) -> Optional[Node]:
     return node if len({v.dtype for v in values}) == 1 else None  # under autocast the dtypes differ
 
 
+def _read_before(match: _Loss) -> bool:
+    """Whether something besides the loss reads the logits before the loss node (where the fused op goes)."""
+    order = {node: index for index, node in enumerate(match.loss.graph.nodes)}
+    way = set(match.steps) | set(match.cap_nodes) | {match.loss}
+    return any(order[user] < order[match.loss] for user in match.logits.users if user not in way)
+
+
 def _match(node: Node) -> _Loss | str | None:
     if not is_call(node, F.cross_entropy) or len(node.args) < 2:
         return None
@@ -164,6 +178,8 @@ def _match(node: Node) -> _Loss | str | None:
         match.head = _head(source, value.shape[1])
     if match.head is None:  # the loss from the logits alone: soft-capping, if any, stays in the graph
         match.softcap, match.cap_nodes = None, []
+    elif match.logits_kept and _read_before(match):
+        return "the logits are read before the loss's labels are computed (the fused op computes them there)"
     return match
 
 
@@ -179,9 +195,9 @@ def _fused_call(match: _Loss, training: bool) -> tuple[Callable[..., Any], tuple
     bias = bias[0] if bias else None
     capped = f", soft-capped at {match.softcap:g}" if match.softcap else ""
     if match.logits_kept:
-        return (logits_cross_entropy, (hidden, weight, bias, match.logits, match.labels), kwargs,
-                f"LM head + cross-entropy{capped} -> logits_cross_entropy (from the logits the model returns; "
-                "no float32 copy, gradient by vocabulary slices)")
+        return (linear_logits_cross_entropy, (hidden, weight, bias, match.labels), kwargs,
+                f"LM head + cross-entropy{capped} -> linear_logits_cross_entropy (the logits an output: "
+                "no float32 copy kept, gradient by vocabulary slices)")
     grads = training and bool(getattr(example_value(match.loss), "requires_grad", False))
     kwargs.update(need_hidden=grads and example_value(hidden).requires_grad,
                   need_weight=grads and any(example_value(p).requires_grad for p in (weight, bias) if p is not None))
@@ -197,6 +213,14 @@ def _replace(gm: torch.fx.GraphModule, match: _Loss, target: Callable[..., Any],
         if key in match.loss.meta:
             fused.meta[key] = match.loss.meta[key]
     set_example_value(gm, fused)
+    if target is linear_logits_cross_entropy:  # (loss, logits): the logits' other users read the second
+        with gm.graph.inserting_after(fused):
+            logits = gm.graph.call_function(operator.getitem, (fused, 1))
+            fused = gm.graph.call_function(operator.getitem, (fused, 0))
+        for node in (logits, fused):
+            node.meta.update({k: v for k, v in match.logits.meta.items() if k in ("nn_module_stack", "stack_trace")})
+            set_example_value(gm, node)
+        match.logits.replace_all_uses_with(logits)
     match.loss.replace_all_uses_with(fused)
     head = [match.head] if match.head is not None else []
     erase_unused(gm.graph, [match.loss, *match.steps, *match.cap_nodes, *head])
@@ -205,21 +229,31 @@ def _replace(gm: torch.fx.GraphModule, match: _Loss, target: Callable[..., Any],
 # ------------------------------------------------------------------------------------------------ measuring
 
 def _example_tensors(match: _Loss) -> dict[str, torch.Tensor]:
-    """Fresh random tensors shaped as the example values of what the loss reads."""
-    def like(node: Any, requires_grad: bool = False) -> Optional[torch.Tensor]:
+    """Fresh random tensors as the loss reads them, flattened to (tokens, features), at most
+    :data:`MEASURED_TOKENS` tokens."""
+    vocab = int(example_value(match.steps[0] if match.steps else match.logits).shape[-1])
+
+    def like(node: Any, width: Optional[int], requires_grad: bool = False) -> Optional[torch.Tensor]:
         value = example_value(node) if isinstance(node, Node) else None
         if value is None:
             return None
+        shape = (min(MEASURED_TOKENS, value.numel() // (width or 1)),) + ((width,) if width else ())
         if not value.is_floating_point():
-            return torch.randint(0, example_value(match.steps[-1] if match.steps else match.logits).shape[-1],
-                                 value.shape, device=value.device)
-        return torch.randn(value.shape, dtype=value.dtype, device=value.device, requires_grad=requires_grad)
+            return torch.randint(0, vocab, shape, device=value.device)
+        return torch.randn(shape, dtype=value.dtype, device=value.device, requires_grad=requires_grad)
 
+    labels = like(match.labels, None)
     if match.head is None:
-        return {"logits": like(match.logits, True), "labels": like(match.labels)}
+        return {"logits": like(match.logits, vocab, True), "labels": labels}
     hidden, weight, *bias = match.head.args
-    return {"hidden": like(hidden, True), "weight": like(weight, True),
-            "bias": like(bias[0], True) if bias and bias[0] is not None else None, "labels": like(match.labels)}
+    bias = bias[0] if bias else None
+    width = int(example_value(weight).shape[1])
+    return {"hidden": like(hidden, width, True),
+            "weight": torch.randn(vocab, width, dtype=example_value(weight).dtype, device=labels.device,
+                                  requires_grad=True),
+            "bias": None if bias is None else torch.randn(vocab, dtype=example_value(bias).dtype,
+                                                          device=labels.device, requires_grad=True),
+            "labels": labels}
 
 
 def _unfused_loss(match: _Loss) -> Callable[..., Any]:
@@ -243,9 +277,7 @@ def _fused_loss(match: _Loss, training: bool) -> Callable[..., Any]:
         if not kept:
             return linear_cross_entropy(hidden, weight, bias, labels, softcap=softcap, need_hidden=training,
                                         need_weight=training, **options), None
-        logits = F.linear(hidden, weight, bias)
-        logits = torch.tanh(logits / softcap) * softcap if softcap else logits
-        return logits_cross_entropy(hidden, weight, bias, logits, labels, softcap=softcap, **options), logits
+        return linear_logits_cross_entropy(hidden, weight, bias, labels, softcap=softcap, **options)
 
     return loss
 
@@ -268,22 +300,31 @@ _MEASURED: dict[tuple, tuple[bool, str]] = {}
 
 def _measured_choice(match: _Loss, ctx: PassContext) -> tuple[bool, str]:
     """Whether the fused op is taken on this GPU, and the measurement that says so (cached per shape)."""
-    tensors = _example_tensors(match)
+    try:
+        tensors = _example_tensors(match)
+    except Exception as error:  # symbolic sizes, say: nothing to time with, and the memory is still saved
+        return True, f"not measured ({first_line(error)}): taken for the memory"
     key = (tuple((k, tuple(t.shape), t.dtype) for k, t in tensors.items() if t is not None), match.softcap,
            tuple(match.options.items()), match.logits_kept, ctx.training, ctx.compiled)
     if key not in _MEASURED:
-        steps = {}
-        for name, loss in (("unfused", _unfused_loss(match)), ("fused", _fused_loss(match, ctx.training))):
-            loss = torch.compile(loss, dynamic=False) if ctx.compiled else loss
-            steps[name] = _step(loss, tensors, ctx.training)
-        try:
-            ms = fastest_cuda_ms(steps)
-        except Exception as error:  # a measurement that fails leaves the graph as it was, with the reason
-            _MEASURED[key] = (False, f"not measured ({first_line(error)}): unfused loss kept")
-        else:
-            faster = ms["fused"] <= ms["unfused"] * (1 + TIME_MARGIN)
-            _MEASURED[key] = (faster, f"measured fused {ms['fused']:.3f} ms, unfused {ms['unfused']:.3f} ms")
+        _MEASURED[key] = _timed_choice(match, ctx, tensors)
     return _MEASURED[key]
+
+
+def _timed_choice(match: _Loss, ctx: PassContext, tensors: dict[str, torch.Tensor]) -> tuple[bool, str]:
+    steps = {}
+    for name, loss in (("unfused", _unfused_loss(match)), ("fused", _fused_loss(match, ctx.training))):
+        loss = torch.compile(loss, dynamic=False) if ctx.compiled else loss
+        steps[name] = _step(loss, tensors, ctx.training)
+    tokens = next(t for t in tensors.values() if t is not None).shape[0]
+    try:
+        ms = fastest_cuda_ms(steps)
+    except torch.cuda.OutOfMemoryError:  # the unfused loss is the one that needs the memory
+        return True, f"measuring at {tokens} tokens ran out of GPU memory: taken for the memory"
+    except Exception as error:  # a measurement that fails leaves the graph as it was, with the reason
+        return False, f"not measured ({first_line(error)}): unfused loss kept"
+    measured = f"measured at {tokens} tokens: fused {ms['fused']:.3f} ms, unfused {ms['unfused']:.3f} ms"
+    return ms["fused"] <= ms["unfused"] * (1 + TIME_MARGIN), measured
 
 
 def _decision(match: _Loss, ctx: PassContext) -> tuple[bool, str]:
