@@ -243,7 +243,7 @@ def _assert_same_loss_and_gradients(model, reference, batch, **kwargs):
 @pytest.mark.parametrize("name, fused", [("llama", "-> linear_logits"), ("qwen3", "-> linear_logits"),
                                          ("qwen2", "-> linear_logits"), ("mistral", "-> linear_logits"),
                                          ("gemma2", "soft-capped at 3 -> linear_logits"),
-                                         ("gpt2", "LM head is in another graph")])
+                                         ("gpt2", "no LM head right before the loss")])
 def test_transformers_causal_lms_with_labels(name, fused):
     torch.manual_seed(0)
     model = _config(name).train()

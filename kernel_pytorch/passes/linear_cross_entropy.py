@@ -190,7 +190,8 @@ def _fused_call(match: _Loss, training: bool) -> tuple[Callable[..., Any], tuple
     kwargs = dict(match.options, softcap=match.softcap)
     if match.head is None:
         return (logits_cross_entropy, (None, None, None, match.logits, match.labels), kwargs,
-                "cross-entropy -> logits_cross_entropy (the LM head is in another graph: no float32 copy kept)")
+                "cross-entropy -> logits_cross_entropy (no LM head right before the loss in this graph: "
+                "no float32 copy kept)")
     hidden, weight, *bias = match.head.args
     bias = bias[0] if bias else None
     capped = f", soft-capped at {match.softcap:g}" if match.softcap else ""
