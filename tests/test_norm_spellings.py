@@ -101,7 +101,8 @@ class LayerNormVariance(_Norm):  # x.var(unbiased=False), no weight, no bias
 class LayerNormCorrectionZero(_Norm):  # torch.var(correction=0), weight only
     def forward(self, x):
         x32 = x.float()
-        normed = (x32 - torch.mean(x32, -1, keepdim=True)) * torch.rsqrt(torch.var(x32, -1, correction=0, keepdim=True) + EPS)
+        variance = torch.var(x32, -1, correction=0, keepdim=True)
+        normed = (x32 - torch.mean(x32, -1, keepdim=True)) * torch.rsqrt(variance + EPS)
         return (self.weight.float() * normed).to(x.dtype)
 
 
@@ -224,3 +225,21 @@ def test_roundings_the_kernel_does_not_make_are_skipped_with_a_reason(module_typ
     x = torch.randn(4, H, dtype=dtype)
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
+
+
+class NormOfASum(nn.Module):  # x + f(x) feeds only the norm (T5's reads it twice): fused all the same
+    def __init__(self):
+        super().__init__()
+        self.f, self.norm = nn.Linear(H, H), T5Style()
+
+    def forward(self, x):
+        return self.norm(x + self.f(x))
+
+
+def test_a_sum_read_only_by_the_norm_is_fused_too():
+    model = NormOfASum()
+    reference = twin(model)
+    optimize(model, example_inputs=(torch.randn(3, 5, H),))
+    rewrites = _norm_rewrites(model)
+    assert len(rewrites) == 1 and "residual add fused" in rewrites[0], rewrites
+    assert_same_values_and_gradients(model, reference, torch.randn(2, 7, H))

@@ -10,7 +10,7 @@ rules for which dtype flows are the kernels' own), starting from each inverse sq
                 y = n * weight + bias                                      (optional)
     F.rms_norm / F.layer_norm over the last dimension (nn.RMSNorm, nn.LayerNorm as dynamo records them)
 
-and rewritten as (``h`` is the residual stream when ``x = a + b`` is also used elsewhere)::
+and rewritten as (``h`` is the residual stream when ``x = a + b``)::
 
     y = rms_norm(x, weight, eps, cast_before_weight=...)         # or
     y, h = rms_norm(a, weight, eps, residual=b)                   # one kernel reads a and b once
@@ -44,9 +44,10 @@ def _value(node: Any) -> Any:
 
 
 def _residual(match: NormMatch) -> Optional[tuple[Node, Node]]:
-    """(a, b) if the norm's input is ``a + b`` of two same-shaped tensors that is used elsewhere too."""
+    """(a, b) if the norm's input is ``a + b`` of two tensors of its shape and dtype. Fused whether or not the
+    sum is used after the norm: one kernel reading a and b beats an add kernel and a norm reading its sum."""
     x = match.x
-    if match.upcast_input is not None or not is_call(x, operator.add) or len(x.users) < 2:
+    if match.upcast_input is not None or not is_call(x, operator.add):
         return None
     a, b = x.args[:2]
     va, vb, vx = _value(a), _value(b), _value(x)

@@ -303,7 +303,8 @@ def _absorb_affine(match: NormMatch) -> Optional[str]:
         match.bias, match.output = _other(user, match.output), user
     for parameter in (match.weight, match.bias):
         if parameter is not None and torch.promote_types(_dtype(parameter), acc) != acc:
-            return f"weight/bias dtype {_dtype(parameter)} is wider than the kernel's {acc} arithmetic (mixed precision)"
+            return (f"weight/bias dtype {_dtype(parameter)} is wider than the kernel's {acc} arithmetic "
+                    f"(mixed precision)")
     if rounded and match.kind == "layer" and (match.weight is not None or match.bias is not None):
         return (f"the LayerNorm is rounded to {x_dtype} before its weight or bias; the fused LayerNorm "
                 f"rounds once, at the end")
