@@ -69,10 +69,11 @@ class Backend:
     # "decode_attention" before "attention": it takes the one-token SDPA calls of decode steps, which the attention
     # pass would otherwise dispatch as general attention.
     # "linear_cross_entropy" reads only the LM head and the loss, which no other pass rewrites.
-    # "fp8" last: it converts the linears as the horizontal fusion left them (passes/fp8_linear.py: why).
+    # "fp8" after them: it converts the linears as the horizontal fusion left them (passes/fp8_linear.py: why).
+    # "decode_linear" last: it takes the F.linear calls of a few token rows that no other pass converted.
     graph_passes: ClassVar[tuple[str, ...]] = ("normalize", "norms", "horizontal_gemm", "activations", "rope",
                                                "decode_attention", "attention", "context_parallel",
-                                               "linear_cross_entropy", "fp8")
+                                               "linear_cross_entropy", "fp8", "decode_linear")
     module_passes: ClassVar[tuple[str, ...]] = ()
     kernels: ClassVar[tuple[Kernel, ...]] = ()
 

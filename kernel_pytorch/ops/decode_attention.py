@@ -116,7 +116,7 @@ def _decode_split_kernel(
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 scores = tl.dot(q, tl.trans(k))
-            scores = scores * scale_log2
+            scores = (scores * scale_log2).to(tl.float32)  # Inductor may pass the scale as a float64
             if MASK_KIND == 2:
                 scores += tl.where(live, bias, 0.0) * 1.4426950408889634  # masked: -inf below anyway
             scores = tl.where(live, scores, float("-inf"))

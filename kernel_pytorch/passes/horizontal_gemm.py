@@ -75,7 +75,7 @@ from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import describe_node
 
-__all__ = ["MACHINE_BALANCE", "MAX_COPY_SHARE", "HorizontalGemmPass", "weight_copy_share"]
+__all__ = ["MACHINE_BALANCE", "MAX_COPY_SHARE", "HorizontalGemmPass", "NodeBuilder", "modified_in_place", "replace_by_part", "weight_copy_share"]
 
 # The largest share of the fused GEMM's time the weight copy may take. The fusion's gain (fewer
 # launches, bigger GEMM tiles, x read once) is not modelled; 10% is a starting point, not a tuned optimum
@@ -141,7 +141,7 @@ def _member(linear: Node, gm: torch.fx.GraphModule, ctx: PassContext) -> _Linear
         return f"its weight is not 2-D (shape {tuple(getattr(value, 'shape', ()))})"
     if bias is not None and (not _parameter(bias, gm, ctx) or not isinstance(bias_value, torch.Tensor)):
         return f"its bias is not a module parameter ({_describe(bias)})"
-    if _modified_in_place(linear):
+    if modified_in_place(linear):
         return "its output or a view of it is modified in place (split's views cannot be)"
     out_features, in_features = (int(size) for size in value.shape)
     key = (bias is not None, value.dtype, getattr(bias_value, "dtype", None), value.device)
@@ -153,7 +153,7 @@ def _describe(node: Any) -> str:
     return describe_node(node) if isinstance(node, Node) else type(node).__name__
 
 
-def _modified_in_place(node: Node) -> bool:
+def modified_in_place(node: Node) -> bool:
     """Whether an in-place op writes ``node`` or a view of it (followed through view-like ops)."""
     pending, seen = [node], set()
     while pending:
@@ -226,7 +226,7 @@ def _common_stack(nodes: list[Node]) -> dict:
     return dict(common)
 
 
-class _Builder:
+class NodeBuilder:
     """Adds nodes before ``anchor`` with an example value and the given module stack."""
 
     def __init__(self, gm: torch.fx.GraphModule, anchor: Node, stack: dict):
@@ -321,7 +321,7 @@ class HorizontalGemmPass(GraphPass):
             for operand in (member.weight, member.bias):
                 if operand is not None and operand.op == "get_attr":
                     anchor.prepend(operand)  # a get_attr reads nothing, so moving it earlier is safe
-        build = _Builder(gm, anchor, _common_stack([m.node for m in group]))
+        build = NodeBuilder(gm, anchor, _common_stack([m.node for m in group]))
         weight = _recomputed(build.call(torch.cat, ([m.weight for m in group], 0)))
         bias = None
         if group[0].bias is not None:
@@ -338,7 +338,7 @@ class HorizontalGemmPass(GraphPass):
             part = build.call(operator.getitem, (parts, index), stack=stack)
             if "stack_trace" in member.node.meta:
                 part.meta["stack_trace"] = member.node.meta["stack_trace"]
-            _replace(gm, member.node, part, build, stack)
+            replace_by_part(gm, member.node, part, build, stack)
         erase_unused(graph, [m.node for m in group])
         return (f"out {'+'.join(map(str, sizes))}, in {group[0].in_features}, "
                 f"{'bias' if bias is not None else 'no bias'}; weights concatenated in the graph "
@@ -362,7 +362,7 @@ def _copied_bytes(group: list[_Linear]) -> int:
     return 2 * elements * group[0].element_size
 
 
-def _replace(gm: torch.fx.GraphModule, original: Node, part: Node, build: _Builder, stack: dict) -> None:
+def replace_by_part(gm: torch.fx.GraphModule, original: Node, part: Node, build: NodeBuilder, stack: dict) -> None:
     """Point ``original``'s users at ``part``, through ``contiguous()`` where a ``view`` of the strided
     part would fail (the original output was contiguous)."""
     needs_copy = False

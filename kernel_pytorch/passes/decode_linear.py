@@ -1,0 +1,180 @@
+"""Linears of a few token rows (decode steps) -> :func:`kernel_pytorch.ops.decode_linear.grouped_linear`.
+
+    # before (a decode step of one token)            # after
+    q = F.linear(x, w_q, None)                       qkv = grouped_linear(x, [w_q, w_k, w_v], [])
+    k = F.linear(x, w_k, None)                       parts = torch.split(qkv, [2048, 512, 512], -1)
+    v = F.linear(x, w_v, None)                       q, k, v = parts[0], parts[1], parts[2]
+    o = F.linear(attn, w_o, None)                    o = grouped_linear(attn, [w_o], [])
+
+Linears that read one input are grouped (up to three: q/k/v, gate/up), in graph order; the others become
+groups of one. A group is one launch of the grouped GEMV kernel, which reads each weight where it is (no
+copy: horizontal_gemm's concatenation does not pay at a few tokens, and packing the parameters into one
+tensor would change the model's storage).
+
+Matched: ``F.linear`` in an inference graph whose input has at most ``MAX_ROWS`` token rows, all static sizes
+(a step compiled for batch 1; a graph with a symbolic batch serves up to 32 rows and is left alone), 2-D weights
+and biases of the input's dtype. Decided by measurement on CUDA: each group's kernel against one ``F.linear``
+per weight (cuBLAS), timed as CUDA-graph replays at the group's shapes (``timing.fastest_cuda_graph_ms``); the
+faster is kept and the report says so. Runs after ``fp8``: a linear the FP8 pass converted is no ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch.fx import Node
+
+from kernel_pytorch.ops import decode_linear as gemv
+from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
+from kernel_pytorch.passes.graph_utils import blocks_reordering, erase_unused, module_path_of
+from kernel_pytorch.passes.horizontal_gemm import NodeBuilder, modified_in_place, replace_by_part
+from kernel_pytorch.passes.normalize import is_call
+from kernel_pytorch.passes.registry import register_pass
+from kernel_pytorch.passes.shape_constants import example_value, static_int
+
+__all__ = ["DecodeLinearPass"]
+
+_VENDORS = ("nvidia", "amd")
+
+
+def _rows(x: Node) -> int | None:
+    """Token rows of a linear's input when every size is static and there are at most MAX_ROWS."""
+    value = example_value(x)
+    if not isinstance(value, torch.Tensor) or value.dim() < 1:
+        return None
+    rows = 1
+    for size in value.shape[:-1]:
+        concrete = static_int(size)
+        if concrete is None:
+            return None
+        rows *= concrete
+    return rows if 0 < rows <= gemv.MAX_ROWS else None
+
+
+def _linear_operands(node: Node) -> tuple[Node, Node | None] | None:
+    """(weight, bias) of a canonical ``F.linear(x, w, b)`` whose weight (and bias) suit the kernel."""
+    if len(node.args) < 2 or node.kwargs:
+        return None
+    weight, bias = node.args[1], node.args[2] if len(node.args) > 2 else None
+    if not all(isinstance(t, Node) and t.op in ("placeholder", "get_attr") for t in (weight, bias) if t is not None):
+        return None  # a weight computed in the graph may be defined after the group's first linear
+    x_value, w_value = example_value(node.args[0]), example_value(weight)
+    if not (isinstance(w_value, torch.Tensor) and w_value.dim() == 2 and w_value.dtype == x_value.dtype):
+        return None
+    if bias is not None and not isinstance(example_value(bias), torch.Tensor):
+        return None
+    return weight, bias
+
+
+def _groups(graph: torch.fx.Graph) -> list[list[Node]]:
+    """Linears by input, in graph order, chunked into groups of at most MAX_WEIGHTS that agree on having a
+    bias and have no in-place write or grad/autocast switch between them."""
+    by_input: dict[Node, list[Node]] = {}
+    for node in graph.nodes:
+        if is_call(node, F.linear) and isinstance(node.args[0], Node) and _rows(node.args[0]) is not None \
+                and _linear_operands(node) is not None:
+            by_input.setdefault(node.args[0], []).append(node)
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    nodes = list(graph.nodes)
+    groups = []
+    for linears in by_input.values():
+        current: list[Node] = []
+        for linear in linears:
+            if modified_in_place(linear):  # split's views may not be written: a group of its own
+                groups.append([linear])
+                continue
+            if current and (len(current) == gemv.MAX_WEIGHTS or _has_bias(linear) != _has_bias(current[0])
+                            or any(blocks_reordering(n) for n in nodes[position[current[0]] + 1:position[linear]])):
+                groups.append(current)
+                current = []
+            current.append(linear)
+        if current:
+            groups.append(current)
+    return groups
+
+
+def _has_bias(linear: Node) -> bool:
+    return len(linear.args) > 2 and linear.args[2] is not None
+
+
+# ---------------------------------------------------------------------------------------- measurement
+
+@functools.lru_cache(maxsize=256)
+def _measured(rows: int, sizes: tuple[int, ...], k: int, bias: bool, dtype: torch.dtype,
+              device_index: int) -> tuple[bool, str]:
+    """(whether the kernel wins, the timings) for one group's shapes on a GPU."""
+    from kernel_pytorch.timing import fastest_cuda_graph_ms
+
+    device = torch.device("cuda", device_index)
+    x = torch.randn(rows, k, device=device, dtype=dtype)
+    weights = [torch.randn(n, k, device=device, dtype=dtype) for n in sizes]
+    biases = [torch.randn(n, device=device, dtype=dtype) for n in sizes] if bias else None
+    ms = fastest_cuda_graph_ms({
+        "cuBLAS": lambda: [F.linear(x, w, biases[i] if biases else None) for i, w in enumerate(weights)],
+        "gemv": lambda: gemv.grouped_linear(x, weights, biases)}).ms
+    wins = ms.get("gemv", float("inf")) < ms.get("cuBLAS", float("inf"))
+    return wins, ", ".join(f"{name} {value * 1e3:.1f} us" for name, value in ms.items())
+
+
+def _decision(group: list[Node], rows: int) -> tuple[bool, str]:
+    x_value = example_value(group[0].args[0])
+    if x_value.device.type != "cuda":
+        return True, "F.linear per weight off CUDA"
+    sizes = tuple(int(example_value(n.args[1]).shape[0]) for n in group)
+    k = int(example_value(group[0].args[1]).shape[1])
+    return _measured(rows, sizes, k, _has_bias(group[0]), x_value.dtype, x_value.device.index or 0)
+
+
+# ---------------------------------------------------------------------------------------------- the pass
+
+@register_pass
+class DecodeLinearPass(GraphPass):
+    """Linears of a few token rows -> the grouped GEMV kernel (module docstring)."""
+
+    name = "decode_linear"
+    description = "linears of a few token rows (decode steps) -> one grouped GEMV launch per input"
+
+    def unavailable_reason(self, hardware) -> str | None:
+        if hardware.vendor not in _VENDORS or not hardware.triton_usable:
+            return f"the grouped GEMV is a Triton kernel for NVIDIA and AMD GPUs; this is {hardware.vendor}"
+        return None
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        result = PassResult()
+        if ctx.training:
+            return result  # a decode step does not train; training graphs have many rows anyway
+        for group in _groups(gm.graph):
+            rows = _rows(group[0].args[0])
+            location = module_path_of(group[0], "(model)")
+            names = " + ".join(module_path_of(n, "linear").rpartition(".")[2] for n in group)
+            chosen, how = _decision(group, rows)
+            if not chosen:
+                result.skip(location, f"{names} ({rows} rows): cuBLAS kept, faster here ({how})")
+                continue
+            _rewrite(gm, group)
+            result.rewrite(location, f"{names} ({rows} rows) -> grouped_linear: {how}")
+        return result
+
+
+def _rewrite(gm: torch.fx.GraphModule, group: list[Node]) -> None:
+    for member in group[1:]:
+        for operand in member.args[1:3]:
+            if isinstance(operand, Node) and operand.op == "get_attr":
+                group[0].prepend(operand)  # a get_attr reads nothing: moving it before the first linear is safe
+    build = NodeBuilder(gm, group[0], group[0].meta.get("nn_module_stack", {}))
+    weights = [n.args[1] for n in group]
+    biases = [n.args[2] for n in group] if _has_bias(group[0]) else None
+    fused = build.call(gemv.grouped_linear, (group[0].args[0], weights, biases))
+    if len(group) == 1:
+        group[0].replace_all_uses_with(fused)
+    else:
+        sizes = [int(example_value(w).shape[0]) for w in weights]
+        parts = build.call(torch.split, (fused, sizes, -1))
+        for index, member in enumerate(group):
+            stack = member.meta.get("nn_module_stack", {})
+            replace_by_part(gm, member, build.call(operator.getitem, (parts, index), stack=stack), build, stack)
+    erase_unused(gm.graph, group)

@@ -1,0 +1,136 @@
+"""The grouped GEMV of decode steps (kernel_pytorch/ops/decode_linear.py) and the decode_linear pass: the kernel
+under Triton's interpreter and on the GPU against float64, one to three weights, biases, one and several token
+rows; the pass's groups (q/k/v, gate/up, singles) on a transformers decode step, what it leaves alone, and
+numerics of the rewritten graph.
+
+As in tests/test_norm_ops.py, the ``test_interp_*`` tests run in a child pytest started with
+``TRITON_INTERPRET=1`` (``test_triton_kernels_in_a_subprocess``).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernel_pytorch.config import OptimizeConfig
+from kernel_pytorch.hardware import detect_hardware
+from kernel_pytorch.passes import PassContext, PassManager, get_pass
+
+from .conftest import capture_graph
+from .triton_interpreter import INTERPRETED, cuda_device, interp, route_to_triton, run_interpreted_tests
+
+DL = importlib.import_module("kernel_pytorch.ops.decode_linear")
+tu = importlib.import_module("kernel_pytorch.ops.triton_utils")
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# (token rows, out features of each weight, in features, bias): K not a multiple of the 512 tile, N not of 8
+CASES = {"qkv-1row": (1, (40, 9, 9), 700, False), "gate_up-3rows-bias": (3, (24, 24), 100, True),
+         "single-16rows": (16, (33,), 64, True)}
+
+
+def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected).norm() / expected.norm())
+
+
+def check(case: str, dtype: torch.dtype, device="cpu") -> None:
+    rows, sizes, k, bias = CASES[case]
+    torch.manual_seed(len(case))
+    x = torch.randn(1, rows, k, device=device, dtype=dtype)
+    weights = [torch.randn(n, k, device=device, dtype=dtype) for n in sizes]
+    biases = [torch.randn(n, device=device, dtype=dtype) for n in sizes] if bias else None
+    out = DL.grouped_linear(x, weights, biases)
+    expected = torch.cat([F.linear(x.double(), w.double(), biases[i].double() if bias else None)
+                          for i, w in enumerate(weights)], -1)
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert rel(out, expected) < TOL[dtype]
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    return route_to_triton(monkeypatch, DL, ("grouped_gemv",), ())
+
+
+@interp
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_interp_kernel_matches_float64(triton_on_cpu, dtype, case):
+    check(case, dtype)
+    assert triton_on_cpu == {"grouped_gemv": 1}
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_* tests itself")
+@pytest.mark.skipif(not tu.HAS_TRITON, reason="Triton is not installed: no kernels to interpret")
+def test_triton_kernels_in_a_subprocess(interpreted_tests):
+    run_interpreted_tests(__file__, interpreted_tests)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_native_path_matches_float64(case):
+    check(case, torch.float32)
+
+
+def test_bad_weight_counts_get_a_clear_error():
+    x = torch.randn(1, 8)
+    with pytest.raises(ValueError, match="1 to 3 weights"):
+        DL.grouped_linear(x, [torch.randn(4, 8)] * 4)
+    with pytest.raises(ValueError, match="2 biases for 1 weights"):
+        DL.grouped_linear(x, [torch.randn(4, 8)], [torch.randn(4)] * 2)
+
+
+# ---------------------------------------------------------------------------------------------- the pass
+
+class DecodeBlock(nn.Module):
+    """The linears of a Llama decoder layer around a stand-in for attention: q/k/v on one input, o, gate/up on
+    one input, down."""
+
+    def __init__(self, dim=32, kv=8, ffn=48):
+        super().__init__()
+        self.q, self.k, self.v, self.o = nn.Linear(dim, dim, False), nn.Linear(dim, kv, False), \
+            nn.Linear(dim, kv, False), nn.Linear(dim, dim, False)
+        self.gate, self.up, self.down = nn.Linear(dim, ffn, False), nn.Linear(dim, ffn, False), nn.Linear(ffn, dim, False)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        h = x + self.o(q * (k.sum(-1, keepdim=True) + v.mean(-1, keepdim=True)))
+        return h + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def _rewritten(module: nn.Module, x: torch.Tensor, training: bool):
+    gm, example = capture_graph(module, (x,))
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    ctx = PassContext(hardware=detect_hardware("cpu"), config=OptimizeConfig(), training=training,
+                      example_inputs=dict(zip(names, example)))
+    results = PassManager([get_pass("normalize"), get_pass("decode_linear")]).run(gm, ctx)
+    return gm, dict((p.name, r) for p, r in results)["decode_linear"], example
+
+
+def test_decode_step_linears_become_grouped_launches():
+    torch.manual_seed(0)
+    module = DecodeBlock().eval()
+    x = torch.randn(1, 1, 32)
+    gm, result, example = _rewritten(module, x, training=False)
+    launches = [n for n in gm.graph.nodes if n.target is DL.grouped_linear]
+    assert sorted(len(n.args[1]) for n in launches) == [1, 1, 2, 3]  # o, down, gate+up, q+k+v
+    assert not any(n.target is F.linear for n in gm.graph.nodes)
+    assert len(result.rewrites) == 4
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*example)[0], module(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape, training", [((2, 40, 32), False), ((1, 1, 32), True)], ids=["many-rows", "training"])
+def test_many_rows_and_training_graphs_are_left_alone(shape, training):
+    gm, result, _ = _rewritten(DecodeBlock().train(training), torch.randn(shape), training)
+    assert not result.rewrites and not any(n.target is DL.grouped_linear for n in gm.graph.nodes)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gpu_kernel_matches_float64(dtype, case):
+    check(case, dtype, cuda_device())
