@@ -1,0 +1,114 @@
+"""On an NVIDIA GPU (``pytest -m gpu``): transformers models with their default SDPA attention, whose calls the
+attention pass hands to the dispatcher, which measures the fused kernels on the GPU. Outputs and gradients
+against the unoptimized model in bf16; the kernel each call got; T5's trainable bias on a kernel that
+returns its gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from kernel_pytorch import optimize, report_of
+
+from .conftest import rel_err, twin
+
+pytestmark = pytest.mark.gpu
+
+_FUSED = ("cudnn", "flash", "efficient", "flash_attn", "cudnn_band", "flex")
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.fail("gpu tests were selected (-m gpu) but torch.cuda.is_available() is False")
+
+
+def _llama(sliding_window=None):
+    torch.manual_seed(0)
+    cls, config_cls = (transformers.MistralForCausalLM, transformers.MistralConfig) if sliding_window else \
+        (transformers.LlamaForCausalLM, transformers.LlamaConfig)
+    extra = {"sliding_window": sliding_window} if sliding_window else {}
+    config = config_cls(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, **extra)
+    return cls(config).to(device="cuda", dtype=torch.bfloat16)
+
+
+def _tokens(batch, length, padded=False):
+    inputs = {"input_ids": torch.randint(0, 512, (batch, length), device="cuda")}
+    if padded:
+        mask = torch.ones(batch, length, dtype=torch.long, device="cuda")
+        mask[-1, length // 2:] = 0
+        inputs["attention_mask"] = mask
+    return inputs
+
+
+def _attention_lines(model) -> list[str]:
+    return [r.replacement for r in report_of(model).rewrites if r.pass_name == "attention"]
+
+
+def _kernel(line: str) -> str:
+    return line.split("[", 1)[1].split("]", 1)[0]
+
+
+def test_llama_sdpa_calls_get_a_measured_fused_kernel_in_inference():
+    model = _llama().eval()
+    reference = twin(model)
+    inputs = _tokens(2, 512)
+    optimize(model, example_inputs=inputs)
+    lines = _attention_lines(model)
+    assert len(lines) == 2 and all("SDPA call" in line and "causal" in line for line in lines), lines
+    assert all(_kernel(line) in _FUSED and "fastest measured" in line for line in lines), lines
+    assert report_of(model).verification.passed
+    fresh = _tokens(2, 512)
+    with torch.no_grad():
+        assert rel_err(model(**fresh).logits, reference(**fresh).logits) < 2e-2
+
+
+def test_llama_sdpa_padded_training_gradients_match_in_bf16():
+    model = _llama().train()
+    reference = twin(model)
+    inputs = _tokens(2, 256, padded=True)
+    optimize(model, example_inputs=inputs)
+    lines = _attention_lines(model)
+    assert len(lines) == 2 and all("mask bool" in line and "gqa 4/2" in line for line in lines), lines
+    fresh = _tokens(2, 256, padded=True)
+    model(**fresh).logits.float().square().mean().backward()
+    reference(**fresh).logits.float().square().mean().backward()
+    errors = {name: rel_err(p.grad, p_ref.grad) for (name, p), p_ref in zip(model.named_parameters(),
+                                                                           reference.parameters())}
+    assert not {name: e for name, e in errors.items() if not e < 4e-2}, errors
+
+
+def test_mistral_sliding_window_sdpa_call_is_recognized_and_matches():
+    model = _llama(sliding_window=128).eval()
+    reference = twin(model)
+    inputs = _tokens(2, 512)
+    optimize(model, example_inputs=inputs)
+    lines = _attention_lines(model)
+    assert len(lines) == 2 and all("causal sliding window 128" in line for line in lines), lines
+    fresh = _tokens(2, 512)
+    with torch.no_grad():
+        assert rel_err(model(**fresh).logits, reference(**fresh).logits) < 2e-2
+
+
+def test_t5_sdpa_bias_trains_on_a_kernel_with_a_mask_gradient():
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=512, d_model=256, d_kv=64, d_ff=512, num_layers=2, num_decoder_layers=2,
+                                   num_heads=4, dropout_rate=0.0)
+    model = transformers.T5Model(config).to(device="cuda", dtype=torch.bfloat16).train()
+    reference = twin(model)
+    inputs = {"input_ids": torch.randint(0, 512, (2, 256), device="cuda"),
+              "decoder_input_ids": torch.randint(0, 512, (2, 128), device="cuda")}
+    optimize(model, example_inputs=inputs)
+    lines = _attention_lines(model)
+    assert len(lines) == 6 and all("scale 1.0" in line for line in lines), lines
+    assert all(_kernel(line) in ("efficient", "sdpa") for line in lines), lines  # cuDNN returns no bias gradient
+    out, expected = model(**inputs).last_hidden_state, reference(**inputs).last_hidden_state
+    assert rel_err(out, expected) < 2e-2
+    out.float().square().mean().backward()
+    expected.float().square().mean().backward()
+    biases = [(name, p.grad, p_ref.grad) for (name, p), p_ref in zip(model.named_parameters(), reference.parameters())
+              if "relative_attention_bias" in name]
+    assert biases and all(rel_err(g, g_ref) < 4e-2 for _, g, g_ref in biases), \
+        [(name, rel_err(g, g_ref)) for name, g, g_ref in biases]
