@@ -558,13 +558,11 @@ class FillMinusBillion(nn.Module):
         return (q @ k.mT * 0.125).masked_fill(allowed == 0, -1e9).softmax(-1) @ v
 
 
-class SoftCapped(nn.Module):
-    """Gemma 2's soft-capping: tanh between Q·Kᵀ and the softmax has no SDPA equivalent."""
+class MaskInsideSoftCap(nn.Module):
+    """A soft cap applied after the mask (Gemma 2 caps before it): no kernel computes that."""
 
-    def forward(self, q, k, v):
-        n = q.shape[-2]
-        mask = torch.triu(torch.full((n, n), float("-inf")), diagonal=1)
-        scores = torch.tanh(q @ k.mT * 0.125 / 50.0) * 50.0 + mask
+    def forward(self, q, k, v, bias):
+        scores = torch.tanh((q @ k.mT * 0.125 + bias) / 50.0) * 50.0
         return scores.softmax(-1) @ v
 
 
@@ -576,7 +574,7 @@ NEGATIVES = {
     "weights_returned": (ReturnsWeights, "also used elsewhere"),
     "learned_temperature": (LearnedTemperature, "scale cannot be determined"),
     "fill_minus_1e9": (FillMinusBillion, "neither -inf nor finfo"),
-    "tanh_soft_capping": (SoftCapped, "scores pass through call_function tanh"),
+    "mask_inside_soft_cap": (MaskInsideSoftCap, "inside the soft cap"),
 }
 
 
@@ -585,7 +583,7 @@ def test_not_attention_is_left_alone_with_a_reason(name):
     make_module, reason = NEGATIVES[name]
     torch.manual_seed(0)
     module = make_module()
-    inputs = _qkv()
+    inputs = (*_qkv(), torch.randn(L, L)) if name == "mask_inside_soft_cap" else _qkv()
     rewritten = Rewritten(module, inputs)
     assert rewritten.result.rewrites == [] and rewritten.calls == []
     if reason is None:

@@ -77,16 +77,18 @@ _NUMERICS_LIMIT = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-
 
 def choose_kernel(q, k, v, attn_mask, *, is_causal: bool, dropout_p: float, enable_gqa: bool,
                   hardware: HardwareInfo, training: bool, compiled: bool = True,
-                  sparsity: Optional[tuple] = None, cuda_graphs: bool = False) -> tuple[str, str]:
+                  sparsity: Optional[tuple] = None, cuda_graphs: bool = False,
+                  softcap: Optional[float] = None) -> tuple[str, str]:
     """The kernel for this call and the reason, from example tensors (real or fake) of its inputs.
 
     ``compiled``: whether the graph the call lands in will be compiled (Inductor); ``False`` rules out
     ``"flex"``, which is fused only when compiled. ``sparsity``: the block structure of ``attn_mask`` the
     pass recognized (``MaskPattern.sparsity``); ``"flex"`` then computes the pattern, not the tensor.
-    ``cuda_graphs``: whether that compiled graph runs as CUDA graphs (``compile="reduce-overhead"``)."""
+    ``cuda_graphs``: whether that compiled graph runs as CUDA graphs (``compile="reduce-overhead"``).
+    ``softcap``: the scores' soft cap (Gemma-2), which only ``"flex"`` and ``"sdpa"`` (PyTorch's ops) compute."""
     problem = AttentionProblem.from_tensors(q, k, v, attn_mask, is_causal=is_causal, dropout_p=dropout_p,
                                             enable_gqa=enable_gqa, training=training, compiled=compiled,
-                                            sparsity=sparsity, cuda_graphs=cuda_graphs)
+                                            sparsity=sparsity, cuda_graphs=cuda_graphs, softcap=softcap)
     key = (problem, hardware.model_dump_json())
     if key not in _CHOICES:
         _CHOICES[key] = _choose(problem, hardware)
@@ -230,9 +232,10 @@ def _sparse_mask(p: AttentionProblem) -> dict:
 def _run(attention_fn, inputs, kernel: str, p: AttentionProblem, *, with_dropout: bool) -> torch.Tensor:
     pattern = {"pattern": inputs["pattern"], "pattern_tensor": inputs["pattern_tensor"]} \
         if kernel in PATTERN_KERNELS and "pattern" in inputs else {}
+    softcap = {} if p.softcap is None else {"softcap": p.softcap}
     out = attention_fn(inputs["q"], inputs["k"], inputs["v"], None if pattern else inputs["mask"],
                     dropout_p=0.1 if (p.dropout and with_dropout) else 0.0, is_causal=p.is_causal,
-                    enable_gqa=p.enable_gqa, kernel=kernel, **pattern)
+                    enable_gqa=p.enable_gqa, kernel=kernel, **pattern, **softcap)
     if p.training:
         grads = torch.autograd.grad(out, [inputs["q"], inputs["k"], inputs["v"]], torch.ones_like(out))
         return torch.cat([out.detach().flatten(), *(g.flatten() for g in grads)])

@@ -78,7 +78,8 @@ def _kernels_with(feature: str) -> str:
 
 def _refuse_unsupported(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                         dropout_p: float, is_causal: bool, pattern: Optional[tuple] = None,
-                        pattern_tensor: Optional[Tensor] = None) -> None:
+                        pattern_tensor: Optional[Tensor] = None, softcap: Optional[float] = None) -> None:
+    _refuse_softcap(kernel, softcap)
     if attn_mask is not None and not kernel.takes_mask:
         # FlexAttention could read a mask tensor in a score_mod, but slower than the kernels taking a bias.
         raise ValueError(f"attention kernel {kernel.name!r} takes no attn_mask; use one of "
@@ -98,6 +99,12 @@ def _refuse_unsupported(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor
         _refuse_head_dims(kernel, q, v)
     if "device" in kernel.op_checks:  # last, so the refusals above also show on CPU tensors
         _refuse_device(kernel, q)
+
+
+def _refuse_softcap(kernel: AttentionKernel, softcap: Optional[float]) -> None:
+    if softcap is not None and not kernel.softcap:
+        raise ValueError(f"attention kernel {kernel.name!r} has no soft cap; use one of {_kernels_with('softcap')} "
+                         "or 'sdpa'")
 
 
 def _refuse_head_dims(kernel: AttentionKernel, q: Tensor, v: Tensor) -> None:
@@ -269,6 +276,7 @@ def attention(
     kernel: str = "sdpa",
     pattern: Optional[tuple] = None,
     pattern_tensor: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> Tensor:
     """``F.scaled_dot_product_attention`` computed by the fused kernel ``kernel``.
 
@@ -280,6 +288,9 @@ def attention(
     ``pattern_tensor`` the document ids or allowed positions it reads (:mod:`kernel_pytorch.attention.kernels.flex`);
     ``("topk", ...)`` (:func:`kernel_pytorch.attention.kernels.topk_sparse.topk_pattern`, ``is_causal`` allowed) is
     top-k block-sparse attention, an approximation (:mod:`kernel_pytorch.attention.kernels.topk_sparse`).
+    ``softcap`` soft-caps the scaled scores before the mask, ``cap * tanh(score / cap)`` (Gemma-2; SDPA has no
+    such argument): ``"flex"`` computes it in its kernel, ``"sdpa"`` with PyTorch's ops
+    (:mod:`kernel_pytorch.attention.kernels.softcap`), the other kernels refuse it.
     ``kernel`` is one of :data:`ATTENTION_KERNELS`; a kernel
     that cannot compute the call as SDPA would (see the module docstring) raises ``ValueError``, and an
     ``attn_mask`` that requires grad is refused by every kernel but ``"efficient"`` and ``"sdpa"``.
@@ -295,10 +306,15 @@ def attention(
         raise ValueError(f"a mask pattern is computed by kernels {' and '.join(map(repr, sorted(PATTERN_KERNELS)))} "
                          f"only (got kernel={kernel!r}); pass the mask as attn_mask to the other kernels")
     if record.route == "sdpa":
-        return record.forward(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        if softcap is None:
+            return record.forward(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        return record.forward(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa,
+                              softcap=softcap)
     _check_shapes(q, k, v, enable_gqa)
     if record.route == "direct":
-        return _direct_attention(record, q, k, v, attn_mask, dropout_p, is_causal, scale, pattern, pattern_tensor)
+        return _direct_attention(record, q, k, v, attn_mask, dropout_p, is_causal, scale, pattern, pattern_tensor,
+                                 softcap)
+    _refuse_softcap(record, softcap)
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled() and not record.mask_grad:
         raise ValueError(f"attention kernel {kernel!r} cannot return a gradient for attn_mask, which requires "
                          f"grad; use one of {_kernels_with('mask_grad')} or 'sdpa', or detach the mask")
@@ -342,14 +358,14 @@ def sparse_or_dense_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Option
 
 def _direct_attention(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                       dropout_p: float, is_causal: bool, scale: Optional[float], pattern: Optional[tuple] = None,
-                      pattern_tensor: Optional[Tensor] = None) -> Tensor:
+                      pattern_tensor: Optional[Tensor] = None, softcap: Optional[float] = None) -> Tensor:
     """``flex``, ``flash_attn`` and ``cudnn_band``: refuse what they would compute differently from SDPA, call
     them on (B, H, L, E) views (autograd and tracing are theirs), and give the output q's leading dims back."""
-    _refuse_unsupported(kernel, q, k, v, attn_mask, dropout_p, is_causal, pattern, pattern_tensor)
+    _refuse_unsupported(kernel, q, k, v, attn_mask, dropout_p, is_causal, pattern, pattern_tensor, softcap)
     out_shape = (*q.shape[:-1], v.shape[-1])
     q, k, v = to_4d(q), to_4d(k), to_4d(v)
     out = kernel.forward(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, pattern=pattern,
-                         pattern_tensor=pattern_tensor)
+                         pattern_tensor=pattern_tensor, softcap=softcap)
     return out.reshape(out_shape)
 
 

@@ -121,14 +121,15 @@ def _attention_op() -> Callable[..., Any]:
 
 
 def _choose_kernel(q, k, v, mask, *, is_causal, dropout_p, enable_gqa, ctx: PassContext,
-                   sparsity: Optional[tuple] = None) -> tuple[str, str]:
+                   sparsity: Optional[tuple] = None, softcap: Optional[float] = None) -> tuple[str, str]:
     if any(not isinstance(t, torch.Tensor) for t in (q, k, v)) or any(
             not isinstance(s, int) for t in (q, k, v, mask) if isinstance(t, torch.Tensor) for s in t.shape):
-        return "sdpa", "PyTorch's SDPA dispatch (symbolic or unknown shapes: no kernel measured)"
+        return "sdpa", ("PyTorch's SDPA dispatch" if softcap is None else "PyTorch's ops for the soft cap") + \
+            " (symbolic or unknown shapes: no kernel measured)"
     try:
         return dispatch.choose_kernel(q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
                              hardware=ctx.hardware, training=ctx.training, compiled=ctx.compiled, sparsity=sparsity,
-                             cuda_graphs=ctx.cuda_graphs)
+                             cuda_graphs=ctx.cuda_graphs, softcap=softcap)
     except Exception as error:  # the rewrite stands on its own; SDPA's dispatch is always correct
         return "sdpa", f"the kernel dispatcher failed ({type(error).__name__}: {error}); PyTorch's SDPA dispatch"
 
@@ -140,6 +141,8 @@ def _topk_refusal(q, k, v, mask: Optional[Node], plan: "_MaskPlan", dropout_p: f
     """Why top-k sparse attention cannot replace this call ("" when it can)."""
     if ctx.training:
         return "it is an inference option and the model trains (the dense kernel is kept)"
+    if plan.softcap is not None:
+        return "the scores are soft-capped (top-k selection has no soft cap)"
     if mask is not None or plan.pattern is not None:
         return f"the call has a mask other than causal ({plan.description})"
     if dropout_p:
@@ -239,6 +242,7 @@ class _MaskPlan:
         self.guard: Optional[CausalMaskGuard] = None  # set when is_causal holds only for checked values
         self.pattern: Optional[PatternDecision] = None  # a block structure of the (single, non-causal) mask
         self.sparse_call: Optional[Node] = None  # the call, when it became top-k sparse attention
+        self.softcap: Optional[float] = None  # the scores' soft cap (Gemma-2), passed on to the kernel
 
 
 def _negated(mask: Node, builder: _Builder, match: AttentionMatch) -> Node:
@@ -356,6 +360,11 @@ class AttentionPass(GraphPass):
         mask_candidates: list[Node] = []
         sparse_calls: list[tuple[Node, int]] = []  # top-k calls and the index of their rewrite record
         for found in candidates(graph.nodes, functools.partial(_match_or_reason, constants=constants), result):
+            if found.match.softcap is not None and ctx.config.context_parallel is not None:
+                # Left as written, so that context parallelism refuses it: ring attention has no soft cap.
+                result.skip(found.location, "soft-capped attention is not rewritten under context_parallel "
+                                            "(ring attention has no soft cap)")
+                continue
             description, plan, removed = self._rewrite(gm, found.match, constants, bindings, ctx)
             if plan.sparse_call is not None:
                 sparse_calls.append((plan.sparse_call, len(result.rewrites)))
@@ -380,16 +389,18 @@ class AttentionPass(GraphPass):
         v, v_copied = _compact_value(v, builder, ctx.training)
         q_dtype = example_value(q).dtype
         plan = _MaskPlan()
-        plan.is_causal = match.is_causal
+        plan.is_causal, plan.softcap = match.is_causal, match.softcap
         before_mask = set(graph.nodes)
         mask = _mask_node(match, builder, q_dtype, constants, bindings, plan)
         pattern = plan.pattern.pattern if plan.pattern is not None else None
         kernel, why = _choose_kernel(example_value(q), example_value(k), example_value(v), example_value(mask),
                                      is_causal=plan.is_causal, dropout_p=match.dropout_p,
                                      enable_gqa=match.enable_gqa, ctx=ctx,
-                                     sparsity=None if pattern is None else pattern.sparsity)
+                                     sparsity=None if pattern is None else pattern.sparsity, softcap=match.softcap)
         kwargs = {"dropout_p": match.dropout_p, "is_causal": plan.is_causal, "scale": match.scale,
                   "enable_gqa": match.enable_gqa, "kernel": kernel}
+        if match.softcap is not None:  # only then: a call without one keeps SDPA's own arguments
+            kwargs["softcap"] = match.softcap
         if pattern is not None and kernel in PATTERN_KERNELS:
             kwargs.update(_pattern_arguments(plan.pattern, mask, builder))
             plan.dead_when_causal += [*plan.pattern.dead, *(set(graph.nodes) - before_mask)]
@@ -434,6 +445,8 @@ class AttentionPass(GraphPass):
         if match.enable_gqa and match.heads:
             parts.append(f"gqa {match.heads[0]}/{match.heads[1]}")
         parts.append(_describe_scale(match, example_value(q)))
+        if match.softcap is not None:
+            parts.append(f"soft cap {match.softcap!r}")
         if match.dropout_p:
             parts.append(f"dropout {match.dropout_p!r}")
         parts.append(plan.description)

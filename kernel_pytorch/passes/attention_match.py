@@ -85,6 +85,8 @@ class AttentionMatch:
     source: str = "softmax"  # "softmax" (hand-written) | "sdpa" (an F.scaled_dot_product_attention call)
     # Nodes that read only the dtype or shape of a node the rewrite removes (T5's ``probs.type_as(scores)``).
     metadata_reads: list[Node] = field(default_factory=list)
+    # Gemma-2's soft cap: the scores are ``cap * tanh(scale * q·k / cap)`` before the mask (None: no cap).
+    softcap: Optional[float] = None
 
 
 def _shape(node: Node) -> tuple:
@@ -230,6 +232,7 @@ class _Matcher:
         self.constants = constants
         self.removable: list[Node] = []
         self.metadata_reads: list[Node] = []
+        self.softcap: Optional[float] = None
 
     # -- softmax ---------------------------------------------------------------------------------
 
@@ -327,24 +330,38 @@ class _Matcher:
                 after *= factor
                 node = path
                 continue
-            if is_call(node, operator.add, operator.sub):
-                path, term = self._additive(node, after)
+            masking = self._masking(node, after)
+            if masking is not None:
+                node, term = masking
                 terms.append(term)
-                node = path
                 continue
-            if is_call(node, torch.masked_fill):
-                path, term = self._masked_fill(node, after)
-                terms.append(term)
-                node = path
-                continue
-            if is_call(node, torch.where):
-                path, term = self._where(node, after)
-                terms.append(term)
-                node = path
+            if is_call(node, torch.tanh) and len(node.args) == 1 and not node.kwargs:
+                node = self._soft_cap(node, after)
                 continue
             if isinstance(node, Node) and node.op in ("placeholder", "get_attr"):
                 raise NotAttention("softmax input is not a Q·Kᵀ product")
             raise NotAttention(f"scores pass through {describe_node(node)} between the softmax and Q·Kᵀ")
+
+    def _masking(self, node: Node, after: float) -> Optional[tuple[Node, MaskTerm]]:
+        """The scores before a mask or bias (``+``, ``-``, ``masked_fill``, ``where``) and the term; None for
+        another op."""
+        if not is_call(node, operator.add, operator.sub, torch.masked_fill, torch.where):
+            return None
+        if self.softcap is not None:
+            raise NotAttention(f"a mask or bias inside the soft cap ({node.name} before tanh): no kernel computes it")
+        if is_call(node, operator.add, operator.sub):
+            return self._additive(node, after)
+        return self._masked_fill(node, after) if is_call(node, torch.masked_fill) else self._where(node, after)
+
+    def _soft_cap(self, tanh: Node, after: float) -> Node:
+        """Gemma-2's ``cap * tanh(s / cap)``: the factors after the tanh are the cap (those before it and
+        the cap together are the scale, so ``cap * tanh(scale * q·k / cap)`` is what was written)."""
+        if self.softcap is not None:
+            raise NotAttention("the scores pass through tanh twice")
+        if not (after > 0 and math.isfinite(after)):
+            raise NotAttention(f"tanh of the scores scaled by {after!r} after it: not a soft cap")
+        self.softcap = after
+        return tanh.args[0]
 
     def _scaled(self, node: Node) -> tuple[Node, float]:
         a, b = node.args
@@ -446,7 +463,7 @@ class _Matcher:
                 return False
             if _product_kind(node) is not None:
                 return True
-            if _cast_dtype(node) is not None or is_call(node, torch.masked_fill):
+            if _cast_dtype(node) is not None or is_call(node, torch.masked_fill, torch.tanh):
                 node = node.args[0]
             elif is_call(node, operator.mul, operator.truediv, operator.add, operator.sub):
                 return any(self._reaches_product(a) for a in node.args[:2] if isinstance(a, Node))
@@ -577,7 +594,7 @@ class _Matcher:
                               scores_shape=shape, terms=terms, dropout_p=dropout_p, enable_gqa=enable_gqa,
                               heads=heads, out_dims=out_dims,
                               removable=[n for n in self.removable if isinstance(n, Node)],
-                              metadata_reads=self.metadata_reads)
+                              metadata_reads=self.metadata_reads, softcap=self.softcap)
 
     @staticmethod
     def _operand_shape(operand: Operand) -> tuple:

@@ -24,6 +24,8 @@ What it computes here is exactly SDPA's (the dispatcher keeps everything else aw
   ``("topk", topk, keep_ratio, local_blocks, sink_blocks, block)`` is content-aware (an approximation,
   combinable with ``is_causal``): the key blocks are chosen per call from q and k
   (:mod:`kernel_pytorch.attention.kernels.topk_sparse`), so nothing is cached.
+* ``softcap`` (Gemma-2's soft-capping of the scores, ``cap * tanh(score / cap)`` after the scale, before
+  the mask) as the ``score_mod`` (:mod:`kernel_pytorch.attention.kernels.softcap`).
 * No attention-mask tensor and no dropout: FlexAttention has no dropout, and a mask tensor read by a
   ``score_mod`` is slower than the fused SDPA kernels that take a bias (see ``dispatch``).
 
@@ -47,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
+from kernel_pytorch.attention.kernels.softcap import softcap_score_mod, softcapped_attention_math
 from kernel_pytorch.attention.kernels.topk_sparse import TOPK_PATTERN_KIND, topk_attention, topk_options
 
 __all__ = ["flex_attention_forward", "causal_mask_mod", "pattern_mask_mod", "pattern_block_mask",
@@ -154,18 +157,24 @@ def pattern_block_mask(pattern: tuple, tensor: Optional[Tensor], lq: int, lk: in
 
 
 def _math_reference(q: Tensor, k: Tensor, v: Tensor, mask_mod: Callable[..., Tensor], batch: Optional[int],
-                    heads: Optional[int], scale: Optional[float]) -> Tensor:
+                    heads: Optional[int], scale: Optional[float], softcap: Optional[float] = None) -> Tensor:
     """SDPA's math on the dense evaluation of ``mask_mod``: the CPU path when gradients are needed."""
     dense = create_mask(mask_mod, batch or 1, heads or 1, q.shape[-2], k.shape[-2], device=q.device)
-    return F.scaled_dot_product_attention(q, k, v, dense, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])
+    gqa = q.shape[-3] != k.shape[-3]
+    if softcap is not None:
+        return softcapped_attention_math(q, k, v, dense, 0.0, False, scale=scale, enable_gqa=gqa, softcap=softcap)
+    return F.scaled_dot_product_attention(q, k, v, dense, scale=scale, enable_gqa=gqa)
 
 
 def flex_attention_forward(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float],
-                           pattern: Optional[tuple] = None, pattern_tensor: Optional[Tensor] = None) -> Tensor:
+                           pattern: Optional[tuple] = None, pattern_tensor: Optional[Tensor] = None,
+                           softcap: Optional[float] = None) -> Tensor:
     """``flex_attention`` on 4-D (B, H, L, E) inputs; K/V may have fewer heads (Hq % Hk == 0); ``pattern``
     (with ``pattern_tensor``) is a mask pattern (module docstring), exclusive with ``is_causal`` except the
-    content-aware ``("topk", ...)``."""
+    content-aware ``("topk", ...)``; ``softcap`` caps the scores (``score_mod``)."""
     if pattern is not None and pattern[0] == TOPK_PATTERN_KIND:  # content-aware: chosen from q and k per call
+        if softcap is not None:
+            raise ValueError("top-k sparse attention has no soft cap")
         return topk_attention(q, k, v, is_causal=is_causal, scale=scale, **topk_options(pattern))
     if pattern is not None and is_causal:
         raise ValueError("a mask pattern and is_causal are exclusive (causal is the pattern ('band', 0, None))")
@@ -178,6 +187,8 @@ def flex_attention_forward(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, 
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         if q.device.type == "cpu" and needs_grad:  # FlexAttention has no CPU backward (module docstring)
             return _math_reference(q, k, v, pattern_mask_mod(pattern, pattern_tensor),
-                                   *_mask_batch_heads(pattern, pattern_tensor), scale)
+                                   *_mask_batch_heads(pattern, pattern_tensor), scale, softcap)
         block_mask = pattern_block_mask(pattern, pattern_tensor, q.shape[-2], k.shape[-2], q.device)
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])
+    score_mod = None if softcap is None else softcap_score_mod(softcap)
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                          enable_gqa=q.shape[-3] != k.shape[-3])

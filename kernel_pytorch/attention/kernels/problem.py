@@ -39,17 +39,19 @@ class AttentionProblem:
     # A block-structured mask the pass recognized: MaskPattern.sparsity, e.g. ("band", 0, 1023, 0.12) (the
     # pattern of kernel_pytorch.attention.kernels.flex and the 128x128 tile density, None when data-dependent).
     sparsity: Optional[tuple] = None
+    # The scores' soft cap (cap * tanh(score / cap) before the mask; Gemma-2), None without one.
+    softcap: Optional[float] = None
 
     @classmethod
     def from_tensors(cls, q, k, v, attn_mask, *, is_causal, dropout_p, enable_gqa, training,
                      compiled: bool = True, sparsity: Optional[tuple] = None,
-                     cuda_graphs: bool = False) -> AttentionProblem:
+                     cuda_graphs: bool = False, softcap: Optional[float] = None) -> AttentionProblem:
         mask_kind = None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "additive")
         return cls(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device.type, mask_kind,
                    None if attn_mask is None else tuple(attn_mask.shape),
                    bool(attn_mask is not None and attn_mask.requires_grad and training), bool(is_causal),
                    bool(dropout_p > 0), bool(enable_gqa), bool(training), bool(compiled), bool(cuda_graphs),
-                   None if sparsity is None else tuple(sparsity))
+                   None if sparsity is None else tuple(sparsity), None if softcap is None else float(softcap))
 
     @property
     def head_dim(self) -> int:

@@ -65,6 +65,7 @@ class AttentionKernel:
     bottom_right_causal: bool = False  # is_causal with Lq != Lk aligned bottom right (SDPA: top left)
     rng_on_host: bool = False  # its dropout RNG state is on the CPU outside CUDA-graph capture
     trains_in_cuda_graphs: bool = True  # its backward captures into CUDA graphs
+    softcap: bool = False  # scores soft-capped, cap * tanh(score / cap), before the mask (Gemma-2)
     measured_only: bool = False  # chosen only when measured fastest on a GPU, never as an unmeasured guess
     # The limits attention() refuses itself (a subset of OP_CHECKS); the others are the kernel's own errors.
     op_checks: frozenset[str] = frozenset()
@@ -86,4 +87,6 @@ class AttentionKernel:
 
     def why_not(self, problem: AttentionProblem, hardware: HardwareInfo) -> Optional[str]:
         """Why this kernel cannot run ``problem`` on ``hardware`` (``None``: it can)."""
+        if problem.softcap is not None and not self.softcap:
+            return f"{self.name} has no soft-capping of the scores"
         return self.limits(self, problem, hardware)

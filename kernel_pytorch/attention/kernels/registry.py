@@ -29,6 +29,7 @@ from kernel_pytorch.attention.kernels.flash_attn import flash_attn_forward
 from kernel_pytorch.attention.kernels.flex import FLEX_MAX_HEAD_DIM, FLEX_MIN_HEAD_DIM, flex_attention_forward
 from kernel_pytorch.attention.kernels.problem import AttentionProblem
 from kernel_pytorch.attention.kernels.record import AttentionKernel, HeadDims
+from kernel_pytorch.attention.kernels.softcap import softcapped_attention_math
 
 if TYPE_CHECKING:
     from kernel_pytorch.hardware import HardwareInfo
@@ -42,23 +43,27 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool, *,
-          scale: Optional[float], enable_gqa: bool) -> Tensor:
+          scale: Optional[float], enable_gqa: bool, softcap: Optional[float] = None) -> Tensor:
+    if softcap is not None:  # no SDPA kernel caps the scores: PyTorch's ops, as the model wrote them
+        return softcapped_attention_math(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa,
+                                         softcap=softcap)
     return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
+# The direct kernels' entry points take the soft cap too; only flex computes one (the others' records refuse it).
 def _flex(q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float, is_causal: bool, scale: Optional[float],
-          pattern: Optional[tuple], pattern_tensor: Optional[Tensor]) -> Tensor:
+          pattern: Optional[tuple], pattern_tensor: Optional[Tensor], softcap: Optional[float] = None) -> Tensor:
     return flex_attention_forward(q, k, v, is_causal=is_causal, scale=scale, pattern=pattern,
-                                  pattern_tensor=pattern_tensor)
+                                  pattern_tensor=pattern_tensor, softcap=softcap)
 
 
 def _flash_attn(q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float, is_causal: bool, scale: Optional[float],
-                pattern: Optional[tuple], pattern_tensor: Optional[Tensor]) -> Tensor:
+                pattern: Optional[tuple], pattern_tensor: Optional[Tensor], softcap: Optional[float] = None) -> Tensor:
     return flash_attn_forward(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
 
 
 def _cudnn_band(q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float, is_causal: bool, scale: Optional[float],
-                pattern: Optional[tuple], pattern_tensor: Optional[Tensor]) -> Tensor:
+                pattern: Optional[tuple], pattern_tensor: Optional[Tensor], softcap: Optional[float] = None) -> Tensor:
     return cudnn_band_forward(q, k, v, window=band_window(pattern, q.shape[-2], k.shape[-2]), scale=scale)
 
 
@@ -67,7 +72,9 @@ def _cudnn_band(q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float, is_causal:
 SDPA = AttentionKernel(
     name="sdpa", description="torch.nn.functional.scaled_dot_product_attention's kernels for this device",
     device="any", route="sdpa", dtypes=(*_HALF, torch.float32, torch.float64),
-    takes_mask=True, mask_grad=True, limits=limits.no_limits, forward=_sdpa)
+    takes_mask=True, mask_grad=True,
+    softcap=True,  # with PyTorch's ops (kernel_pytorch.attention.kernels.softcap): correct, not faster
+    limits=limits.no_limits, forward=_sdpa)
 
 CUDNN = AttentionKernel(
     name="cudnn", description="cuDNN fused attention (PyTorch's SDPA cuDNN kernel)",
@@ -108,6 +115,7 @@ FLEX = AttentionKernel(
     name="flex", description="FlexAttention block-sparse kernels (Triton)",
     device="any", route="direct", dtypes=(*_HALF, torch.float32),
     head_dims=HeadDims(low=FLEX_MIN_HEAD_DIM, high=FLEX_MAX_HEAD_DIM), takes_pattern=True, dropout=False,
+    softcap=True,  # a score_mod, fused forward and backward when compiled
     measured_only=True,  # fused only when compiled, and faster than the dense kernels only on sparse masks
     op_checks=frozenset({"dropout"}),
     limits=limits.flex_limits, requires=limits.needs_triton, forward=_flex)

@@ -1,0 +1,71 @@
+"""On an NVIDIA GPU (``pytest -m gpu``): soft-capped attention on FlexAttention (its ``score_mod``), compiled,
+forward and backward against PyTorch's ops in float32; and Gemma-2 (eager attention, soft cap 50, sliding and
+global layers) through optimize in bf16, where the dispatcher measures FlexAttention against PyTorch's ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from kernel_pytorch import optimize, report_of
+from kernel_pytorch.attention.kernels.softcap import softcapped_attention_math
+from kernel_pytorch.ops.attention import attention
+
+from .conftest import rel_err, twin
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.fail("gpu tests were selected (-m gpu) but torch.cuda.is_available() is False")
+
+
+@pytest.mark.parametrize("how", ["causal", "window"])
+def test_flex_soft_cap_forward_and_backward_compiled(how):
+    torch.manual_seed(0)
+    shape_q, shape_kv = (2, 8, 1024, 64), (2, 4, 1024, 64)
+    q = (torch.randn(shape_q, device="cuda") * 4).requires_grad_()
+    k = (torch.randn(shape_kv, device="cuda") * 4).requires_grad_()
+    v = torch.randn(shape_kv, device="cuda", requires_grad=True)
+    options = {"is_causal": True} if how == "causal" else {"pattern": ("band", 0, 255)}
+    distance = torch.arange(1024, device="cuda")[:, None] - torch.arange(1024, device="cuda")[None, :]
+    window = (distance >= 0) & (distance <= 255)
+
+    def flex(q, k, v):
+        return attention(q, k, v, scale=0.125, enable_gqa=True, kernel="flex", softcap=20.0, **options)
+
+    out = torch.compile(flex, fullgraph=True)(q, k, v)
+    expected = softcapped_attention_math(q, k, v, None if how == "causal" else window, 0.0, how == "causal",
+                                         scale=0.125, enable_gqa=True, softcap=20.0)
+    assert rel_err(out, expected) < 1e-3
+    seed = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), seed)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), seed)
+    for got, want in zip(grads, expected_grads):
+        assert rel_err(got, want) < 1e-3
+
+
+def test_gemma2_trains_on_flex_with_its_soft_cap_in_bf16():
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                       num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                       max_position_embeddings=4096, sliding_window=512)
+    model = transformers.Gemma2ForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).train()
+    reference = twin(model)
+    tokens = {"input_ids": torch.randint(0, 512, (2, 2048), device="cuda")}
+    optimize(model, example_inputs=tokens)
+    lines = [r.replacement for r in report_of(model).rewrites if r.pass_name == "attention"]
+    assert len(lines) == 2 and all("soft cap 50.0" in line for line in lines), lines
+    assert "causal sliding window 512" in lines[0], lines
+    assert all(line.startswith("attention[flex]") for line in lines), lines  # measured against PyTorch's ops
+    fresh = {"input_ids": torch.randint(0, 512, (2, 2048), device="cuda")}
+    out, expected = model(**fresh).logits, reference(**fresh).logits
+    assert rel_err(out, expected) < 2e-2
+    out.float().square().mean().backward()
+    expected.float().square().mean().backward()
+    errors = {name: rel_err(p.grad, p_ref.grad) for (name, p), p_ref in zip(model.named_parameters(),
+                                                                           reference.parameters())}
+    assert not {name: e for name, e in errors.items() if not e < 4e-2}, errors
