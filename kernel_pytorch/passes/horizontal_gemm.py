@@ -154,17 +154,27 @@ def _describe(node: Any) -> str:
 
 
 def modified_in_place(node: Node) -> bool:
-    """Whether an in-place op writes ``node`` or a view of it (followed through view-like ops)."""
+    """Whether an in-place op writes ``node`` or a view of it (followed through view-like ops). Being the source of
+    an in-place op is no write: a StaticCache's ``keys.index_copy_(2, position, k)`` reads k."""
     pending, seen = [node], set()
     while pending:
         current = pending.pop()
         for user in current.users:
-            if writes_in_place(user):
+            if writes_in_place(user) and _written_operand(user) in (current, None):
                 return True
             if user not in seen and (is_view(user)):
                 seen.add(user)
                 pending.append(user)
     return False
+
+
+def _written_operand(op: Node) -> Node | None:
+    """The tensor an in-place op writes: ``out=``, else its first argument; None when unknown (a module call)."""
+    if op.op == "call_module":
+        return None
+    if "out" in op.kwargs:
+        return op.kwargs["out"]
+    return op.args[0] if op.args else None
 
 
 def _partition(members: list[_Linear]) -> tuple[list[list[_Linear]], list[tuple[_Linear, str]]]:
