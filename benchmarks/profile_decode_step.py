@@ -3,7 +3,7 @@ for a 1B-class Llama (benchmarks/decode.py's ``1b``) at batch 1, next to the sam
 ``torch.compile``, with the kernel count per step and the prefill's time. A diagnosis tool for
 benchmarks/decode.py.
 
-    python benchmarks/profile_decode_step.py [--layers 16] [--prompt 512] [--steps 10] [--out DIR]
+    python benchmarks/profile_decode_step.py [--layers 16] [--prompt 512] [--steps 10] [--no-reference] [--out DIR]
 
 The steps run without CUDA graphs (the profiler sees the same kernels a replay runs), after a warm-up.
 """
@@ -61,13 +61,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--no-reference", action="store_true", help="profile optimize's step only")
     args = parser.parse_args(argv)
     model = kernel_pytorch.optimize(llama(args.layers))
     ours = DecodeLane(model, ModelCalls.of(model, model._kernel_pytorch.graph_optimizer), 1, 1024, cuda_graphs=False)
-    reference = llama(args.layers)
-    plain = DecodeLane(reference, ModelCalls.of(reference, "inductor"), 1, 1024, cuda_graphs=False)
-    text = "\n\n".join([profile_lane(ours, args.prompt, args.steps, "optimize"),
-                        profile_lane(plain, args.prompt, args.steps, "torch.compile (inductor)")])
+    sections = [profile_lane(ours, args.prompt, args.steps, "optimize")]
+    if not args.no_reference:
+        reference = llama(args.layers)
+        plain = DecodeLane(reference, ModelCalls.of(reference, "inductor"), 1, 1024, cuda_graphs=False)
+        sections.append(profile_lane(plain, args.prompt, args.steps, "torch.compile (inductor)"))
+    text = "\n\n".join(sections)
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
