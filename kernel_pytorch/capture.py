@@ -133,12 +133,6 @@ class GraphOptimizer:
     def __repr__(self) -> str:
         return f"kernel_pytorch.GraphOptimizer({self.hardware.vendor}, compiler={self.compiler.name})"
 
-    def uncompiled(self) -> GraphOptimizer:
-        """The same passes, verification and report, the rewritten graphs run by PyTorch (no compiler after them)."""
-        twin = copy.copy(self)
-        twin.compiler = CompilerChoice("eager")
-        return twin
-
     def for_report(self, report: OptimizationReport) -> GraphOptimizer:
         """The same backend for a copy of the model: the copy's own report, nothing captured yet."""
         twin = copy.copy(self)

@@ -39,19 +39,12 @@ class ModelCalls:
     @classmethod
     def of(cls, model: nn.Module, backend: Callable[..., Any] | str | None) -> ModelCalls:
         """Compiled through ``backend`` (an optimized model's own: its passes and verification), each call with a
-        dynamo cache of its own; without a backend the model runs as it is, still from a static cache.
-
-        An optimized model's prefill (and encoder) get its passes without the compiler after them: a prefill is a
-        few large GEMMs, which compiling hardly speeds up (time to first token measured within the noise,
-        docs/usage.md), while compiling its two variants (batch 1, larger batches) doubled the warm-up. Decode steps,
-        many small kernels replayed per token, are compiled."""
+        dynamo cache of its own; without a backend the model runs as it is, still from a static cache."""
         if backend is None:
             return cls(call_module, call_module, call_module)
-        uncompiled = backend.uncompiled() if hasattr(backend, "uncompiled") else backend  # a GraphOptimizer
         encoder = model.get_encoder() if is_encoder_decoder(model) else None
-        entries = ((model, uncompiled), (model, backend), (encoder, uncompiled))
-        return cls(*(_with_constant_floats(compiled_entry(module, chosen, dynamic=True)) if module is not None
-                     else call_module for module, chosen in entries))
+        return cls(*(_with_constant_floats(compiled_entry(module, backend, dynamic=True)) if module is not None
+                     else call_module for module in (model, model, encoder)))
 
 
 def _with_constant_floats(compiled: Callable[..., Any]) -> Callable[..., Any]:
