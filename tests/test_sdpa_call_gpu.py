@@ -51,14 +51,15 @@ def _kernel(line: str) -> str:
     return line.split("[", 1)[1].split("]", 1)[0]
 
 
-def test_llama_sdpa_calls_get_a_measured_fused_kernel_in_inference():
+def test_llama_sdpa_calls_get_a_measured_kernel_in_inference():
     model = _llama().eval()
     reference = twin(model)
     inputs = _tokens(2, 512)
     optimize(model, example_inputs=inputs)
     lines = _attention_lines(model)
     assert len(lines) == 2 and all("SDPA call" in line and "causal" in line for line in lines), lines
-    assert all(_kernel(line) in _FUSED and "fastest measured" in line for line in lines), lines
+    # measured, whichever wins: on an H100 at 2 x 512 PyTorch's own dispatch ("sdpa") beat cuDNN (0.069 ms)
+    assert all(_kernel(line) in _FUSED + ("sdpa",) and "fastest measured" in line for line in lines), lines
     assert report_of(model).verification.passed
     fresh = _tokens(2, 512)
     with torch.no_grad():
