@@ -285,3 +285,25 @@ def test_caches_are_sized_to_the_request_and_old_lanes_are_dropped():
         decoder.prefill(torch.randint(6, 128, (batch, 5)), max_new_tokens=1)
     assert len(decoder.lanes) == decoder_module._MAX_LANES and (1, 512, 0) not in decoder.lanes
     assert any("1 sequences x 512 tokens dropped" in note for note in decoder.notes)
+
+
+def test_a_moved_or_replaced_parameter_rebuilds_the_lanes_and_in_place_updates_keep_them():
+    model, reference = _pair("llama")
+    input_ids, attention_mask = left_padded_prompts(2, 7)
+
+    def both_generate():
+        expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+        tokens = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(tokens, expected)
+
+    both_generate()
+    with torch.no_grad():  # in place: the same addresses, the captured lanes stay valid
+        for twin in (model, reference):
+            twin.model.norm.weight.mul_(1.5)
+    both_generate()
+    assert not any("lanes rebuilt" in note for note in _generation_notes(model))
+    replacement = torch.randn_like(reference.lm_head.weight)
+    for twin in (model, reference):  # a new tensor: a replay would read the old one
+        twin.lm_head.weight = torch.nn.Parameter(replacement.clone())
+    both_generate()
+    assert sum("lanes rebuilt" in note for note in _generation_notes(model)) == 1

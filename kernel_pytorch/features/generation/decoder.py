@@ -16,6 +16,7 @@ only allocates its cache and captures; at most ``_MAX_LANES`` are kept, the leas
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -60,6 +61,7 @@ class Decoder:
         self.lane: DecodeLane | None = None  # the lane of the request in progress
         self.batch = 0
         self.notes: list[str] = []
+        self._addresses: tuple[tuple[int, torch.dtype], ...] = ()  # the model's tensors when the lanes were built
 
     # -- the plain-loop API ------------------------------------------------------------------------------------
 
@@ -170,6 +172,7 @@ class Decoder:
                                        "optimize(model, generation={'max_length': ...})")
         length = min(_rounded(total_length), self.max_length)
         key = (bucket, length, _rounded(encoder_length) if encoder_length else 0)
+        self._drop_lanes_if_the_model_moved()
         lane = self.lanes.pop(key, None)
         if lane is None:
             if len(self.lanes) >= _MAX_LANES:
@@ -177,6 +180,20 @@ class Decoder:
             lane = self._new_lane(*key)
         self.lanes[key] = lane  # most recently used last
         return lane
+
+    def _drop_lanes_if_the_model_moved(self) -> None:
+        """Lanes replay CUDA graphs that read the parameters and buffers at the addresses they had at capture: after
+        ``model.to(...)``, ``model.half()`` or a parameter replaced by another tensor, a replay would read freed or
+        stale memory. Every lane is rebuilt then (an in-place update, an optimizer step or ``load_state_dict``, keeps
+        the addresses and the lanes)."""
+        addresses = _tensor_addresses(self.model)
+        if addresses == self._addresses:
+            return
+        if self.lanes:
+            self.notes.append(f"generation: the model's parameters or buffers moved since its {len(self.lanes)} "
+                              "lane(s) were built (.to(), .half(), a replaced parameter): lanes rebuilt")
+            self.lanes.clear()
+        self._addresses = addresses
 
     def _drop_lane(self, key: tuple[int, int, int]) -> None:
         del self.lanes[key]
@@ -199,6 +216,11 @@ class Decoder:
         lanes = ", ".join(f"{_lane_name(key)} ({lane.hits} request{'s' * (lane.hits != 1)})"
                           for key, lane in self.lanes.items())
         return f"generation lanes: {lanes}; KV caches {total:.1f} MiB"
+
+
+def _tensor_addresses(model: nn.Module) -> tuple[tuple[int, torch.dtype], ...]:
+    """Where each parameter and buffer lives, and its dtype: what a captured graph read."""
+    return tuple((t.data_ptr(), t.dtype) for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def _rounded(length: int) -> int:
