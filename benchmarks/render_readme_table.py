@@ -369,7 +369,7 @@ def render_decode(data: dict) -> list[str]:
                   table(["provider", "warm-up", *[f"batch {b}: tokens/s per sequence (share of the HBM limit)"
                                                   for b in batches], "TTFT ms (512 / 4096)"], rows)]
     lines += [f"- {t}" for t in data.get("summary", []) if t.startswith("target")]
-    return lines
+    return lines + _note(data)
 
 
 def _decode_cell(point: dict) -> str:
@@ -462,6 +462,20 @@ def render_tune_float8_amax(data: dict) -> list[str]:
                     fmt(b.get("current_total_ms"), 4)] for mode, b in best.items()])]
 
 
+def render_tune_decode_linear(data: dict) -> list[str]:
+    """Per decode weight shape: cuBLAS per weight, cuBLAS on pre-concatenated weights, the best grouped GEMV tile."""
+    rows = []
+    for name, r in data.get("results", {}).items():
+        ms, best = r.get("ms", {}), r.get("best_gemv")
+        error = r.get("max_rel_error")
+        rows.append([name, *[fmt(ms[key] * 1e3) if key in ms else "-" for key in ("cublas", "cublas_packed", best)],
+                     fmt(best), f"{error:.1e}" if isinstance(error, float) else "-"])
+    return ["GPU time (CUDA-graph replays, so weights of 32 MB and less stay in L2 between replays: read the columns "
+            "against each other, not against the HBM bandwidth) of the linears of one decode token, in microseconds:",
+            table(["weights, rows", "cuBLAS per weight", "cuBLAS, weights concatenated", "grouped GEMV, best tile",
+                   "best tile", "max rel. error"], rows)]
+
+
 def render_tune_flex_attention(data: dict) -> list[str]:
     out = [f"FlexAttention options for a causal sliding window of {data.get('window')}, {data.get('heads')} heads, head "
            f"dim {data.get('head_dim')}, {data.get('dtype')}: per length and direction, the candidate kept (fastest of "
@@ -500,6 +514,7 @@ TUNING: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "tune_row_kernels.json": ("Row kernels (norms, activations, RoPE)", render_tune_row_kernels),
     "tune_float8_amax.json": ("FP8 amax kernel", render_tune_float8_amax),
     "tune_flex_attention.json": ("FlexAttention options for sliding windows", render_tune_flex_attention),
+    "tune_decode_linear.json": ("Grouped GEMV of decode steps", render_tune_decode_linear),
 }
 
 
