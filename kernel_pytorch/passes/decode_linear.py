@@ -30,11 +30,11 @@ from torch.fx import Node
 
 from kernel_pytorch.ops import decode_linear as gemv
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
-from kernel_pytorch.passes.graph_utils import blocks_reordering, erase_unused, module_path_of
+from kernel_pytorch.passes.graph_utils import blocks_reordering, erase_unused, gemm_rows, module_path_of
 from kernel_pytorch.passes.horizontal_gemm import NodeBuilder, modified_in_place, replace_by_part
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
-from kernel_pytorch.passes.shape_constants import example_value, static_int
+from kernel_pytorch.passes.shape_constants import example_value
 
 __all__ = ["DecodeLinearPass"]
 
@@ -43,16 +43,8 @@ _VENDORS = ("nvidia", "amd")
 
 def _rows(x: Node) -> int | None:
     """Token rows of a linear's input when every size is static and there are at most MAX_ROWS."""
-    value = example_value(x)
-    if not isinstance(value, torch.Tensor) or value.dim() < 1:
-        return None
-    rows = 1
-    for size in value.shape[:-1]:
-        concrete = static_int(size)
-        if concrete is None:
-            return None
-        rows *= concrete
-    return rows if 0 < rows <= gemv.MAX_ROWS else None
+    rows = gemm_rows(x, static_only=True)
+    return rows if rows is not None and 0 < rows <= gemv.MAX_ROWS else None
 
 
 def _linear_operands(node: Node) -> tuple[Node, Node | None] | None:

@@ -158,16 +158,16 @@ def erase_unused(graph: torch.fx.Graph, candidates) -> int:
     return erased
 
 
-def gemm_rows(x: Node) -> int | None:
+def gemm_rows(x: Node, static_only: bool = False) -> int | None:
     """Rows of a linear's GEMM on input ``x`` (the product of its leading sizes) at the capture's sizes; a
-    symbolic size counts at this call's value. None when unknown."""
+    symbolic size counts at this call's value, or makes the answer None with ``static_only``. None when unknown."""
     value = example_value(x)
     if not isinstance(value, torch.Tensor) or value.dim() < 1:
         return None
     rows = 1
     for size in value.shape[:-1]:
         concrete = static_int(size)
-        if concrete is None and isinstance(size, torch.SymInt):
+        if concrete is None and isinstance(size, torch.SymInt) and not static_only:
             concrete = size.node.hint
         if concrete is None:
             return None
