@@ -21,6 +21,9 @@ import kernel_pytorch
 from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.distributed import context_parallel
 from kernel_pytorch.distributed.context_parallel import ContextParallelError
+from kernel_pytorch.ops.attention import attention
+from kernel_pytorch.passes.base import PassResult
+from kernel_pytorch.passes.context_parallel import _unshardable_attention
 from kernel_pytorch.testing.llama_style import (
     LlamaStyleAttention,
     LlamaStyleConfig,
@@ -281,3 +284,12 @@ def test_a_backend_without_the_sharding_passes_is_refused():
     context_parallel.require_passes(Backend.graph_passes)  # the default pipeline runs them all
     with pytest.raises(ContextParallelError, match=r"this backend does not run \['rope', 'context_parallel'\]"):
         context_parallel.require_passes(TpuBackend.graph_passes)
+
+
+def test_soft_capped_attention_is_refused_with_the_reason():
+    graph = torch.fx.Graph()
+    q, k, v = (graph.placeholder(name) for name in "qkv")
+    for node in (q, k, v):
+        node.meta["example_value"] = torch.randn(1, 2, 8, 4)
+    call = graph.call_function(attention, (q, k, v, None), {"is_causal": True, "softcap": 30.0})
+    assert _unshardable_attention(call, PassResult()) == "soft-capped attention (cap 30.0): ring attention has no cap"

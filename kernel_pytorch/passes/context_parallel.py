@@ -227,6 +227,8 @@ def _unshardable_attention(call: Node, result) -> str | None:
         return "attention with a mask (padding, window or arbitrary) cannot be split along the sequence"
     if kwargs.get("dropout_p", 0.0):
         return f"attention with dropout {kwargs['dropout_p']} on the probabilities (not in ring attention)"
+    if kwargs.get("softcap") is not None:
+        return f"soft-capped attention (cap {kwargs['softcap']}): ring attention has no cap"
     if result.guards:
         return ("the causal mask was proven only for the captured sizes (a runtime guard, whose fallback would "
                 "run local attention); capture with static shapes (dynamic=False)")
