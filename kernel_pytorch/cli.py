@@ -63,6 +63,7 @@ _SUITE_HARDWARE = {
     "sparse_attention": _NEEDS_CUDA_GPU,
     "tune_flex_attention": _NEEDS_CUDA_GPU,
     "tune_float8_amax": _NEEDS_CUDA_GPU,
+    "tune_decode_linear": _NEEDS_CUDA_GPU,
     "tune_row_kernels": _NEEDS_CUDA_GPU,
     "variable_shapes": _CPU_SMOKE_RUN,
 }
