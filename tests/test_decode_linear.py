@@ -87,10 +87,10 @@ class DecodeBlock(nn.Module):
     """The linears of a Llama decoder layer around a stand-in for attention: q/k/v on one input, o, gate/up on
     one input, down."""
 
-    def __init__(self, dim=32, kv=8, ffn=48):
+    def __init__(self, dim=32, kv=8, ffn=48, qkv_bias=False):
         super().__init__()
-        self.q, self.k, self.v, self.o = nn.Linear(dim, dim, False), nn.Linear(dim, kv, False), \
-            nn.Linear(dim, kv, False), nn.Linear(dim, dim, False)
+        self.q, self.k, self.v, self.o = nn.Linear(dim, dim, qkv_bias), nn.Linear(dim, kv, qkv_bias), \
+            nn.Linear(dim, kv, qkv_bias), nn.Linear(dim, dim, False)
         self.gate, self.up, self.down = nn.Linear(dim, ffn, False), nn.Linear(dim, ffn, False), nn.Linear(ffn, dim, False)
 
     def forward(self, x):
@@ -108,13 +108,15 @@ def _rewritten(module: nn.Module, x: torch.Tensor, training: bool):
     return gm, dict((p.name, r) for p, r in results)["decode_linear"], example
 
 
-def test_decode_step_linears_become_grouped_launches():
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["llama", "qwen2-biases"])
+def test_decode_step_linears_become_grouped_launches(qkv_bias):
     torch.manual_seed(0)
-    module = DecodeBlock().eval()
+    module = DecodeBlock(qkv_bias=qkv_bias).eval()
     x = torch.randn(1, 1, 32)
     gm, result, example = _rewritten(module, x, training=False)
     launches = [n for n in gm.graph.nodes if n.target is DL.grouped_linear]
     assert sorted(len(n.args[1]) for n in launches) == [1, 1, 2, 3]  # o, down, gate+up, q+k+v
+    assert [n.args[2] is not None for n in launches if len(n.args[1]) == 3] == [qkv_bias]
     assert not any(n.target is F.linear for n in gm.graph.nodes)
     assert len(result.rewrites) == 4
     with torch.no_grad():
