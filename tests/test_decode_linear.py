@@ -113,7 +113,8 @@ def test_decode_step_linears_become_grouped_launches(qkv_bias):
     torch.manual_seed(0)
     module = DecodeBlock(qkv_bias=qkv_bias).eval()
     x = torch.randn(1, 1, 32)
-    gm, result, example = _rewritten(module, x, training=False)
+    with torch.no_grad():
+        gm, result, example = _rewritten(module, x, training=False)
     launches = [n for n in gm.graph.nodes if n.target is DL.grouped_linear]
     assert sorted(len(n.args[1]) for n in launches) == [1, 1, 2, 3]  # o, down, gate+up, q+k+v
     assert [n.args[2] is not None for n in launches if len(n.args[1]) == 3] == [qkv_bias]
@@ -123,9 +124,12 @@ def test_decode_step_linears_become_grouped_launches(qkv_bias):
         torch.testing.assert_close(gm(*example)[0], module(x), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("shape, training", [((2, 40, 32), False), ((1, 1, 32), True)], ids=["many-rows", "training"])
-def test_many_rows_and_training_graphs_are_left_alone(shape, training):
-    gm, result, _ = _rewritten(DecodeBlock().train(training), torch.randn(shape), training)
+@pytest.mark.parametrize("shape, training, grad", [((2, 40, 32), False, False), ((1, 1, 32), True, True),
+                                                   ((1, 1, 32), False, True)],
+                         ids=["many-rows", "training", "eval-with-grad"])
+def test_many_rows_training_and_graphs_that_need_a_backward_are_left_alone(shape, training, grad):
+    with torch.set_grad_enabled(grad):
+        gm, result, _ = _rewritten(DecodeBlock().train(training), torch.randn(shape), training)
     assert not result.rewrites and not any(n.target is DL.grouped_linear for n in gm.graph.nodes)
 
 

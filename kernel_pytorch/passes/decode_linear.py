@@ -54,9 +54,11 @@ def _linear_operands(node: Node) -> tuple[Node, Node | None] | None:
     weight, bias = node.args[1], node.args[2] if len(node.args) > 2 else None
     if not all(isinstance(t, Node) and t.op in ("placeholder", "get_attr") for t in (weight, bias) if t is not None):
         return None  # a weight computed in the graph may be defined after the group's first linear
-    x_value, w_value = example_value(node.args[0]), example_value(weight)
+    x_value, w_value, out_value = example_value(node.args[0]), example_value(weight), example_value(node)
     if not (isinstance(w_value, torch.Tensor) and w_value.dim() == 2 and w_value.dtype == x_value.dtype):
         return None
+    if getattr(out_value, "requires_grad", False):
+        return None  # an eval-mode call with grad enabled: the kernel has no backward
     if bias is not None and not isinstance(example_value(bias), torch.Tensor):
         return None
     return weight, bias
