@@ -14,13 +14,17 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 
 from kernel_pytorch.config import OptimizeConfig
+from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls
 from kernel_pytorch.hardware import detect_hardware
 from kernel_pytorch.passes import PassContext, PassManager, get_pass
+from kernel_pytorch.passes.graph_utils import clone_graph_module
 
 from .conftest import capture_graph
+from .generation_models import causal_lm
 from .triton_interpreter import INTERPRETED, cuda_device, interp, route_to_triton, run_interpreted_tests
 
 DL = importlib.import_module("kernel_pytorch.ops.decode_linear")
@@ -140,3 +144,48 @@ def test_many_rows_training_and_graphs_that_need_a_backward_are_left_alone(shape
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gpu_kernel_matches_float64(dtype, case):
     check(case, dtype, cuda_device())
+
+
+# ------------------------------------------------------------------------------- transformers decode steps
+
+def _step_graph(model: nn.Module):
+    """The graph of ``model``'s decode step as a generation lane compiles it (batch 1, one token), with its inputs."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    lane = DecodeLane(model, ModelCalls.of(model, backend), 1, 256, cuda_graphs=False)
+    prompt = torch.randint(6, 128, (1, 9))
+    with torch.no_grad():
+        lane.prefill(prompt, torch.ones_like(prompt))
+        lane.step(torch.tensor([7]))
+    gm, example = graphs[-1]
+    return gm, [int(e.node.hint) if isinstance(e, torch.SymInt) else e for e in example]  # sizes: their values
+
+
+def _phi3() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=128, vocab_size=128, pad_token_id=0, max_position_embeddings=512)
+    return transformers.Phi3ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("family, groups_per_layer", [("llama", [1, 1, 2, 3]), ("qwen2", [1, 1, 2, 3]),
+                                                      ("phi3", [1, 1, 1, 1])])
+def test_transformers_decode_steps_get_grouped_launches(family, groups_per_layer):
+    model = _phi3() if family == "phi3" else causal_lm(family)
+    gm, example = _step_graph(model)
+    original = clone_graph_module(gm)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    ctx = PassContext(hardware=detect_hardware("cpu"), config=OptimizeConfig(), training=False,
+                      example_inputs=dict(zip(names, example)))
+    with torch.no_grad():
+        PassManager([get_pass("normalize"), get_pass("decode_linear")]).run(gm, ctx)
+        launches = sorted(len(n.args[1]) for n in gm.graph.nodes if n.target is DL.grouped_linear)
+        layers = model.config.num_hidden_layers
+        # per layer: q/k/v (or Phi-3's packed qkv_proj), o, gate/up (or gate_up_proj), down; and the LM head
+        assert launches == sorted(groups_per_layer * layers + [1])
+        assert not any(n.target is F.linear for n in gm.graph.nodes)
+        torch.testing.assert_close(gm(*example)[0], original(*example)[0], rtol=1e-5, atol=1e-5)
