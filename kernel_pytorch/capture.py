@@ -197,6 +197,7 @@ class GraphOptimizer:
         for graph_pass in passes:
             trial = clone_graph_module(current)
             earlier = {done.name: result for done, result in results}
+            started = time.perf_counter()
             try:
                 result = PassManager.run_one(graph_pass, trial, replace(ctx, earlier_results=earlier))
             except PassError as error:
@@ -205,6 +206,8 @@ class GraphOptimizer:
                 self.report.skipped.append(SkipRecord(pass_name=graph_pass.name, location="(whole graph)",
                                                       reason=f"the pass raised; skipped: {error}", graph=ctx.graph_name))
                 continue
+            finally:  # per pass: a pass that measures kernels on the GPU shows its share of the set-up here
+                self.report.add_time(f"pass {graph_pass.name}", time.perf_counter() - started)
             current = trial
             results.append((graph_pass, result))
         return current, results
