@@ -223,6 +223,30 @@ def test_block_diagonal_mask_is_block_sparse_with_its_density(forced_flex):
     _check_equal(module, rewritten, _qkv(512, batch=1))
 
 
+class BlockDiagonalBuffer(nn.Module):
+    """A document (block-diagonal) mask held in a buffer, as models that pack sequences keep it."""
+
+    def __init__(self, n: int = 512):
+        super().__init__()
+        block = torch.arange(n) // 128
+        self.register_buffer("allowed", block[:, None] == block[None, :])
+
+    def forward(self, q, k, v):
+        return torch.softmax((q @ k.mT * 0.25).masked_fill(~self.allowed, NEG), -1) @ v
+
+
+def test_block_mask_in_a_buffer_edited_after_optimize_is_honoured(forced_flex):
+    torch.manual_seed(0)
+    module = BlockDiagonalBuffer()
+    inputs = _qkv(512, batch=1)
+    model = optimize(twin(module), example_inputs=inputs, compile=False)
+    assert "block-sparse mask" in report_of(model).rewrites[0].replacement, report_of(model).rewrites
+    assert rel_err(model(*inputs), module(*inputs)) < 1e-5
+    for m in (model, module):  # the same in-place edit on both: another block now attended
+        m.allowed[256:384, :128] = True
+    assert rel_err(model(*inputs), module(*inputs)) < 1e-5  # a stale plan would miss 128 keys in 128 rows
+
+
 # --------------------------------------------------------------------------------------------------
 # what stays dense
 # --------------------------------------------------------------------------------------------------
