@@ -226,21 +226,26 @@ def test_block_diagonal_mask_is_block_sparse_with_its_density(forced_flex):
 class BlockDiagonalBuffer(nn.Module):
     """A document (block-diagonal) mask held in a buffer, as models that pack sequences keep it."""
 
-    def __init__(self, n: int = 512):
+    def __init__(self, sdpa: bool, n: int = 512):
         super().__init__()
         block = torch.arange(n) // 128
         self.register_buffer("allowed", block[:, None] == block[None, :])
+        self.sdpa = sdpa
 
     def forward(self, q, k, v):
+        if self.sdpa:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed, scale=0.25)
         return torch.softmax((q @ k.mT * 0.25).masked_fill(~self.allowed, NEG), -1) @ v
 
 
-def test_block_mask_in_a_buffer_edited_after_optimize_is_honoured(forced_flex):
+@pytest.mark.parametrize("sdpa", [False, True], ids=["hand-written", "sdpa-call"])
+def test_block_mask_in_a_buffer_edited_after_optimize_is_honoured(forced_flex, sdpa):
     torch.manual_seed(0)
-    module = BlockDiagonalBuffer()
+    module = BlockDiagonalBuffer(sdpa)
     inputs = _qkv(512, batch=1)
     model = optimize(twin(module), example_inputs=inputs, compile=False)
-    assert "block-sparse mask" in report_of(model).rewrites[0].replacement, report_of(model).rewrites
+    [line] = [r.replacement for r in report_of(model).rewrites if r.pass_name == "attention"]
+    assert "block-sparse mask" in line and ("SDPA call" in line) == sdpa, line
     assert rel_err(model(*inputs), module(*inputs)) < 1e-5
     for m in (model, module):  # the same in-place edit on both: another block now attended
         m.allowed[256:384, :128] = True
