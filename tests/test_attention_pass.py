@@ -174,11 +174,12 @@ class T5Like(nn.Module):
         self.bias = nn.Embedding(2 * buckets, H)
         self.buckets = buckets
 
+    def position_bias(self, q, k):
+        relative = torch.arange(k.shape[-2])[None, :] - torch.arange(q.shape[-2])[:, None]
+        return self.bias(relative.clamp(-self.buckets, self.buckets - 1) + self.buckets).permute(2, 0, 1)[None]
+
     def forward(self, q, k, v):
-        lq, lk = q.shape[-2], k.shape[-2]
-        relative = torch.arange(lk)[None, :] - torch.arange(lq)[:, None]
-        bias = self.bias(relative.clamp(-self.buckets, self.buckets - 1) + self.buckets).permute(2, 0, 1)[None]
-        scores = torch.matmul(q, k.transpose(3, 2)) + bias
+        scores = torch.matmul(q, k.transpose(3, 2)) + self.position_bias(q, k)
         return torch.matmul(scores.softmax(-1), v)
 
 

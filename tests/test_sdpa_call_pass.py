@@ -18,7 +18,7 @@ from kernel_pytorch.hardware import HardwareInfo
 
 from . import sdpa_models
 from .conftest import rel_err, twin
-from .test_attention_pass import B, E, H, L, Rewritten, _qkv, _with_keep, check, kwargs_of, repeat_kv
+from .test_attention_pass import B, E, L, Rewritten, T5Like, _qkv, _with_keep, check, kwargs_of, repeat_kv
 
 # --------------------------------------------------------------------------------------------------
 # spellings of the call
@@ -113,18 +113,14 @@ class CrossAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, scale=0.5)
 
 
-class PositionBias(nn.Module):
+class PositionBias(T5Like):
     """T5 through SDPA: unscaled, a trainable relative position bias (one per head) as the additive mask."""
 
     def __init__(self, buckets: int = 8):
-        super().__init__()
-        self.bias = nn.Embedding(2 * buckets, H)
-        self.buckets = buckets
+        super().__init__(buckets)
 
     def forward(self, q, k, v):
-        relative = torch.arange(k.shape[-2])[None, :] - torch.arange(q.shape[-2])[:, None]
-        bias = self.bias(relative.clamp(-self.buckets, self.buckets - 1) + self.buckets).permute(2, 0, 1)[None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.position_bias(q, k), scale=1.0)
 
 
 def _gqa_inputs():
