@@ -24,7 +24,8 @@ Providers, each on a fresh model from the same seed, greedy decoding:
    static cache, argmax) compiled with ``torch.compile(mode="reduce-overhead", fullgraph=True)`` and called in
    a Python loop;
 4. ``optimize``: ``model = kernel_pytorch.optimize(model)``, then the unchanged call of 1. The lines of
-   ``report_of(model).to_dict()`` that mention generation are recorded.
+   ``report_of(model).to_dict()`` that mention generation are recorded, with the decode passes' decisions (each once,
+   counted).
 
 Per (model, provider): ``warmup_s`` = setup (optimize's call; nothing for the others) + the first generate
 call (batch 1, prompt 512, 256 new tokens), where the compiling happens (a tiny model's generate runs once
@@ -344,6 +345,20 @@ def generation_lines(report: dict) -> list[str]:
     return lines[:40]
 
 
+_DECODE_PASSES = ("decode_attention", "decode_linear")
+
+
+def decode_kernel_lines(report: dict) -> list[str]:
+    """What the decode passes did, each distinct line once with its count (one per layer and graph otherwise)."""
+    counts: dict[str, int] = {}
+    for kind, text_key in (("rewrites", "replacement"), ("skipped", "reason")):
+        for record in report.get(kind, []):
+            if record.get("pass_name") in _DECODE_PASSES:
+                line = f"{record['pass_name']} {'skip' if kind == 'skipped' else 'rewrite'}: {record.get(text_key)}"
+                counts[line] = counts.get(line, 0) + 1
+    return [f"{count} x {line}" for line, count in counts.items()]
+
+
 # ----------------------------------------------------------------------------------------- measurements
 
 def copy_bandwidth(s: Setup) -> dict:
@@ -560,7 +575,8 @@ def _report_lines(model: nn.Module) -> list[str]:
     try:
         import kernel_pytorch
 
-        return generation_lines(kernel_pytorch.report_of(model).to_dict())
+        report = kernel_pytorch.report_of(model).to_dict()
+        return generation_lines(report) + decode_kernel_lines(report)
     except Exception as error:  # not optimized (optimize raised before returning)
         return [f"no report: {first_line(error)}"]
 

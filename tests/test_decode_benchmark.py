@@ -147,3 +147,12 @@ def test_generation_lines_of_a_report():
     assert decode.generation_lines(report) == ["notes: generation: lane of 1 sequences",
                                                "rewrites: pass_name=generation; location=model; replacement=static loop"]
     assert decode.generation_lines({"notes": []}) == []
+
+
+def test_decode_kernel_lines_count_each_decision_once():
+    rewrite = {"pass_name": "decode_linear", "replacement": "q_proj + k_proj + v_proj (1 rows) -> grouped_linear"}
+    report = {"rewrites": [rewrite, dict(rewrite), {"pass_name": "norms", "replacement": "RMSNorm"}],
+              "skipped": [{"pass_name": "decode_attention", "reason": "SDPA kept, faster here"}]}
+    assert decode.decode_kernel_lines(report) == [
+        "2 x decode_linear rewrite: q_proj + k_proj + v_proj (1 rows) -> grouped_linear",
+        "1 x decode_attention skip: SDPA kept, faster here"]
