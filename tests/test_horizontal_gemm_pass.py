@@ -18,6 +18,7 @@ from kernel_pytorch.passes import PassContext, PassManager, get_pass
 from kernel_pytorch.passes.horizontal_gemm import (
     MACHINE_BALANCE,
     MAX_COPY_SHARE,
+    modified_in_place,
     weight_copy_share,
 )
 from kernel_pytorch.testing import (
@@ -469,3 +470,28 @@ def test_cost_model_numbers_of_the_docstring():
     assert weight_copy_share(8192, 2, balance, training=False) == pytest.approx(0.063, abs=5e-4)
     assert weight_copy_share(8192, 2, balance, training=True) == pytest.approx(0.021, abs=5e-4)
     assert weight_copy_share(128, 2, balance, training=False) > 4  # batch 1 x 128: never pays
+
+
+def _linear_and_view() -> tuple[torch.fx.Graph, torch.fx.Node, torch.fx.Node, torch.fx.Node, torch.fx.Node]:
+    graph = torch.fx.Graph()
+    x, cache = graph.placeholder("x"), graph.placeholder("cache")
+    linear = graph.call_function(F.linear, (x, cache))
+    return graph, x, cache, linear, graph.call_method("view", (linear, 2, 2))
+
+
+def test_an_output_read_by_an_in_place_op_is_not_modified_in_place():
+    graph, x, cache, linear, view = _linear_and_view()
+    graph.call_method("index_copy_", (cache, 0, x, view))  # a StaticCache update: the projection is the source
+    assert not modified_in_place(linear)
+
+
+@pytest.mark.parametrize("write", ["method", "foreach", "out"])
+def test_an_output_written_in_place_through_a_view_is_modified(write):
+    graph, x, cache, linear, view = _linear_and_view()
+    if write == "method":
+        graph.call_method("add_", (view, x))
+    elif write == "foreach":
+        graph.call_function(torch._foreach_add_, ([view], [x]))
+    else:
+        graph.call_function(torch.add, (x, x), {"out": view})
+    assert modified_in_place(linear)

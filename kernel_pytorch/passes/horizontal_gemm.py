@@ -160,7 +160,7 @@ def modified_in_place(node: Node) -> bool:
     while pending:
         current = pending.pop()
         for user in current.users:
-            if writes_in_place(user) and _written_operand(user) in (current, None):
+            if writes_in_place(user) and _may_write(user, current):
                 return True
             if user not in seen and (is_view(user)):
                 seen.add(user)
@@ -168,13 +168,15 @@ def modified_in_place(node: Node) -> bool:
     return False
 
 
-def _written_operand(op: Node) -> Node | None:
-    """The tensor an in-place op writes: ``out=``, else its first argument; None when unknown (a module call)."""
+def _may_write(op: Node, tensor: Node) -> bool:
+    """Whether in-place ``op`` may write ``tensor``: it is the ``out=`` or first argument (or in a list there, as for
+    the ``_foreach_*_`` ops); a module call may write anything."""
     if op.op == "call_module":
-        return None
-    if "out" in op.kwargs:
-        return op.kwargs["out"]
-    return op.args[0] if op.args else None
+        return True
+    written = op.kwargs["out"] if "out" in op.kwargs else (op.args[0] if op.args else None)
+    if isinstance(written, (list, tuple)):
+        return tensor in written
+    return written is tensor
 
 
 def _partition(members: list[_Linear]) -> tuple[list[list[_Linear]], list[tuple[_Linear, str]]]:
