@@ -39,6 +39,9 @@ def test_decode_steps_of_transformers_models_take_the_decode_op(family):
     assert len(rewrites) == model.config.num_hidden_layers, rewrites
     assert len({r.graph for r in rewrites}) == 1
     assert all("-> decode_attention" in r.replacement for r in rewrites)
+    # the cache as it is (repeat_kv read through): 2 cache heads for 4 query heads in the GQA families
+    kv_heads = model.config.num_key_value_heads if family != "gpt2" else model.config.n_head
+    assert all(f", {kv_heads}, 256, 16) cache, 4 query heads" in r.replacement for r in rewrites), rewrites
 
 
 class CachedAttention(nn.Module):

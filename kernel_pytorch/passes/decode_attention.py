@@ -13,10 +13,10 @@ SDPA's kernels are built for many query tokens: the decode op reads the cache on
 split over the GPU's SMs, and skips blocks the mask hides (the unfilled tail of a static cache).
 
 Matched: a (normalized) SDPA call whose query has one token (size 1 at the capture, as Dynamo specializes
-it), in an inference graph, with no dropout and ``is_causal=False`` (with one query token, SDPA's top-left
-causal mask would hide every key but the first: not a decode step), a constant ``scale`` or none, a mask
-that is absent, bool or floating, and K/V that are either the cache itself (MHA, or ``enable_gqa``) or its
-``repeat_kv`` expansion (``x[:, :, None].expand(...).reshape(...)``), which the rewrite reads through.
+it), in an inference graph, read by the attention pass's own SDPA matcher (:func:`sdpa_match.match_sdpa_call`:
+constant ``scale``, ``dropout_p`` and ``is_causal``, the mask as one term, K/V repeated per head by
+``repeat_kv`` or ``repeat_interleave`` read through to the cache), with no dropout and ``is_causal=False``
+(with one query token, SDPA's top-left causal mask would hide every key but the first: not a decode step).
 
 Decided by measurement on CUDA: the decode op against the SDPA call as captured (its ``repeat_kv``
 included), both timed as CUDA-graph replays at the capture's sizes with every position attended (the
@@ -27,7 +27,6 @@ op runs PyTorch's SDPA with ``enable_gqa`` on the unexpanded cache (no copy), so
 from __future__ import annotations
 
 import functools
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,10 +36,11 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from kernel_pytorch.ops import decode_attention as decode_ops
+from kernel_pytorch.passes.attention_match import NotAttention
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, candidates
 from kernel_pytorch.passes.graph_utils import erase_unused, set_example_value
-from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
+from kernel_pytorch.passes.sdpa_match import is_sdpa_call, match_sdpa_call
 from kernel_pytorch.passes.shape_constants import example_value
 
 __all__ = ["DecodeAttentionPass", "DecodeCall"]
@@ -63,43 +63,25 @@ def _hint(size: Any) -> int:
     return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
 
 
-def _unexpanded(node: Any) -> tuple[Any, tuple[Node, ...]]:
-    """The cache under ``repeat_kv`` (``x[:, :, None].expand(B, H, G, L, D).reshape(B, H*G, L, D)``), with the
-    expansion's nodes; ``node`` itself when it is not one."""
-    if not (isinstance(node, Node) and node.op == "call_method" and node.target == "reshape"):
-        return node, ()
-    expand = node.args[0]
-    if not (isinstance(expand, Node) and expand.op == "call_method" and expand.target == "expand"):
-        return node, ()
-    index = expand.args[0]
-    if not (is_call(index, operator.getitem) and _is_head_unsqueeze(index.args[1])):
-        return node, ()
-    return index.args[0], (node, expand, index)
-
-
-def _is_head_unsqueeze(key: Any) -> bool:
-    """``[:, :, None, :, :]`` or ``[:, :, None]``: a new axis after the batch and head axes."""
-    if not isinstance(key, tuple) or len(key) < 3 or key[2] is not None:
-        return False
-    return all(part == slice(None) for part in key[:2] + key[3:])
-
-
 def _match(node: Node, ctx: PassContext) -> DecodeCall | str | None:
-    if not is_call(node, F.scaled_dot_product_attention) or len(node.args) < 6:
+    """The SDPA call as :mod:`sdpa_match` reads it (constants, mask term, ``repeat_kv`` undone), if it is a
+    decode step's."""
+    if not is_sdpa_call(node):
         return None
-    q, k_rep, v_rep, mask, dropout_p, is_causal = node.args[:6]
-    q_value = example_value(q)
+    q_value = example_value(node.args[0])
     if not isinstance(q_value, torch.Tensor) or q_value.dim() != 4 or q_value.shape[2] != 1:
         return None  # not one query token: the attention pass's case
     if ctx.training or q_value.requires_grad:
         return "a training graph (the decode kernel has no backward)"
-    if dropout_p != 0.0 or is_causal is not False:
-        return f"dropout_p={dropout_p}, is_causal={is_causal} (a decode step has neither)"
-    scale = node.kwargs.get("scale")
-    if scale is not None and not isinstance(scale, (int, float)):
-        return "the scale is not a constant (a value computed in the graph)"
-    (k, k_nodes), (v, v_nodes) = _unexpanded(k_rep), _unexpanded(v_rep)
-    return _checked_call(q, k, v, mask, scale, k_nodes + v_nodes, q_value)
+    try:
+        match = match_sdpa_call(node)
+    except NotAttention as reason:
+        return str(reason)
+    if match.dropout_p or match.is_causal:
+        return f"dropout_p={match.dropout_p}, is_causal={match.is_causal} (a decode step has neither)"
+    mask = match.terms[0].node if match.terms else None
+    repeats = tuple(n for n in match.removable if n is not node)
+    return _checked_call(match.q.node, match.k.node, match.v.node, mask, match.scale, repeats, q_value)
 
 
 def _checked_call(q, k, v, mask, scale, expansions, q_value) -> DecodeCall | str:
