@@ -30,9 +30,9 @@ from torch.fx import Node
 
 from kernel_pytorch.ops import decode_linear as gemv
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
-from kernel_pytorch.passes.graph_utils import blocks_reordering, erase_unused, gemm_rows, module_path_of
-from kernel_pytorch.passes.horizontal_gemm import NodeBuilder, modified_in_place, replace_by_part
-from kernel_pytorch.passes.normalize import is_call
+from kernel_pytorch.passes.graph_utils import erase_unused, gemm_rows, module_path_of
+from kernel_pytorch.passes.horizontal_gemm import (NodeBuilder, linears_by_input, modified_in_place,
+                                                  reordering_barrier, replace_by_part)
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import example_value
 
@@ -67,22 +67,17 @@ def _linear_operands(node: Node) -> tuple[Node, Node | None] | None:
 def _groups(graph: torch.fx.Graph) -> list[list[Node]]:
     """Linears by input, in graph order, chunked into groups of at most MAX_WEIGHTS that agree on having a
     bias and have no in-place write or grad/autocast switch between them."""
-    by_input: dict[Node, list[Node]] = {}
-    for node in graph.nodes:
-        if is_call(node, F.linear) and isinstance(node.args[0], Node) and _rows(node.args[0]) is not None \
-                and _linear_operands(node) is not None:
-            by_input.setdefault(node.args[0], []).append(node)
-    position = {node: i for i, node in enumerate(graph.nodes)}
-    nodes = list(graph.nodes)
     groups = []
-    for linears in by_input.values():
+    for linears in linears_by_input(graph, min_linears=1).values():
         current: list[Node] = []
         for linear in linears:
+            if _rows(linear.args[0]) is None or _linear_operands(linear) is None:
+                continue
             if modified_in_place(linear):  # split's views may not be written: a group of its own
                 groups.append([linear])
                 continue
             if current and (len(current) == gemv.MAX_WEIGHTS or _has_bias(linear) != _has_bias(current[0])
-                            or any(blocks_reordering(n) for n in nodes[position[current[0]] + 1:position[linear]])):
+                            or reordering_barrier(graph, [current[0], linear]) is not None):
                 groups.append(current)
                 current = []
             current.append(linear)

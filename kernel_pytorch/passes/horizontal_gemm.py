@@ -75,7 +75,8 @@ from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import describe_node
 
-__all__ = ["MACHINE_BALANCE", "MAX_COPY_SHARE", "HorizontalGemmPass", "NodeBuilder", "modified_in_place", "replace_by_part", "weight_copy_share"]
+__all__ = ["MACHINE_BALANCE", "MAX_COPY_SHARE", "HorizontalGemmPass", "NodeBuilder", "linears_by_input", "modified_in_place", "reordering_barrier",
+           "replace_by_part", "weight_copy_share"]
 
 # The largest share of the fused GEMM's time the weight copy may take. The fusion's gain (fewer
 # launches, bigger GEMM tiles, x read once) is not modelled; 10% is a starting point, not a tuned optimum
@@ -106,6 +107,24 @@ class _Linear:
 
 
 # --------------------------------------------------------------------------------------------- matching
+
+def linears_by_input(graph: torch.fx.Graph, min_linears: int = 2) -> dict[Node, list[Node]]:
+    """Inputs read by at least ``min_linears`` linears, with those linears in graph order."""
+    found: dict[Node, list[Node]] = {}
+    for node in graph.nodes:
+        if is_call(node, F.linear) and node.args and isinstance(node.args[0], Node):
+            found.setdefault(node.args[0], []).append(node)
+    return {x: linears for x, linears in found.items() if len(linears) >= min_linears}
+
+
+def reordering_barrier(graph: torch.fx.Graph, nodes: list[Node]) -> Node | None:
+    """The first node between the earliest and the latest of ``nodes`` that no computation may move across (an
+    in-place write, a grad/autocast switch), or None."""
+    order = list(graph.nodes)
+    position = {n: i for i, n in enumerate(order)}
+    first, last = min(position[n] for n in nodes), max(position[n] for n in nodes)
+    return next((n for n in order[first + 1:last] if blocks_reordering(n)), None)
+
 
 def weight_copy_share(tokens: int, element_size: int, balance: float, training: bool) -> float:
     """The weight copy's time over the fused GEMM's (forward, plus backward in training): ``e·balance /
@@ -264,7 +283,7 @@ class HorizontalGemmPass(GraphPass):
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
-        for x, linears in self._linears_by_input(gm.graph).items():
+        for x, linears in linears_by_input(gm.graph).items():
             members = [found.match for found in candidates(linears, lambda linear: _member(linear, gm, ctx), result)]
             if len(members) == 1:
                 result.skip(members[0].path, "the only linear left to fuse with on this input")
@@ -275,15 +294,6 @@ class HorizontalGemmPass(GraphPass):
             for group in groups:
                 self._fuse_or_skip(gm, ctx, x, group, result)
         return result
-
-    @staticmethod
-    def _linears_by_input(graph: torch.fx.Graph) -> dict[Node, list[Node]]:
-        """Inputs read by two or more linears, with those linears in graph order."""
-        found: dict[Node, list[Node]] = {}
-        for node in graph.nodes:
-            if is_call(node, F.linear) and node.args and isinstance(node.args[0], Node):
-                found.setdefault(node.args[0], []).append(node)
-        return {x: linears for x, linears in found.items() if len(linears) > 1}
 
     def _fuse_or_skip(self, gm: torch.fx.GraphModule, ctx: PassContext, x: Node, group: list[_Linear],
                       result: PassResult) -> None:
@@ -317,10 +327,7 @@ class HorizontalGemmPass(GraphPass):
     @staticmethod
     def _blocked(graph: torch.fx.Graph, group: list[_Linear]) -> str | None:
         """Why the later linears may not be computed where the first one is, if they may not."""
-        nodes = list(graph.nodes)
-        position = {n: i for i, n in enumerate(nodes)}
-        first, last = min(position[m.node] for m in group), max(position[m.node] for m in group)
-        barrier = next((n for n in nodes[first + 1:last] if blocks_reordering(n)), None)
+        barrier = reordering_barrier(graph, [m.node for m in group])
         if barrier is not None:
             return f"{_describe(barrier)} lies between the linears (an in-place write or a grad/autocast switch)"
         return None
