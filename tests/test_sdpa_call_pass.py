@@ -19,6 +19,7 @@ from kernel_pytorch.hardware import HardwareInfo
 from . import sdpa_models
 from .conftest import rel_err, twin
 from .test_attention_pass import B, E, L, Rewritten, T5Like, _qkv, _with_keep, check, kwargs_of, repeat_kv
+from .test_attention_pass import BufferCausal as HandWrittenBufferCausal
 
 # --------------------------------------------------------------------------------------------------
 # spellings of the call
@@ -93,11 +94,7 @@ class PaddingAdditive(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, additive)
 
 
-class BufferCausal(nn.Module):
-    def __init__(self, n: int = L):
-        super().__init__()
-        self.register_buffer("allowed", torch.tril(torch.ones(n, n, dtype=torch.bool)))
-
+class BufferCausal(HandWrittenBufferCausal):
     def forward(self, q, k, v):
         n = q.shape[-2]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed[:n, :n])
