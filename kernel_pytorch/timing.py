@@ -17,6 +17,7 @@ timed per call, it lost everywhere, even where compiled it wins).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ import torch
 
 from kernel_pytorch.errors import first_line
 
-__all__ = ["fastest_cuda_ms", "fastest_cuda_graph_ms", "captured_calls", "median_cuda_ms", "Timings", "GRAPH_TIME", "PER_CALL"]
+__all__ = ["fastest_cuda_ms", "fastest_cuda_graph_ms", "captured_calls", "median_cuda_ms", "Timings", "GRAPH_TIME", "PER_CALL",
+           "measurement_compiles"]
 
 GRAPH_TIME = "GPU time (CUDA graph)"
 PER_CALL = "per call"
@@ -42,6 +44,23 @@ class Timings:
 
     def describe(self) -> str:
         return self.method if self.fallback is None else f"{self.method}, {self.fallback}"
+
+
+@contextlib.contextmanager
+def measurement_compiles():
+    """How a measurement inside ``optimize`` compiles (FlexAttention in the attention dispatch, the unfused
+    loss in the linear cross-entropy pass): wrap both the compile and the timed calls in it.
+
+    Dynamo's recompile limits (8 per code object by default) are lifted: one entry per problem would
+    otherwise push a model's later problems back to eager. And the backward is compiled with the forward:
+    the measurement runs inside the model's own capture, which holds Dynamo's compile lock, and on CUDA
+    autograd runs the backward on a device thread, whose lazy backward compile waits for that lock forever
+    (GPU runs: optimize hung in ``compile_fx_backward``, for a sliding window in training, then for the
+    LM head's loss).
+    """
+    with torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16), \
+            torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        yield
 
 
 def median_cuda_ms(fn: Callable[[], object], warmup: int = 2, runs: int = 7) -> float:

@@ -12,6 +12,7 @@ import torch
 from kernel_pytorch.attention import dispatch
 from kernel_pytorch.attention.dispatch import AttentionProblem, choose_kernel, eligible_kernels
 from kernel_pytorch.hardware import HardwareInfo
+from kernel_pytorch.timing import measurement_compiles
 
 H100 = HardwareInfo(vendor="nvidia", device_name="sim H100", compute_capability=(9, 0), cudnn_attention=True,
                     bf16=True, fp8=True, fp8_formats=("float8_e4m3fn", "float8_e5m2"), triton_usable=True)
@@ -238,13 +239,56 @@ def test_a_measurement_inside_a_capture_compiles_its_backward_up_front():
 
     compiled = torch.compile(lambda x: (x.sin() * 2).sum(), backend="inductor", dynamic=False)
     x = torch.randn(8, requires_grad=True)
-    with compile_lock, dispatch._measurement_compiles():
+    with compile_lock, measurement_compiles():
         loss = compiled(x)
         backward = threading.Thread(target=loss.backward, daemon=True)
         backward.start()
         backward.join(timeout=60)
     assert not backward.is_alive(), "the backward waited for the compile lock"
     assert torch.allclose(x.grad, 2 * x.detach().cos())
+
+
+def _padded_training_problem():
+    q, kv = torch.empty(2, 4, 64, 32), torch.empty(2, 2, 64, 32)
+    mask = torch.empty(2, 1, 64, 64, dtype=torch.bool)
+    return AttentionProblem.from_tensors(q, kv, kv, mask, is_causal=False, dropout_p=0.0, enable_gqa=True,
+                                         training=True)
+
+
+def test_a_kernel_with_wrong_gradients_under_a_padding_mask_is_passed_over(monkeypatch):
+    """As cuDNN's backward with a padding mask on torch 2.11 (H100): right outputs, wrong gradients, and
+    only where the mask hides keys. PyTorch's own dispatch ("sdpa") is judged too: it may pick that kernel."""
+    monkeypatch.setattr(dispatch, "fastest_cuda_ms", lambda fns: {k: (fn(), 1.0)[1] for k, fn in fns.items()})
+    real = dispatch._attention_fn
+
+    class WrongWhereMasked(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out, mask):
+            ctx.hides = bool((~mask).any())
+            return out.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return (grad * 3 if ctx.hides else grad), None
+
+    def wrong_backward(kernel):
+        def run(q, k, v, attn_mask, **kwargs):
+            return WrongWhereMasked.apply(real(kernel)(q, k, v, attn_mask, **kwargs), attn_mask)
+        return run if kernel == "sdpa" else real(kernel)
+
+    monkeypatch.setattr(dispatch, "_attention_fn", wrong_backward)
+    timings, failures = dispatch._measure(_padded_training_problem(), ["cpu_flash", "sdpa"])
+    assert set(timings) == {"cpu_flash"}, failures
+    assert len(failures) == 1 and failures[0].startswith("sdpa: differs from float32 by"), failures
+    assert "(gradients included)" in failures[0]
+
+
+def test_the_measurement_mask_hides_padding_but_never_a_whole_row():
+    inputs = dispatch._random_inputs(_padded_training_problem())
+    mask = inputs["mask"]
+    assert mask.shape == (2, 1, 64, 64) and mask[..., 0].all()
+    assert not mask[-1, ..., 32:].any() and mask[0, 0, -1].all()  # the last row: padding; the first: causal
+    assert inputs["grad_out"].shape == (2, 4, 64, 32)
 
 
 def test_a_kernel_that_fails_to_compile_is_passed_over_with_the_error(monkeypatch):

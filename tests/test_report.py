@@ -67,6 +67,22 @@ def test_compared_counts_counts_tensors_and_sees_bit_identity():
     assert compared_counts(_run(outputs={"['steps']": 4}), _run()) == (2, 2, False)
 
 
+def _loss_run(loss: float, logits: torch.Tensor) -> Run:
+    return Run({"['loss']": torch.tensor(loss), "['logits']": logits}, None)
+
+
+def test_a_float32_loss_of_a_bf16_model_is_judged_by_bf16_tolerance():
+    """transformers computes the ``labels=`` loss in float32 from bf16 logits: its rounding is bf16's."""
+    logits = torch.randn(4, 8).bfloat16()
+    moved = compare(_loss_run(2.0 * (1 + 1e-3), logits), _loss_run(2.0, logits), OptimizeConfig())
+    assert moved.ok and moved.tolerance == 2e-2, moved
+    wrong = compare(_loss_run(2.0 * 1.1, logits), _loss_run(2.0, logits), OptimizeConfig())
+    assert not wrong.ok and wrong.worst == "output ['loss']", wrong
+    all_float32 = compare(_loss_run(2.0 * (1 + 1e-3), logits.float()), _loss_run(2.0, logits.float()),
+                          OptimizeConfig())
+    assert not all_float32.ok and all_float32.tolerance == 1e-5, all_float32
+
+
 def test_compared_counts_a_gradient_counts_when_a_tensor_on_either_side():
     with_unused = _run(gradients={"unused": torch.zeros(3)})
     assert compared_counts(with_unused, _run()) == (2, 3, False)  # zeros against None: compared, not identical

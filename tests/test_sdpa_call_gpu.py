@@ -94,10 +94,13 @@ def test_mistral_sliding_window_sdpa_call_is_recognized_and_matches():
 
 
 def test_t5_sdpa_bias_trains_on_a_kernel_with_a_mask_gradient():
+    # float32: the relative bias's gradient sums many softmax gradients that nearly cancel, so in bf16 the
+    # unoptimized model's own bias gradient is mostly rounding (a GPU run: 0.94 relative error between two
+    # bf16 runs); the efficient kernel takes float32 and returns the bias gradient the same way.
     torch.manual_seed(0)
     config = transformers.T5Config(vocab_size=512, d_model=256, d_kv=64, d_ff=512, num_layers=2, num_decoder_layers=2,
                                    num_heads=4, dropout_rate=0.0)
-    model = transformers.T5Model(config).to(device="cuda", dtype=torch.bfloat16).train()
+    model = transformers.T5Model(config).to(device="cuda").train()
     reference = twin(model)
     inputs = {"input_ids": torch.randint(0, 512, (2, 256), device="cuda"),
               "decoder_input_ids": torch.randint(0, 512, (2, 128), device="cuda")}
@@ -105,11 +108,14 @@ def test_t5_sdpa_bias_trains_on_a_kernel_with_a_mask_gradient():
     lines = _attention_lines(model)
     assert len(lines) == 6 and all("scale 1.0" in line for line in lines), lines
     assert all(_kernel(line) in ("efficient", "sdpa") for line in lines), lines  # cuDNN returns no bias gradient
-    out, expected = model(**inputs).last_hidden_state, reference(**inputs).last_hidden_state
-    assert rel_err(out, expected) < 2e-2
-    out.float().square().mean().backward()
-    expected.float().square().mean().backward()
-    biases = [(name, p.grad, p_ref.grad) for (name, p), p_ref in zip(model.named_parameters(), reference.parameters())
-              if "relative_attention_bias" in name]
-    assert biases and all(rel_err(g, g_ref) < 4e-2 for _, g, g_ref in biases), \
-        [(name, rel_err(g, g_ref)) for name, g, g_ref in biases]
+    fresh = {name: torch.randint(0, 512, t.shape, device="cuda") for name, t in inputs.items()}
+    out, expected = model(**fresh).last_hidden_state, reference(**fresh).last_hidden_state
+    assert rel_err(out, expected) < 1e-3
+    seed = torch.randn_like(out)
+    (out * seed).sum().backward()
+    (expected * seed).sum().backward()
+    pairs = list(zip(model.named_parameters(), reference.parameters()))
+    every = rel_err(torch.cat([p.grad.flatten() for _, p in pairs]), torch.cat([r.grad.flatten() for _, r in pairs]))
+    assert every < 1e-3, every
+    biases = {name: rel_err(p.grad, r.grad) for (name, p), r in pairs if "relative_attention_bias" in name}
+    assert biases and all(e < 1e-2 for e in biases.values()), biases

@@ -30,7 +30,6 @@ such windows in the same results), measured at every length. The figures: ``docs
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Callable, Optional
 
@@ -49,7 +48,7 @@ from kernel_pytorch.attention.kernels.registry import (
 from kernel_pytorch.errors import first_line
 from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.ops.attention import attention
-from kernel_pytorch.timing import fastest_cuda_ms
+from kernel_pytorch.timing import fastest_cuda_ms, measurement_compiles
 
 __all__ = ["AttentionProblem", "choose_kernel", "eligible_kernels", "PREFERENCE", "MEASURED_ONLY",
            "SPARSE_MIN_LENGTH"]
@@ -117,7 +116,7 @@ def _choose(problem: AttentionProblem, hardware: HardwareInfo) -> tuple[str, str
         timings, failures = _measure(problem, eligible)
         passed_over = "; ".join(filter(None, [passed_over, *failures]))
         if not timings:
-            return "sdpa", f"no fused kernel ran correctly ({passed_over})"
+            return "sdpa", f"no kernel, PyTorch's dispatch included, matched float32 ({passed_over})"
         measured = ", ".join(f"{k} {t:.3f} ms" for k, t in sorted(timings.items(), key=lambda kv: kv[1]))
         eligible, reason = [min(timings, key=timings.get)], f"fastest measured ({measured})"
     return eligible[0], reason + (f"; passed over: {passed_over}" if passed_over else "")
@@ -144,7 +143,7 @@ def _measure(problem: AttentionProblem, kernels: list[str]) -> tuple[dict[str, f
     with unset_fake_temporarily(), torch.random.fork_rng(devices=rng_devices), \
             torch.set_grad_enabled(problem.training):
         inputs = _random_inputs(problem)
-        reference = _run(_attention_fn("sdpa"), inputs, "sdpa", problem, with_dropout=False)
+        reference = _float32_reference(inputs, problem)
         runnable, failures = {}, []
         for kernel in kernels:
             try:
@@ -152,12 +151,13 @@ def _measure(problem: AttentionProblem, kernels: list[str]) -> tuple[dict[str, f
                 # then one run as timed (with dropout, where the problem has it), so the timing cannot fail.
                 fn = _attention_fn(kernel)
                 timed = functools.partial(_run, fn, inputs, kernel, problem, with_dropout=True)
-                with _measurement_compiles():
+                with measurement_compiles():
                     result = _run(fn, inputs, kernel, problem, with_dropout=False)
                     timed()
                 error = _relative_error(result, reference)
                 if not error <= _NUMERICS_LIMIT.get(problem.dtype, 1e-4):
-                    failures.append(f"{kernel}: differs from math by {error:.1e}")
+                    failures.append(f"{kernel}: differs from float32 by {error:.1e}"
+                                    + (" (gradients included)" if problem.training else ""))
                     continue
                 runnable[kernel] = timed
             except Exception as error:  # noqa: BLE001 - a limit not modelled above, a failed compile, a
@@ -182,33 +182,57 @@ def _flex_for_measurement(q, k, v, attn_mask, **kwargs) -> torch.Tensor:
     return attention(q, k, v, attn_mask, **kwargs)
 
 
-@contextlib.contextmanager
-def _measurement_compiles():
-    """How a measurement inside ``optimize`` compiles (FlexAttention).
-
-    Dynamo's recompile limits (8 per code object by default) are lifted: one entry per attention problem
-    would otherwise push a model's later problems back to eager. And the backward is compiled with the
-    forward: the measurement runs inside the model's own capture, which holds Dynamo's compile lock, and
-    on CUDA autograd runs the backward on a device thread, whose lazy backward compile waited for that
-    lock forever (a GPU run, the sliding window in training: optimize hung in ``compile_fx_backward``).
-    """
-    with torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16), \
-            torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-        yield
-
-
 def _random_inputs(p: AttentionProblem) -> dict:
     def make(shape):
         return torch.randn(shape, device=p.device_type, dtype=p.dtype, requires_grad=p.training)
 
+    # A random gradient of the output: ones made every kernel's dq small and alike.
+    grad_out = torch.randn(*p.q_shape[:-1], p.v_shape[-1], device=p.device_type, dtype=p.dtype)
+    tensors = {"q": make(p.q_shape), "k": make(p.k_shape), "v": make(p.v_shape), "grad_out": grad_out}
     if p.sparsity is not None:
-        return {"q": make(p.q_shape), "k": make(p.k_shape), "v": make(p.v_shape), **_sparse_mask(p)}
+        return {**tensors, **_sparse_mask(p)}
     mask = None
     if p.mask == "bool":
-        mask = torch.ones(p.mask_shape, device=p.device_type, dtype=torch.bool)
+        mask = _padding_mask(p)
     elif p.mask == "additive":
         mask = torch.randn(p.mask_shape, device=p.device_type, dtype=p.dtype, requires_grad=p.mask_requires_grad)
-    return {"q": make(p.q_shape), "k": make(p.k_shape), "v": make(p.v_shape), "mask": mask}
+    return {**tensors, "mask": mask}
+
+
+def _padding_mask(p: AttentionProblem) -> torch.Tensor:
+    """A bool mask of the problem's shape that hides keys as real ones do: causal (bottom-right aligned), and
+    in the last batch row the second half of the keys (padding); every query keeps key 0. An all-True mask
+    hid a kernel's wrong gradients (cuDNN's backward with a padding mask, torch 2.11 on an H100)."""
+    lq, lk = p.mask_shape[-2], p.mask_shape[-1]
+    rows = torch.arange(lq, device=p.device_type)[:, None] + (lk - lq)
+    keys = torch.arange(lk, device=p.device_type)[None, :]
+    allowed = (keys <= rows).expand(p.mask_shape).clone()
+    if len(p.mask_shape) == 4 and p.mask_shape[0] > 1:
+        allowed[-1, ..., max(1, lk // 2):] = False
+    return allowed
+
+
+def _float32_reference(inputs: dict, p: AttentionProblem) -> torch.Tensor:
+    """What :func:`_run` returns, computed from float32 copies of the inputs by PyTorch's memory-efficient or
+    math kernel: the fused kernels in the problem's dtype are judged against it, PyTorch's own dispatch
+    ("sdpa") included, since that may pick a kernel whose gradients are wrong (cuDNN's backward with a
+    padding mask, torch 2.11 on an H100). K/V heads are repeated for GQA, which the efficient kernel lacks
+    (the math kernel would hold float32 scores per head: 17 GB at 16 heads and 16384 tokens)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (inputs[name].detach().float().requires_grad_(p.training) for name in ("q", "k", "v"))
+    mask = inputs["mask"]
+    if mask is not None and mask.is_floating_point():
+        mask = mask.detach().float().requires_grad_(mask.requires_grad)
+    groups = q.shape[-3] // k.shape[-3]
+    softcap = {} if p.softcap is None else {"softcap": p.softcap}
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        out = attention(q, k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3), mask,
+                        is_causal=p.is_causal, kernel="sdpa", **softcap)
+        if not p.training:
+            return out.detach()
+        grads = torch.autograd.grad(out, [q, k, v], inputs["grad_out"].float())
+    return torch.cat([out.detach().flatten(), *(g.flatten() for g in grads)])
 
 
 def _sparse_mask(p: AttentionProblem) -> dict:
@@ -237,7 +261,7 @@ def _run(attention_fn, inputs, kernel: str, p: AttentionProblem, *, with_dropout
                     dropout_p=0.1 if (p.dropout and with_dropout) else 0.0, is_causal=p.is_causal,
                     enable_gqa=p.enable_gqa, kernel=kernel, **pattern, **softcap)
     if p.training:
-        grads = torch.autograd.grad(out, [inputs["q"], inputs["k"], inputs["v"]], torch.ones_like(out))
+        grads = torch.autograd.grad(out, [inputs["q"], inputs["k"], inputs["v"]], inputs["grad_out"].to(out.dtype))
         return torch.cat([out.detach().flatten(), *(g.flatten() for g in grads)])
     return out.detach()
 

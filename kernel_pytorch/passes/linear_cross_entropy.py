@@ -56,7 +56,7 @@ from kernel_pytorch.passes.graph_utils import erase_unused, set_example_value
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import example_value
-from kernel_pytorch.timing import fastest_cuda_ms
+from kernel_pytorch.timing import fastest_cuda_ms, measurement_compiles
 
 __all__ = ["LinearCrossEntropyPass", "TIME_MARGIN", "MEASURED_TOKENS"]
 
@@ -319,7 +319,8 @@ def _timed_choice(match: _Loss, ctx: PassContext, tensors: dict[str, torch.Tenso
         steps[name] = _step(loss, tensors, ctx.training)
     tokens = next(t for t in tensors.values() if t is not None).shape[0]
     try:
-        ms = fastest_cuda_ms(steps)
+        with measurement_compiles():  # compiled on the first (warm-up) call
+            ms = fastest_cuda_ms(steps)
     except torch.cuda.OutOfMemoryError:  # the unfused loss is the one that needs the memory
         return True, f"measuring at {tokens} tokens ran out of GPU memory: taken for the memory"
     except Exception as error:  # a measurement that fails leaves the graph as it was, with the reason

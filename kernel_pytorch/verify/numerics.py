@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from kernel_pytorch.config import OptimizeConfig
 
 __all__ = ["Comparison", "Run", "relative_error", "compare", "compare_against_float32", "compared_counts",
-           "NoiseAwareCheck", "NOISE_FACTOR", "NOTHING_COMPARED", "LOW_PRECISION", "is_low_precision", "to_float32",
+           "NoiseAwareCheck", "NOISE_FACTOR", "computed_in", "NOTHING_COMPARED", "LOW_PRECISION", "is_low_precision", "to_float32",
            "float32_fits", "run_reference", "flatten_tensors", "call_arguments", "unless_out_of_memory"]
 
 # Below this RMS the reference counts as zero: errors are then measured against it, as absolute
@@ -147,8 +147,9 @@ def compare(actual: Run, expected: Run, config: OptimizeConfig) -> Comparison:
                   for k in expected.gradients]
     scale = {kind: max((_rms(e) for _, _, e, k in pairs if k == kind), default=0.0)
              for kind in ("outputs", "gradients")}
+    low = computed_in(expected, config)
     for name, a, e, kind in pairs:
-        comparison = _compare_leaf(name, a, e, kind, config, _RELATIVE_FLOOR * scale[kind])
+        comparison = _compare_leaf(name, a, e, kind, config, _RELATIVE_FLOOR * scale[kind], low)
         if _badness(comparison) > _badness(worst):
             worst = comparison
     return worst
@@ -224,14 +225,15 @@ def compare_against_float32(actual: Run, original: Run, float32: Run, config: Op
                    "gradients") for k in float32.gradients]
     scale = {kind: max((_rms(r) for *_, r, k in pairs if k == kind), default=0.0) for kind in ("outputs", "gradients")}
     worst = Comparison(True, NOTHING_COMPARED, 0.0, 1.0)
+    low = computed_in(original, config)
     for name, a, o, r, kind in pairs:
         floor = _RELATIVE_FLOOR * scale[kind]
         if not (isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and o.is_floating_point()):
-            comparison = _compare_leaf(name, a, o, kind, config, floor)  # exact or absent leaves: as before
+            comparison = _compare_leaf(name, a, o, kind, config, floor, low)  # exact or absent leaves: as before
         elif a is not None and not isinstance(a, torch.Tensor):
             comparison = Comparison(False, f"{name} (tensor vs {type(a).__name__})", math.inf, 0.0)
         else:
-            tolerance = config.tolerance_for(o.dtype)
+            tolerance = config.tolerance_for(_judged_as(o.dtype, low))
             own = relative_error(o, r, floor)
             error = relative_error(torch.zeros_like(r) if a is None else a, r, floor)
             limit = max(getattr(tolerance, kind) if tolerance is not None else 0.0, NOISE_FACTOR * own)
@@ -278,14 +280,32 @@ def _rms(value: Any) -> float:
     return float(finite.norm() / math.sqrt(max(finite.numel(), 1)))
 
 
-def _compare_leaf(name: str, a: Any, e: Any, kind: str, config: OptimizeConfig, rms_floor: float) -> Comparison:
+def computed_in(run: Run, config: OptimizeConfig) -> torch.dtype | None:
+    """The low precision ``run`` computed in (of its bfloat16/float16 leaves, the dtype with the looser
+    tolerance), or None. A float32 leaf of such a run is judged by that dtype's tolerance: transformers'
+    ``labels=`` loss is float32 but computed from bfloat16 logits, and a rewrite moved it by 1.3e-5 (a
+    GPU run), over float32's 1e-5 and far under bfloat16's 2e-2, which rolled back every optimization."""
+    present = {v.dtype for v in [*run.outputs.values(), *(run.gradients or {}).values()]
+               if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION}
+    tolerances = {dtype: config.tolerance_for(dtype) for dtype in present}
+    judged = [dtype for dtype, tolerance in tolerances.items() if tolerance is not None]
+    return max(judged, key=lambda dtype: tolerances[dtype].outputs, default=None)
+
+
+def _judged_as(dtype: torch.dtype, low: torch.dtype | None) -> torch.dtype:
+    """The dtype whose tolerance judges a leaf of ``dtype`` in a run computed in ``low``."""
+    return low if low is not None and dtype in (torch.float32, torch.float64) else dtype
+
+
+def _compare_leaf(name: str, a: Any, e: Any, kind: str, config: OptimizeConfig, rms_floor: float,
+                  low: torch.dtype | None = None) -> Comparison:
     if isinstance(e, torch.Tensor) or isinstance(a, torch.Tensor):
         if a is None or e is None:  # an unused input's gradient is None on one side: compare to zeros
             a = torch.zeros_like(e) if a is None else a
             e = torch.zeros_like(a) if e is None else e
         if not isinstance(a, torch.Tensor) or not isinstance(e, torch.Tensor):
             return Comparison(False, f"{name} (tensor vs {type(a).__name__})", math.inf, 0.0)
-        tolerance = config.tolerance_for(e.dtype)
+        tolerance = config.tolerance_for(_judged_as(e.dtype, low))
         limit = getattr(tolerance, kind) if tolerance is not None else 0.0
         error = relative_error(a, e, rms_floor)
         return Comparison(error <= limit, name, error, limit)
