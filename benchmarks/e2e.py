@@ -491,9 +491,18 @@ def summarize_report(report) -> dict:
                                      if r.pass_name == "fp8"} |
                                     {f"{r.location.split('.')[-1]}: kept: {r.reason}" for r in report.skipped
                                      if r.pass_name == "fp8"}),
+            "decisions": _decision_lines(report, ("attention", "linear_cross_entropy")),
             "verified": None if v is None else v.passed,
             "verification": report.verification_line(),
             "notes": report.notes, "timings_s": report.timings_s}
+
+
+def _decision_lines(report, passes: tuple[str, ...]) -> list[str]:
+    """Each distinct rewrite or skip line of ``passes`` once, with how many calls it covers (the repeated
+    blocks share their lines): which kernel each attention call got, whether the fused loss was taken."""
+    lines = collections.Counter([f"{r.pass_name}: {r.replacement}" for r in report.rewrites if r.pass_name in passes]
+                                + [f"{r.pass_name}: kept: {r.reason}" for r in report.skipped if r.pass_name in passes])
+    return [f"{line} (x{count})" for line, count in sorted(lines.items())]
 
 
 def apply_provider(provider: str, w: Workload, s: Setup, training: bool, result: dict) -> nn.Module:
