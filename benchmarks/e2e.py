@@ -86,6 +86,7 @@ import importlib.util
 import inspect
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -449,8 +450,13 @@ def step_flops(w: Workload, training: bool) -> float:
 # ---------------------------------------------------------------------------------------------- one case
 
 def _error(error: BaseException) -> str:
+    """The error's first line, and where in this library it was raised (the last three frames under
+    kernel_pytorch/ or benchmarks/): an out-of-memory error says nothing of which step allocated."""
     first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-    return f"{type(error).__name__}: {first}"
+    frames = [f"{frame.filename.rsplit('/', 2)[-1]}:{frame.lineno} {frame.name}"
+              for frame in traceback.extract_tb(error.__traceback__)
+              if "kernel_pytorch/" in frame.filename or "benchmarks/" in frame.filename]
+    return f"{type(error).__name__}: {first}" + (f" (at {' <- '.join(reversed(frames[-3:]))})" if frames else "")
 
 
 def _sync(s: Setup) -> None:
