@@ -4,6 +4,7 @@ skip and rollback rows repeated once per captured graph are grouped (the records
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from rich.console import Console
@@ -65,6 +66,25 @@ def test_compared_counts_counts_tensors_and_sees_bit_identity():
     assert compared_counts(_run(scale=1.0 + 1e-7), _run()) == (2, 2, False)
     assert compared_counts(_run(outputs={"['hidden']": torch.ones(4, dtype=torch.float64)}), _run())[2] is False
     assert compared_counts(_run(outputs={"['steps']": 4}), _run()) == (2, 2, False)
+
+
+def test_relative_error_over_slices_equals_the_whole_computation(monkeypatch):
+    from kernel_pytorch.verify import numerics
+
+    torch.manual_seed(0)
+    expected = torch.randn(3, 50, 7)
+    expected[0, 3, 1], expected[2, 10, 4] = float("inf"), float("nan")
+    actual = expected + 1e-3 * torch.randn_like(expected)
+    actual[0, 3, 1], actual[2, 10, 4] = float("inf"), float("nan")
+    finite = torch.isfinite(expected)
+    whole = float((actual[finite].double() - expected[finite].double()).norm() / expected[finite].double().norm())
+    rms = float(expected[finite].double().norm()) / math.sqrt(int(finite.sum()))
+    monkeypatch.setattr(numerics, "_SLICE", 64)  # 17 slices, the non-finite values in two of them
+    assert abs(numerics.relative_error(actual, expected) - whole) < 1e-12 * whole
+    assert abs(numerics._rms(expected) - rms) < 1e-12 * rms
+    moved = actual.clone()
+    moved[2, 10, 4] = 0.0  # a NaN that became a number
+    assert numerics.relative_error(moved, expected) == float("inf")
 
 
 def _loss_run(loss: float, logits: torch.Tensor) -> Run:
