@@ -58,8 +58,8 @@ class EndToEndCheck:
         if self.reference is None:
             return False
         gradients = self.wrt is not None
-        check = NoiseAwareCheck(self.reference,
-                                lambda: _float32_run(self.original, self.args, self.kwargs, gradients), config)
+        check = NoiseAwareCheck(self.reference, lambda: _float32_run(self.original, self.args, self.kwargs, gradients,
+                                                                     self.reference), config)
         _judge(model, optimized, check, self.no_gradients)
         return True
 
@@ -117,14 +117,16 @@ def _structure_copy(model: nn.Module) -> nn.Module | str:
         return f"the model could not be copied: {type(error).__name__}: {error}"
 
 
-def _float32_run(original: nn.Module | str | None, args: tuple, kwargs: dict, gradients: bool) -> Run | str:
+def _float32_run(original: nn.Module | str | None, args: tuple, kwargs: dict, gradients: bool,
+                 reference: Run) -> Run | str:
     """The original model, with its bfloat16/float16 parameters, buffers and inputs upcast to float32, run
-    as the reference runs were; or why not."""
+    as the reference runs were (``reference``: the low-precision run, whose outputs size the memory); or
+    why not."""
     if not isinstance(original, nn.Module):
         return original or "no copy of the original model was kept"
     tensors = [*original.parameters(), *original.buffers(), *(a for a in (*args, *kwargs.values())
                                                               if isinstance(a, torch.Tensor))]
-    reason = float32_fits(tensors, gradients)
+    reason = float32_fits(tensors, gradients, reference)
     if reason:
         return reason
     memo: dict[int, Any] = {}

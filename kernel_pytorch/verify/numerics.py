@@ -215,13 +215,19 @@ def to_float32(value: Any) -> Any:
     return value
 
 
-def float32_fits(tensors: Sequence[torch.Tensor], gradients: bool) -> str | None:
+def float32_fits(tensors: Sequence[torch.Tensor], gradients: bool, outputs: Run | None = None) -> str | None:
     """None if a float32 copy of the low-precision ``tensors`` (and their gradients) fits, twice over for
-    the activations of its run, in free CUDA memory; else why not. Always fits on the CPU."""
+    the activations of its run, in free CUDA memory; else why not. Always fits on the CPU. ``outputs`` (the
+    low-precision run's) add four float32 copies each: the outputs themselves, and with gradients the
+    projection's weights, the upcast and the product (:func:`_gradients`); at vocab 128256 and 16384 tokens
+    the logits alone are 8.4 GB in float32, and a referee sized by the parameters ran out of memory."""
     low = [t for t in tensors if isinstance(t, torch.Tensor) and t.dtype in LOW_PRECISION and t.is_cuda]
     if not low:
         return None
     needed = 2 * sum(t.numel() * 4 for t in low) * (2 if gradients else 1)
+    if outputs is not None:
+        needed += sum(v.numel() * 4 * (4 if gradients else 1) for v in outputs.outputs.values()
+                      if isinstance(v, torch.Tensor) and v.is_floating_point())
     device = low[0].device
     free = available_cuda_bytes(device)
     if free < needed:
@@ -397,5 +403,7 @@ def unless_out_of_memory(run: Callable[[], T]) -> T | None:
     try:
         return run()
     except torch.cuda.OutOfMemoryError:
+        ran_out = True  # the cache is emptied below, once the traceback no longer holds the run's tensors
+    if ran_out:
         torch.cuda.empty_cache()
-        return None
+    return None
