@@ -305,6 +305,9 @@ def render_memory(data: dict) -> list[str]:
     return out
 
 
+E2E_PARTS = ("train", "train_long", "inference")  # benchmarks/e2e.py's parts, in table order
+
+
 def render_e2e(data: dict) -> list[str]:
     intro = ("Median ms per training step (forward, loss, backward, fused AdamW) and per inference forward; "
              "'ready s': the provider's setup (optimize: capture, passes, compile, verification) plus its first "
@@ -312,19 +315,23 @@ def render_e2e(data: dict) -> list[str]:
     out = [intro]
     for name, entry in data.get("models", {}).items():
         info = entry.get("info", {})
-        out.append(f"{name}: {info.get('model', '?')}, {count(info.get('parameters'))} parameters, batch "
-                   f"{info.get('batch')} x {info.get('seq')}, {info.get('dtype', '?')}")
+        shape = (f"batch {info.get('batch')} x {info.get('seq')}" if "batch" in info
+                 else "batch x length per part")
+        out.append(f"{name}: {info.get('model', '?')}, {count(info.get('parameters'))} parameters, {shape}, "
+                   f"{info.get('dtype', '?')}")
         rows = []
-        for part in ("train", "inference"):
+        parts = [part for part in E2E_PARTS if part in entry]
+        for part in parts:
             for provider, r in entry.get(part, {}).get("providers", {}).items():
-                rows.append([part, provider, _ms_or_error(r), cell(r, "items_per_s", 0), cell(r, "tflops"),
+                label = f"{part} ({r['batch']} x {r['seq']})" if "batch" in r else part
+                rows.append([label, provider, _ms_or_error(r), cell(r, "items_per_s", 0), cell(r, "tflops"),
                              cell(r, "peak_gib", 2), cell(r, "speedup_vs_eager", 2), cell(r, "speedup_vs_compile", 2),
                              _ready_s(r), _rewrites(r.get("report")),
                              fmt((r.get("report") or {}).get("verified"))])
         unit = f"{info.get('unit', 'items')}/s"
         out.append(table(["part", "provider", "ms", unit, "TFLOP/s", "peak GiB", "vs eager", "vs torch.compile",
                           "ready s", "rewrites", "verified"], rows))
-        for part in ("train", "inference"):
+        for part in parts:
             out += _note(entry.get(part), f"{name} {part}")
     if data.get("targets"):
         out += ["Targets; miss ratio = value / target, > 1 is a miss by that factor:",
@@ -499,6 +506,7 @@ def _setting(setting: Any) -> str:
 # listed as missing (memory_quick.json is optional).
 SUITES: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "e2e.json": ("End to end", render_e2e),
+    "e2e_default_attention.json": ("End to end, default attention (issue 28)", render_e2e),
     "attention.json": ("Attention", render_attention),
     "kernels.json": ("Fused kernels", render_kernels),
     "fp8.json": ("FP8", render_fp8),
