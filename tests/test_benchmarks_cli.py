@@ -94,8 +94,8 @@ def test_missing_and_malformed_files_do_not_stop_the_others(tmp_path):
     markdown = render.render_all(tmp_path)
     assert "`benchmarks/results/kernels.json` could not be rendered: JSONDecodeError" in markdown
     assert "GPU-X" in _section(markdown, "Block fusion")
-    assert ("No results yet for: e2e.json, e2e_default_attention.json, attention.json, fp8.json, sparse_attention.json, "
-            "sparse_attention_topk.json, ring_attention.json, decode.json.") in markdown
+    assert ("No results yet for: e2e.json, e2e_default_attention.json, attention.json, fp8.json, "
+            "sparse_attention.json, sparse_attention_topk.json, ring_attention.json, decode.json.") in markdown
     headline = render.render_headline(tmp_path)
     assert "No headline results" in headline and "Llama-style training step (FileNotFoundError" in headline
 
