@@ -53,6 +53,8 @@ def test_gemma2_trains_on_flex_with_its_soft_cap_in_bf16():
     config = transformers.Gemma2Config(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                                        num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                                        max_position_embeddings=4096, sliding_window=512)
+    # eager: the attention that soft-caps (transformers 5.17 on a GPU defaults Gemma-2 to SDPA, which does not)
+    config._attn_implementation = "eager"
     model = transformers.Gemma2ForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).train()
     reference = twin(model)
     tokens = {"input_ids": torch.randint(0, 512, (2, 2048), device="cuda")}
