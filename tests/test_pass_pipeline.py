@@ -431,6 +431,36 @@ def test_a_bf16_rewrite_more_accurate_than_the_original_passes_against_a_float32
     assert rel_err(ours, theirs) > 1e-6, "and the plain check must really fail"
 
 
+def _gpu_too_small(monkeypatch, host_bytes):
+    """The end-to-end referee's sizing as on a GPU without room for a float32 copy, with ``host_bytes`` free on
+    the host (the graph checks keep their own sizing: on a CPU their referee always fits)."""
+    from kernel_pytorch.verify import referee
+
+    monkeypatch.setattr(referee, "float32_fits", lambda *a: "a float32 copy needs ~47.2 GiB, 0.1 GiB free on cuda:0")
+    monkeypatch.setattr(referee, "host_available_bytes", lambda: host_bytes)
+
+
+def test_the_end_to_end_referee_runs_on_the_host_when_the_gpu_lacks_the_memory(monkeypatch):
+    _gpu_too_small(monkeypatch, host_bytes=2**40)
+    model, _, x = _bf16_rope_like()
+    optimize(model, example_inputs=(x,), extra_passes=("test_fma_float32",), tolerances=_TINY_BF16)
+    report = report_of(model)
+    assert report.verification.passed and report.verification.rule == "float32 referee", report.verification
+    where = [n for n in report.notes if n.startswith("end-to-end check: the float32 referee ran on the CPU in")]
+    assert where and "47.2 GiB, 0.1 GiB free on cuda:0" in where[0], report.notes
+
+
+def test_without_room_on_the_gpu_or_the_host_the_check_says_so_and_judges_by_tolerance(monkeypatch):
+    _gpu_too_small(monkeypatch, host_bytes=0)
+    model, reference, x = _bf16_rope_like()
+    optimize(model, example_inputs=(x,), extra_passes=("test_fma_float32",), tolerances=_TINY_BF16)
+    report = report_of(model)
+    assert not report.verification.passed
+    assert any("no float32 referee" in n and "host memory available: 0.0 GiB" in n for n in report.notes), report.notes
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))  # everything rolled back
+
+
 def test_a_wrong_bf16_rewrite_is_still_rolled_back_against_the_float32_referee():
     model, reference, x = _bf16_rope_like()
     optimize(model, example_inputs=(x,), extra_passes=("test_fma_wrong",), tolerances=_TINY_BF16)

@@ -13,8 +13,8 @@ import torch
 import torch.fx
 
 from kernel_pytorch.passes.graph_utils import checkpointed_subgraphs, clone_graph_module
-from kernel_pytorch.verify.numerics import (LOW_PRECISION, Run, float32_fits, run_reference, to_float32,
-                                            unless_out_of_memory)
+from kernel_pytorch.verify.numerics import LOW_PRECISION, Run, run_reference, to_float32, unless_out_of_memory
+from kernel_pytorch.verify.referee import float32_fits
 
 __all__ = ["GraphInputs", "draws_random_numbers", "float32_graph", "without_dropout"]
 

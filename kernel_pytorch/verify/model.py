@@ -10,6 +10,7 @@ as it was found.
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import torch
@@ -18,8 +19,8 @@ from torch.utils import _pytree as pytree
 
 from kernel_pytorch.report import VerificationRecord
 from kernel_pytorch.verify.numerics import (LOW_PRECISION, NoiseAwareCheck, Run, call_arguments, compared_counts,
-                                            float32_fits, is_low_precision, run_reference, to_float32,
-                                            unless_out_of_memory)
+                                            is_low_precision, run_reference, unless_out_of_memory)
+from kernel_pytorch.verify.referee import referee_device
 
 __all__ = ["EndToEndCheck", "meta_device_reason"]
 
@@ -120,31 +121,45 @@ def _structure_copy(model: nn.Module) -> nn.Module | str:
 def _float32_run(original: nn.Module | str | None, args: tuple, kwargs: dict, gradients: bool,
                  reference: Run) -> Run | str:
     """The original model, with its bfloat16/float16 parameters, buffers and inputs upcast to float32, run
-    as the reference runs were (``reference``: the low-precision run, whose outputs size the memory); or
-    why not."""
+    as the reference runs were (``reference``: the low-precision run, whose outputs size the memory); on the
+    host when the GPU lacks the memory (:func:`~kernel_pytorch.verify.referee.referee_device`); or why not."""
     if not isinstance(original, nn.Module):
         return original or "no copy of the original model was kept"
     tensors = [*original.parameters(), *original.buffers(), *(a for a in (*args, *kwargs.values())
                                                               if isinstance(a, torch.Tensor))]
-    reason = float32_fits(tensors, gradients, reference)
-    if reason:
-        return reason
-    memo: dict[int, Any] = {}
-    for tensor in (*original.parameters(), *original.buffers()):
-        if tensor.dtype in LOW_PRECISION:
-            upcast = tensor.detach().float()
-            memo[id(tensor)] = nn.Parameter(upcast, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else upcast
-        else:
-            memo[id(tensor)] = tensor
+    device, why = referee_device(tensors, gradients, reference)
+    if why and device is None:
+        return why
+    started = time.perf_counter()
+    memo = {id(t): _referee_copy(t, device) for t in (*original.parameters(), *original.buffers())}
     try:
         fp32 = copy.deepcopy(original, memo=memo)
-        args32 = tuple(to_float32(a) for a in args)
-        kwargs32 = {k: to_float32(v) for k, v in kwargs.items()}
+        args32 = tuple(_referee_copy(a, device) for a in args)
+        kwargs32 = {k: _referee_copy(v, device) for k, v in kwargs.items()}
         wrt = _gradient_targets(fp32, args32, kwargs32) if gradients else None
         run = unless_out_of_memory(lambda: run_reference(fp32, args32, kwargs32, wrt))
     except Exception as error:  # the referee is optional: its failure leaves the plain verdict
         return f"it failed: {type(error).__name__}: {error}"
-    return "out of memory" if run is None else run
+    if run is None:
+        return "out of memory"
+    if device is not None:
+        run.where = f"on the CPU in {time.perf_counter() - started:.0f} s ({why})"
+    return run
+
+
+def _referee_copy(value: Any, device: torch.device | None) -> Any:
+    """``value`` for the float32 run: low-precision tensors upcast, tensors moved to ``device`` (None: kept
+    where they are), parameters still parameters."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    detached = value.detach()
+    copy_ = detached.float() if detached.dtype in LOW_PRECISION else detached
+    copy_ = copy_.to(device) if device is not None else copy_
+    if copy_ is detached:  # unchanged: the tensor itself (an integer buffer, a float32 parameter or input)
+        return value
+    if isinstance(value, nn.Parameter):
+        return nn.Parameter(copy_, value.requires_grad)
+    return copy_.requires_grad_(value.requires_grad)
 
 
 def _judge(model: nn.Module, optimized: Run, check: NoiseAwareCheck, no_gradients: str) -> None:
@@ -165,6 +180,8 @@ def _judge(model: nn.Module, optimized: Run, check: NoiseAwareCheck, no_gradient
                                              detail=comparison.describe())
     if check.unavailable:
         report.notes.append(f"end-to-end check judged by tolerance only, no float32 referee ({check.unavailable})")
+    elif check.referee_where:
+        report.notes.append(f"end-to-end check: the float32 referee ran {check.referee_where}")
     elif comparison.ok and comparison.rule != "tolerance":
         report.notes.append(f"end-to-end check passed against a float32 run of the original: {comparison.describe()}")
     if not comparison.ok:

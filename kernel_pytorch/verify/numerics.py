@@ -27,7 +27,7 @@ from kernel_pytorch.config import OptimizeConfig
 
 __all__ = ["Comparison", "Run", "relative_error", "compare", "compare_against_float32", "compared_counts",
            "NoiseAwareCheck", "NOISE_FACTOR", "computed_in", "NOTHING_COMPARED", "LOW_PRECISION", "is_low_precision", "to_float32",
-           "float32_fits", "run_reference", "flatten_tensors", "call_arguments", "unless_out_of_memory"]
+           "run_reference", "flatten_tensors", "call_arguments", "unless_out_of_memory"]
 
 # Below this RMS the reference counts as zero: errors are then measured against it, as absolute
 # errors, so that noise on an all-zero gradient (e.g. 1e-12 after reordering) does not fail.
@@ -99,6 +99,7 @@ class Run:
 
     outputs: dict[str, Any]
     gradients: dict[str, torch.Tensor | None] | None
+    where: str = ""  # a float32 referee run not made where the checked runs were: where, and why
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor, rms_floor: float = _RMS_FLOOR) -> float:
@@ -132,8 +133,8 @@ def _finite_slices(*tensors: torch.Tensor):
     """Aligned flat float64 slices of ``tensors`` (same shape), with where the last one is finite; no mask
     indexing (its index tensor would hold 3 int64 per value of a 3-D tensor: 47 GiB for such logits)."""
     flat = [t.reshape(-1) for t in tensors]
-    for start in range(0, flat[0].numel(), _SLICE):
-        parts = [t[start:start + _SLICE].to(torch.float64) for t in flat]
+    for start in range(0, flat[0].numel(), _SLICE):  # on the last tensor's device (a referee run on the CPU)
+        parts = [t[start:start + _SLICE].to(device=flat[-1].device, dtype=torch.float64) for t in flat]
         yield (*parts, torch.isfinite(parts[-1]))
 
 
@@ -215,28 +216,6 @@ def to_float32(value: Any) -> Any:
     return value
 
 
-def float32_fits(tensors: Sequence[torch.Tensor], gradients: bool, outputs: Run | None = None) -> str | None:
-    """None if a float32 copy of the low-precision ``tensors`` (and their gradients) fits, twice over for
-    the activations of its run, in free CUDA memory; else why not. Always fits on the CPU. ``outputs`` (the
-    low-precision run's) add four float32 copies each: the outputs themselves, and with gradients the
-    projection's weights, the upcast and the product (:func:`_gradients`); at vocab 128256 and 16384 tokens
-    the logits alone are 8.4 GB in float32, and a referee sized by the parameters ran out of memory."""
-    low = [t for t in tensors if isinstance(t, torch.Tensor) and t.dtype in LOW_PRECISION and t.is_cuda]
-    if not low:
-        return None
-    needed = 2 * sum(t.numel() * 4 for t in low) * (2 if gradients else 1)
-    if outputs is not None:
-        needed += sum(v.numel() * 4 * (4 if gradients else 1) for v in outputs.outputs.values()
-                      if isinstance(v, torch.Tensor) and v.is_floating_point())
-    device = low[0].device
-    # The driver's free memory, not counting the caching allocator's free blocks: counting them, the
-    # referee ran at vocab 128256 and the compile after it ran out of memory (H100).
-    free, _ = torch.cuda.mem_get_info(device)
-    if free < needed:
-        return f"a float32 copy needs ~{needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free on {device}"
-    return None
-
-
 def compare_against_float32(actual: Run, original: Run, float32: Run, config: OptimizeConfig) -> Comparison:
     """The worst leaf of ``actual`` judged against ``float32`` (a float32 run of the original): accepted when
     its error is at most ``max(tolerance, NOISE_FACTOR * error of original against float32)``."""
@@ -283,6 +262,11 @@ class NoiseAwareCheck:
     def unavailable(self) -> str | None:
         """Why no float32 referee could be had, once one was asked for."""
         return self._float32 if isinstance(self._float32, str) else None
+
+    @property
+    def referee_where(self) -> str:
+        """Where the float32 referee ran when not where the checked runs did ("" otherwise, or before one ran)."""
+        return self._float32.where if isinstance(self._float32, Run) else ""
 
     def __call__(self, actual: Run, config: OptimizeConfig | None = None) -> Comparison:
         """``config``: whose tolerances judge this run (default: the check's own)."""
