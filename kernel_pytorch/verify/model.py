@@ -153,13 +153,13 @@ def _referee_copy(value: Any, device: torch.device | None) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     detached = value.detach()
-    copy_ = detached.float() if detached.dtype in LOW_PRECISION else detached
-    copy_ = copy_.to(device) if device is not None else copy_
-    if copy_ is detached:  # unchanged: the tensor itself (an integer buffer, a float32 parameter or input)
+    moved = detached.float() if detached.dtype in LOW_PRECISION else detached
+    moved = moved.to(device) if device is not None else moved
+    if moved is detached:  # unchanged: the tensor itself (an integer buffer, a float32 parameter or input)
         return value
     if isinstance(value, nn.Parameter):
-        return nn.Parameter(copy_, value.requires_grad)
-    return copy_.requires_grad_(value.requires_grad)
+        return nn.Parameter(moved, value.requires_grad)
+    return moved.requires_grad_(value.requires_grad)
 
 
 def _judge(model: nn.Module, optimized: Run, check: NoiseAwareCheck, no_gradients: str) -> None:
