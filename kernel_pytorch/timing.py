@@ -26,8 +26,8 @@ import torch
 
 from kernel_pytorch.errors import first_line
 
-__all__ = ["fastest_cuda_ms", "fastest_cuda_graph_ms", "captured_calls", "median_cuda_ms", "Timings", "GRAPH_TIME", "PER_CALL",
-           "measurement_compiles"]
+__all__ = ["fastest_cuda_ms", "fastest_cuda_graph_ms", "captured_calls", "median_cuda_ms", "measurement_compiles",
+           "Timings", "GRAPH_TIME", "PER_CALL"]
 
 GRAPH_TIME = "GPU time (CUDA graph)"
 PER_CALL = "per call"

@@ -26,8 +26,8 @@ from torch.utils import _pytree as pytree
 from kernel_pytorch.config import OptimizeConfig
 
 __all__ = ["Comparison", "Run", "relative_error", "compare", "compare_against_float32", "compared_counts",
-           "NoiseAwareCheck", "NOISE_FACTOR", "computed_in", "NOTHING_COMPARED", "LOW_PRECISION", "is_low_precision", "to_float32",
-           "run_reference", "flatten_tensors", "call_arguments", "unless_out_of_memory"]
+           "NoiseAwareCheck", "NOISE_FACTOR", "computed_in", "NOTHING_COMPARED", "LOW_PRECISION", "is_low_precision",
+           "to_float32", "run_reference", "flatten_tensors", "call_arguments", "unless_out_of_memory"]
 
 # Below this RMS the reference counts as zero: errors are then measured against it, as absolute
 # errors, so that noise on an all-zero gradient (e.g. 1e-12 after reordering) does not fail.
@@ -113,8 +113,9 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor, rms_floor: floa
     difference = reference = 0.0
     count = 0
     for a, e, finite in _finite_slices(actual.detach(), expected.detach()):
-        if not torch.equal(finite, torch.isfinite(a)) or not torch.equal(a[~finite].nan_to_num(), e[~finite].nan_to_num()):
-            return math.inf  # NaN and inf must sit in the same places with the same values
+        hidden = ~finite  # NaN and inf must sit in the same places with the same values
+        if not torch.equal(finite, torch.isfinite(a)) or not torch.equal(a[hidden].nan_to_num(), e[hidden].nan_to_num()):
+            return math.inf
         a, e = torch.where(finite, a, 0.0), torch.where(finite, e, 0.0)
         difference += float(torch.linalg.vector_norm(a - e) ** 2)
         reference += float(torch.linalg.vector_norm(e) ** 2)
