@@ -53,7 +53,8 @@ Issue 28's set, models as users bring them (``--models`` names only these; its o
   5632, vocab 32000), its defaults otherwise (q/k norms, untied head), default attention (SDPA);
 - ``hf_gemma2``: ``Gemma2ForCausalLM`` of the same sizes (``query_pre_attn_scalar`` = head dim), its defaults
   otherwise: attention and final-logit soft-capping, sliding window 4096 on every other layer, tied head; its
-  default attention is ``eager`` (transformers' SDPA path cannot soft-cap);
+  default attention as transformers picks it: ``eager`` in 5.24 (its SDPA path cannot soft-cap), ``sdpa`` in
+  5.17 (the GPU image's), which then does not soft-cap the scores (each result's info records which);
 - ``hf_llama_vocab128k``: ``hf_llama_sdpa`` with Llama 3's vocabulary (128256), ``train`` only, at 8 x 2048
   (``--vocab-layers`` makes it shallower should it not fit). Providers ``torch.compile``, ``optimize`` and, when
   ``liger_kernel`` is importable, Liger-Kernel's fused linear cross-entropy (only that kernel, on the model
