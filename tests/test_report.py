@@ -87,6 +87,23 @@ def test_relative_error_over_slices_equals_the_whole_computation(monkeypatch):
     assert numerics.relative_error(moved, expected) == float("inf")
 
 
+def test_the_referee_goes_to_the_gpu_the_host_or_nowhere_by_the_memory_each_has(monkeypatch):
+    from kernel_pytorch.verify import referee
+
+    weight = torch.zeros(1024, dtype=torch.bfloat16)
+    outputs = Run({"['logits']": torch.zeros(256, dtype=torch.bfloat16)}, None)
+    # float32 weight and gradient, twice over (16 KiB), and 4 float32 copies of the logits (4 KiB)
+    assert referee.float32_bytes_needed([weight, torch.zeros(8)], True, outputs) == 16 * 1024 + 4 * 1024
+    monkeypatch.setattr(referee, "float32_fits", lambda *a: None)
+    assert referee.referee_device([weight], True, outputs) == (None, "")
+    monkeypatch.setattr(referee, "float32_fits", lambda *a: "a float32 copy needs ~1.0 GiB, 0.1 GiB free on cuda:0")
+    monkeypatch.setattr(referee, "host_available_bytes", lambda: 2**40)
+    assert referee.referee_device([weight], True, outputs) == (torch.device("cpu"), referee.float32_fits())
+    monkeypatch.setattr(referee, "host_available_bytes", lambda: 1024)
+    device, why = referee.referee_device([weight], True, outputs)
+    assert device is None and why.endswith("host memory available: 0.0 GiB"), why
+
+
 def _loss_run(loss: float, logits: torch.Tensor) -> Run:
     return Run({"['loss']": torch.tensor(loss), "['logits']": logits}, None)
 
