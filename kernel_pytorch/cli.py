@@ -49,6 +49,7 @@ _SUITE_HARDWARE = {
     "block_fusion": _CPU_SMOKE_RUN,
     "decode": _CPU_SMOKE_RUN,
     "diagnose_cudagraph_skip": _NEEDS_CUDA_GPU,
+    "diagnose_sdpa_gradients": _NEEDS_CUDA_GPU,
     "e2e": _CPU_SMOKE_RUN,
     "fp8": _NEEDS_FP8_GPU,
     "inspect_compiled_norm": _NEEDS_CUDA_GPU,

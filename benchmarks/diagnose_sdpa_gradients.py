@@ -1,0 +1,170 @@
+"""Which step of ``optimize`` leaves PyTorch's SDPA backward with a padding mask wrong in the same process?
+
+    python benchmarks/diagnose_sdpa_gradients.py [--variants none optimize ...] [--out DIR]
+
+On the H100 image (torch 2.11, cuDNN 9.19), after ``optimize`` of a small transformers Llama trained in bf16
+with a padding mask, a plain ``F.scaled_dot_product_attention`` backward with a bool mask (4 heads, head dim
+128, 256 tokens) returned gradients 1.4 off (relative), its forward right (docs/attention.md, "Open:
+gradients after optimize with a padding mask"). Each variant runs in a fresh process: a step (or nothing),
+then that plain call's output and gradients against float32 math. Variants:
+
+- ``none``: the check alone;
+- ``optimize``, ``optimize-no-verify``, ``optimize-attention-only``, ``optimize-no-attention``,
+  ``optimize-no-compile``: ``optimize`` with every pass, with verification off, with only the attention pass,
+  with every pass but attention, and uncompiled;
+- ``graph-bf16``, ``graph-float32``: the model's captured training graph, unrewritten, run inside the Dynamo
+  backend as the per-graph check runs it (``verify.graphs.GraphInputs``), in bf16 or as the float32 referee
+  (``float32_graph``);
+- ``model-float32``: the end-to-end referee's float32 copy of the model, forward and backward.
+
+Prints a line per variant and writes ``sdpa_gradients.json``; exit status 1 when a variant is wrong and
+``none`` is right.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = ("none", "optimize", "optimize-no-verify", "optimize-attention-only", "optimize-no-attention",
+            "optimize-no-compile", "graph-bf16", "graph-float32", "model-float32")
+_WRONG = 0.05  # relative error of the check's output or a gradient that counts as wrong (bf16 noise: ~3e-3)
+_BATCH, _LENGTH, _HEADS, _HEAD_DIM = 2, 256, 4, 128
+
+
+def _padding_mask() -> torch.Tensor:
+    """Causal, the last sequence padded after half its tokens: (B, 1, L, L) bool."""
+    position = torch.arange(_LENGTH, device="cuda")
+    keep = torch.ones(_BATCH, _LENGTH, dtype=torch.bool, device="cuda")
+    keep[-1, _LENGTH // 2:] = False
+    return ((position[:, None] >= position[None, :])[None] & keep[:, None, :])[:, None]
+
+
+def check_sdpa_gradients() -> list[float]:
+    """Relative errors of a bf16 SDPA call with the padding mask (output, dq, dk, dv) against float32 math."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mask = _padding_mask()
+    q, k, v = (torch.randn(_BATCH, _HEADS, _LENGTH, _HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    seed = torch.randn_like(q)
+    exact = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel([SDPBackend.MATH]):
+        expected = F.scaled_dot_product_attention(*exact, attn_mask=mask)
+        expected_grads = torch.autograd.grad(expected, exact, seed.float())
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    grads = torch.autograd.grad(out, (q, k, v), seed)
+    return [float((a.double() - b.double()).norm() / b.double().norm())
+            for a, b in zip((out, *grads), (expected, *expected_grads))]
+
+
+def _llama():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    model = transformers.LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).train()
+    ids = torch.randint(0, 512, (_BATCH, _LENGTH), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[-1, _LENGTH // 2:] = 0
+    return model, {"input_ids": ids, "attention_mask": mask}
+
+
+def _every_pass_but(kept: str) -> tuple[str, ...]:
+    from kernel_pytorch.backends.base import Backend
+
+    return tuple(name for name in Backend.graph_passes if name != kept)
+
+
+_OPTIMIZE_OPTIONS = {
+    "optimize": {},
+    "optimize-no-verify": {"verify": False},
+    "optimize-attention-only": {"disable_passes": _every_pass_but("attention")},
+    "optimize-no-attention": {"disable_passes": ("attention",)},
+    "optimize-no-compile": {"compile": False},
+}
+
+
+def _captured_graph_runs(model, inputs: dict, float32: bool) -> None:
+    """Capture the training graph and run it, unrewritten, inside the backend as the per-graph check does."""
+    from kernel_pytorch.verify.graphs import GraphInputs, float32_graph
+
+    def backend(gm, example_inputs):
+        graph_inputs = GraphInputs(gm, example_inputs, training=True)
+        if float32:
+            graph_inputs.run_float32(float32_graph(gm))
+        else:
+            graph_inputs.run(gm)
+        return gm
+
+    torch.compile(model, backend=backend, fullgraph=False)(**inputs)
+
+
+def _model_float32(model, inputs: dict) -> None:
+    reference = copy.deepcopy(model).float()
+    reference(**inputs).logits.float().square().mean().backward()
+
+
+def run_variant(variant: str) -> dict:
+    """The step of ``variant`` (module docstring), then the check; in this process."""
+    if variant != "none":
+        model, inputs = _llama()
+        if variant in _OPTIMIZE_OPTIONS:
+            from kernel_pytorch import optimize, report_of
+
+            optimize(model, example_inputs=inputs, **_OPTIMIZE_OPTIONS[variant])
+            rollbacks = [r.pass_name for r in report_of(model).rollbacks]
+        else:
+            rollbacks = None
+            if variant.startswith("graph-"):
+                _captured_graph_runs(model, inputs, float32=variant == "graph-float32")
+            else:
+                _model_float32(model, inputs)
+    errors = check_sdpa_gradients()
+    return {"variant": variant, "errors": errors, "wrong": max(errors) > _WRONG,
+            "rollbacks": rollbacks if variant != "none" else None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--one", choices=VARIANTS, help=argparse.SUPPRESS)  # a child process: one variant
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/diagnose_sdpa_gradients.py needs a CUDA GPU")
+    if args.one:
+        print(json.dumps(run_variant(args.one)))
+        return
+    results = []
+    for variant in args.variants:
+        child = subprocess.run([sys.executable, __file__, "--one", variant], capture_output=True, text=True)
+        lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
+        result = json.loads(lines[-1]) if lines else {"variant": variant, "error": child.stderr.strip()[-500:]}
+        results.append(result)
+        print(f"{variant:26s} " + ("error: " + result["error"] if "error" in result else
+                                   f"{'WRONG' if result['wrong'] else 'right'}  errors (out, dq, dk, dv) "
+                                   + " ".join(f"{e:.1e}" for e in result["errors"])
+                                   + f"  rollbacks {result['rollbacks']}"), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "cudnn": torch.backends.cudnn.version(), "results": results}
+    (args.out / "sdpa_gradients.json").write_text(json.dumps(payload, indent=1))
+    clean = next((r for r in results if r["variant"] == "none" and "errors" in r), None)
+    spoiled = [r["variant"] for r in results if r.get("wrong")]
+    sys.exit(1 if spoiled and clean is not None and not clean["wrong"] else 0)
+
+
+if __name__ == "__main__":
+    main()
