@@ -114,7 +114,8 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor, rms_floor: floa
     count = 0
     for a, e, finite in _finite_slices(actual.detach(), expected.detach()):
         hidden = ~finite  # NaN and inf must sit in the same places with the same values
-        if not torch.equal(finite, torch.isfinite(a)) or not torch.equal(a[hidden].nan_to_num(), e[hidden].nan_to_num()):
+        same_places = torch.equal(finite, torch.isfinite(a))
+        if not same_places or not torch.equal(a[hidden].nan_to_num(), e[hidden].nan_to_num()):
             return math.inf
         a, e = torch.where(finite, a, 0.0), torch.where(finite, e, 0.0)
         difference += float(torch.linalg.vector_norm(a - e) ** 2)
