@@ -221,8 +221,11 @@ class GraphOptimizer:
             return candidate, results
         def first_check() -> tuple[NoiseAwareCheck, Any]:
             reference = inputs.run(without_dropout(gm))
-            check = NoiseAwareCheck(reference, lambda: inputs.run_float32(float32_graph(without_dropout(gm))),
-                                    self.config)
+
+            def float32_run():  # the graph's float32 copy is made only if the referee is needed
+                return inputs.run_float32(float32_graph(without_dropout(gm)), reference)
+
+            check = NoiseAwareCheck(reference, float32_run, self.config)
             return check, check(inputs.run(without_dropout(candidate)), self._judged_by(results))
 
         # The original graph (hand-written attention's fp32 scores at long lengths) may not fit next to the

@@ -89,9 +89,10 @@ class GraphInputs:
         self.grad = training and torch.is_grad_enabled() and any(
             isinstance(v, torch.Tensor) and v.requires_grad for v in self.values)
 
-    def run_float32(self, gm: torch.fx.GraphModule) -> Run | str:
-        """``gm`` (see :func:`float32_graph`) on float32 copies of the bfloat16/float16 inputs, or why not."""
-        reason = float32_fits([v for v in self.values if isinstance(v, torch.Tensor)], self.grad)
+    def run_float32(self, gm: torch.fx.GraphModule, reference: Run | None = None) -> Run | str:
+        """``gm`` (see :func:`float32_graph`) on float32 copies of the bfloat16/float16 inputs, or why not
+        (``reference``: the low-precision run, whose outputs size the memory)."""
+        reason = float32_fits([v for v in self.values if isinstance(v, torch.Tensor)], self.grad, reference)
         if reason:
             return reason
         try:
