@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import transformers
 
 from kernel_pytorch import optimize, report_of
 from kernel_pytorch.attention.dispatch import choose_kernel
@@ -294,3 +295,58 @@ def test_transformers_default_attention_is_rewritten_and_matches(family, trainin
         (expected * seed).sum().backward()
     errors = _gradient_errors(model, reference)
     assert errors and not {name: e for name, e in errors.items() if not e < 1e-4}, errors
+
+
+# --------------------------------------------------------------------------------------------------
+# use_cache=False: transformers builds the causal mask through packed-sequence ids of the position ids
+# --------------------------------------------------------------------------------------------------
+
+def _without_cache(family: str) -> tuple[nn.Module, dict]:
+    """A decoder with use_cache=False (as for training): transformers then materializes a bool mask from
+    ``find_packed_sequence_indices(position_ids)`` (``diff``, ``cumsum``) instead of passing is_causal."""
+    config_classes = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}
+    model_classes = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}
+    config = config_classes[family](vocab_size=sdpa_models.VOCAB, hidden_size=64, intermediate_size=96,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=64, use_cache=False)
+    return model_classes[family](config), {"input_ids": torch.randint(0, sdpa_models.VOCAB, (2, 12))}
+
+
+def _assert_same_values_and_gradients(model: nn.Module, reference: nn.Module, inputs: dict) -> None:
+    out, expected = _first_output(model, inputs), _first_output(reference, inputs)
+    assert rel_err(out, expected) < 1e-5
+    seed = torch.randn_like(expected)
+    (out * seed).sum().backward()
+    (expected * seed).sum().backward()
+    errors = _gradient_errors(model, reference)
+    assert errors and not {name: e for name, e in errors.items() if not e < 1e-4}, errors
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_mask_built_from_position_ids_without_a_cache_becomes_is_causal(family):
+    """The positions are an arange inside the model: the packed-sequence ids are constants, the mask is causal
+    (measured on an H100, that mask had kept every SDPA call on a dense masked kernel)."""
+    torch.manual_seed(0)
+    model, inputs = _without_cache(family)
+    model.train()
+    reference = twin(model)
+    optimize(model, example_inputs=inputs)
+    lines = [r.replacement for r in report_of(model).rewrites if r.pass_name == "attention"]
+    assert len(lines) == 2 and all("causal" in line and "no mask" in line for line in lines), lines
+    _assert_same_values_and_gradients(model, reference, sdpa_models.fresh_inputs(inputs))
+
+
+def test_packed_sequences_given_as_position_ids_keep_their_mask():
+    """Position ids passed in (two sequences packed in each row) are an input: the block-diagonal causal mask
+    they make stays a tensor, and the packed rows match the original."""
+    torch.manual_seed(0)
+    model, inputs = _without_cache("llama")
+    model.train()
+    reference = twin(model)
+    inputs["position_ids"] = torch.cat([torch.arange(5), torch.arange(7)]).expand(2, 12).contiguous()
+    optimize(model, example_inputs=inputs)
+    lines = [r.replacement for r in report_of(model).rewrites if r.pass_name == "attention"]
+    assert lines and not any("causal" in line for line in lines), lines
+    fresh = {**sdpa_models.fresh_inputs({"input_ids": inputs["input_ids"]}),
+             "position_ids": torch.cat([torch.arange(8), torch.arange(4)]).expand(2, 12).contiguous()}
+    _assert_same_values_and_gradients(model, reference, fresh)

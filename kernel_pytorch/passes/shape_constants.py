@@ -111,13 +111,15 @@ _PURE_FUNCTIONS = {
     torch.bitwise_and, torch.bitwise_or, torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge,
     torch.abs, torch.neg, torch.sqrt, torch.rsqrt, torch.exp, torch.log, torch.minimum, torch.maximum,
     torch.clamp, torch.add, torch.sub, torch.mul, torch.div, torch.sign, torch.reciprocal,
+    # transformers' packed-sequence ids from position ids (masking_utils.find_packed_sequence_indices)
+    torch.diff, torch.cumsum,
 }
 _PURE_METHODS = {
     "to", "view", "reshape", "expand", "expand_as", "contiguous", "clone", "bool", "int", "long", "float",
     "half", "bfloat16", "double", "type_as", "masked_fill", "triu", "tril", "unsqueeze", "squeeze",
     "transpose", "permute", "flip", "logical_not", "logical_and", "logical_or", "eq", "ne", "lt", "le", "gt",
     "ge", "__and__", "__or__", "__invert__", "__xor__", "add", "sub", "mul", "div", "neg", "abs", "sqrt",
-    "rsqrt", "exp", "flatten", "repeat", "new_ones", "new_zeros", "new_full",
+    "rsqrt", "exp", "flatten", "repeat", "new_ones", "new_zeros", "new_full", "diff", "cumsum",
 }
 _META_ONLY_ARGUMENT_METHODS = {"expand_as", "type_as"}  # their second argument is read for shape/dtype
 
