@@ -45,6 +45,14 @@ class Timings:
     def describe(self) -> str:
         return self.method if self.fallback is None else f"{self.method}, {self.fallback}"
 
+    def faster(self, candidate: str, incumbent: str) -> bool:
+        """Whether ``candidate`` measured faster than ``incumbent`` (one that was not timed never wins)."""
+        return self.ms.get(candidate, float("inf")) < self.ms.get(incumbent, float("inf"))
+
+    def in_microseconds(self) -> str:
+        """``"name 4.2 us, name 15.6 us"``, as the decode passes' report lines give them."""
+        return ", ".join(f"{name} {value * 1e3:.1f} us" for name, value in self.ms.items())
+
 
 @contextlib.contextmanager
 def measurement_compiles():

@@ -319,3 +319,16 @@ def test_bracketed_text_is_printed_as_written_not_read_as_markup():
     console.print(report)
     text = console.export_text()
     assert "attention[sdpa]: causal" in text and "kernel [flex] chosen" in text
+
+
+def test_unless_out_of_memory_returns_none_and_empties_the_cache_after_the_failed_run(monkeypatch):
+    from kernel_pytorch.verify import numerics
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+
+    def out_of_memory():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 46.97 GiB")
+
+    assert numerics.unless_out_of_memory(lambda: 3) == 3 and not emptied
+    assert numerics.unless_out_of_memory(out_of_memory) is None and emptied == [True]

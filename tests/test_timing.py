@@ -126,3 +126,10 @@ def test_gpu_graph_timer_falls_back_on_a_host_sync():
     x.add_(1)  # the GPU still works after the failed capture
     assert float(x.sum()) == 2048.0
     assert torch.randn(4, device=device).isfinite().all()  # and so does its random number generator
+
+
+def test_timings_say_which_candidate_won_and_in_microseconds():
+    timings = timing.Timings({"cuBLAS": 0.0156, "gemv": 0.0042}, timing.GRAPH_TIME)
+    assert timings.faster("gemv", "cuBLAS") and not timings.faster("cuBLAS", "gemv")
+    assert not timings.faster("untimed", "gemv") and timings.faster("gemv", "untimed")
+    assert timings.in_microseconds() == "cuBLAS 15.6 us, gemv 4.2 us"

@@ -232,7 +232,7 @@ def _float32_reference(inputs: dict, p: AttentionProblem) -> torch.Tensor:
         if not p.training:
             return out.detach()
         grads = torch.autograd.grad(out, [q, k, v], inputs["grad_out"].float())
-    return torch.cat([out.detach().flatten(), *(g.flatten() for g in grads)])
+    return _output_and_gradients(out, grads)
 
 
 def _sparse_mask(p: AttentionProblem) -> dict:
@@ -262,8 +262,13 @@ def _run(attention_fn, inputs, kernel: str, p: AttentionProblem, *, with_dropout
                     enable_gqa=p.enable_gqa, kernel=kernel, **pattern, **softcap)
     if p.training:
         grads = torch.autograd.grad(out, [inputs["q"], inputs["k"], inputs["v"]], inputs["grad_out"].to(out.dtype))
-        return torch.cat([out.detach().flatten(), *(g.flatten() for g in grads)])
+        return _output_and_gradients(out, grads)
     return out.detach()
+
+
+def _output_and_gradients(out: torch.Tensor, grads) -> torch.Tensor:
+    """What a training problem's runs compare: the output and the q, k, v gradients, flattened into one."""
+    return torch.cat([out.detach().flatten(), *(g.flatten() for g in grads)])
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

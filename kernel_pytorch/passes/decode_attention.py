@@ -120,9 +120,7 @@ def _measured(shape: tuple[int, ...], dtype: torch.dtype, device_index: int) -> 
         return F.scaled_dot_product_attention(q, k_rep, v_rep, mask)
 
     timings = fastest_cuda_graph_ms({"sdpa": sdpa, "decode": lambda: decode_ops.decode_attention(q, k, v, mask)})
-    ms = timings.ms
-    wins = ms.get("decode", float("inf")) < ms.get("sdpa", float("inf"))
-    return wins, ", ".join(f"{name} {value * 1e3:.1f} us" for name, value in ms.items())
+    return timings.faster("decode", "sdpa"), timings.in_microseconds()
 
 
 def _decision(call: DecodeCall, dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:

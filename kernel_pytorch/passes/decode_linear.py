@@ -102,11 +102,10 @@ def _measured(rows: int, sizes: tuple[int, ...], k: int, bias: bool, dtype: torc
     x = torch.randn(rows, k, device=device, dtype=dtype)
     weights = [torch.randn(n, k, device=device, dtype=dtype) for n in sizes]
     biases = [torch.randn(n, device=device, dtype=dtype) for n in sizes] if bias else None
-    ms = fastest_cuda_graph_ms({
+    timings = fastest_cuda_graph_ms({
         "cuBLAS": lambda: [F.linear(x, w, biases[i] if biases else None) for i, w in enumerate(weights)],
-        "gemv": lambda: gemv.grouped_linear(x, weights, biases)}).ms
-    wins = ms.get("gemv", float("inf")) < ms.get("cuBLAS", float("inf"))
-    return wins, ", ".join(f"{name} {value * 1e3:.1f} us" for name, value in ms.items())
+        "gemv": lambda: gemv.grouped_linear(x, weights, biases)})
+    return timings.faster("gemv", "cuBLAS"), timings.in_microseconds()
 
 
 def _decision(group: list[Node], rows: int) -> tuple[bool, str]:

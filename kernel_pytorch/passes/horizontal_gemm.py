@@ -75,8 +75,8 @@ from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import describe_node
 
-__all__ = ["MACHINE_BALANCE", "MAX_COPY_SHARE", "HorizontalGemmPass", "NodeBuilder", "linears_by_input", "modified_in_place", "reordering_barrier",
-           "replace_by_part", "weight_copy_share"]
+__all__ = ["MACHINE_BALANCE", "MAX_COPY_SHARE", "HorizontalGemmPass", "NodeBuilder", "linears_by_input",
+           "modified_in_place", "reordering_barrier", "replace_by_part", "weight_copy_share"]
 
 # The largest share of the fused GEMM's time the weight copy may take. The fusion's gain (fewer
 # launches, bigger GEMM tiles, x read once) is not modelled; 10% is a starting point, not a tuned optimum

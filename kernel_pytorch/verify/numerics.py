@@ -380,10 +380,18 @@ def _detached(value: Any) -> Any:
 def unless_out_of_memory(run: Callable[[], T]) -> T | None:
     """``run()``, or None when the GPU ran out of memory (its cache emptied): a check that does not fit next to
     the model (hand-written attention's fp32 scores at long lengths) is skipped with a report line, not fatal."""
+    result = _attempt(run)
+    if result is _OUT_OF_MEMORY:  # emptied here, where no traceback holds the failed run's tensors any more
+        torch.cuda.empty_cache()
+        return None
+    return result
+
+
+_OUT_OF_MEMORY = object()
+
+
+def _attempt(run: Callable[[], T]) -> T | object:
     try:
         return run()
     except torch.cuda.OutOfMemoryError:
-        ran_out = True  # the cache is emptied below, once the traceback no longer holds the run's tensors
-    if ran_out:
-        torch.cuda.empty_cache()
-    return None
+        return _OUT_OF_MEMORY
