@@ -18,8 +18,9 @@ from kernel_pytorch.attention.kernels.softcap import softcapped_attention_math
 from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.hardware import detect_hardware
 from kernel_pytorch.ops.attention import attention
-from kernel_pytorch.passes.attention import AttentionPass
+from kernel_pytorch.passes.attention import AttentionPass, _attention_op
 from kernel_pytorch.passes.base import PassContext
+from kernel_pytorch.passes.context_parallel import _unshardable_attention
 from kernel_pytorch.passes.normalize import Normalize
 
 from .conftest import capture_graph, rel_err, twin
@@ -64,13 +65,17 @@ def test_a_call_without_a_cap_gets_no_softcap_argument():
     assert "softcap" not in kwargs_of(check(Plain(), _qkv))
 
 
-def test_soft_capped_attention_is_left_to_context_parallelism_to_refuse():
+def test_soft_capped_attention_keeps_its_cap_for_context_parallelism_to_refuse():
+    """The attention pass rewrites it as anywhere else; the context-parallel pass then refuses the call by its
+    cap (ring attention has none), as it refuses any call it cannot shard."""
     gm, inputs = capture_graph(Gemma2Attention(), _qkv())
     config = OptimizeConfig().model_copy(update={"context_parallel": "a process group"})
     ctx = PassContext(hardware=detect_hardware("cpu"), config=config, training=False)
     Normalize().run(gm, ctx)
     result = AttentionPass().run(gm, ctx)
-    assert result.rewrites == [] and "ring attention has no soft cap" in result.skipped[0].reason
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _attention_op()]
+    assert len(result.rewrites) == 1 and len(calls) == 1 and calls[0].kwargs["softcap"] == 50.0
+    assert _unshardable_attention(calls[0], result) == "soft-capped attention (cap 50.0): ring attention has no cap"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -306,8 +306,6 @@ def attention(
         raise ValueError(f"a mask pattern is computed by kernels {' and '.join(map(repr, sorted(PATTERN_KERNELS)))} "
                          f"only (got kernel={kernel!r}); pass the mask as attn_mask to the other kernels")
     if record.route == "sdpa":
-        if softcap is None:
-            return record.forward(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         return record.forward(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa,
                               softcap=softcap)
     _check_shapes(q, k, v, enable_gqa)

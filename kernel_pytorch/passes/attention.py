@@ -360,11 +360,6 @@ class AttentionPass(GraphPass):
         mask_candidates: list[Node] = []
         sparse_calls: list[tuple[Node, int]] = []  # top-k calls and the index of their rewrite record
         for found in candidates(graph.nodes, functools.partial(_match_or_reason, constants=constants), result):
-            if found.match.softcap is not None and ctx.config.context_parallel is not None:
-                # Left as written, so that context parallelism refuses it: ring attention has no soft cap.
-                result.skip(found.location, "soft-capped attention is not rewritten under context_parallel "
-                                            "(ring attention has no soft cap)")
-                continue
             description, plan, removed = self._rewrite(gm, found.match, constants, bindings, ctx)
             if plan.sparse_call is not None:
                 sparse_calls.append((plan.sparse_call, len(result.rewrites)))
