@@ -24,6 +24,7 @@ Prints a line per variant and writes ``sdpa_gradients.json``; exit status 1 when
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import copy
 import json
 import subprocess
@@ -36,8 +37,11 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+_SINGLE_PASSES = ("normalize", "norms", "horizontal_gemm", "activations", "rope")
 VARIANTS = ("none", "optimize", "optimize-no-verify", "optimize-attention-only", "optimize-no-attention",
-            "optimize-no-compile", "graph-bf16", "graph-float32", "model-float32")
+            "optimize-no-compile", *(f"optimize-only-{name}" for name in _SINGLE_PASSES),
+            "graph-bf16", "graph-float32", "model-float32")
+_BACKENDS = ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 _WRONG = 0.05  # relative error of the check's output or a gradient that counts as wrong (bf16 noise: ~3e-3)
 _BATCH, _LENGTH, _HEADS, _HEAD_DIM = 2, 256, 4, 128
 
@@ -50,8 +54,11 @@ def _padding_mask() -> torch.Tensor:
     return ((position[:, None] >= position[None, :])[None] & keep[:, None, :])[:, None]
 
 
-def check_sdpa_gradients() -> list[float]:
-    """Relative errors of a bf16 SDPA call with the padding mask (output, dq, dk, dv) against float32 math."""
+def check_sdpa_gradients(backend: str | None = None) -> list[float]:
+    """Relative errors of a bf16 SDPA call with the padding mask (output, dq, dk, dv) against float32 math:
+    PyTorch's own choice of kernel, or ``backend`` alone (an ``SDPBackend`` name)."""
+    import contextlib
+
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     mask = _padding_mask()
@@ -62,8 +69,9 @@ def check_sdpa_gradients() -> list[float]:
     with sdpa_kernel([SDPBackend.MATH]):
         expected = F.scaled_dot_product_attention(*exact, attn_mask=mask)
         expected_grads = torch.autograd.grad(expected, exact, seed.float())
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    grads = torch.autograd.grad(out, (q, k, v), seed)
+    with sdpa_kernel([getattr(SDPBackend, backend)]) if backend else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        grads = torch.autograd.grad(out, (q, k, v), seed)
     return [float((a.double() - b.double()).norm() / b.double().norm())
             for a, b in zip((out, *grads), (expected, *expected_grads))]
 
@@ -87,12 +95,24 @@ def _every_pass_but(kept: str) -> tuple[str, ...]:
     return tuple(name for name in Backend.graph_passes if name != kept)
 
 
+def _kernels_run(call) -> list[str]:
+    """The CUDA kernels ``call()`` launches, by name (which kernel PyTorch's dispatch picked)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return sorted({event.name[:80] for event in prof.events() if event.device_type.name == "CUDA"})
+
+
 _OPTIMIZE_OPTIONS = {
     "optimize": {},
     "optimize-no-verify": {"verify": False},
     "optimize-attention-only": {"disable_passes": _every_pass_but("attention")},
     "optimize-no-attention": {"disable_passes": ("attention",)},
     "optimize-no-compile": {"compile": False},
+    **{f"optimize-only-{name}": {"disable_passes": _every_pass_but(name)}
+       for name in _SINGLE_PASSES},
 }
 
 
@@ -133,7 +153,36 @@ def run_variant(variant: str) -> dict:
                 _model_float32(model, inputs)
     errors = check_sdpa_gradients()
     return {"variant": variant, "errors": errors, "wrong": max(errors) > _WRONG,
-            "rollbacks": rollbacks if variant != "none" else None}
+            "rollbacks": rollbacks if variant != "none" else None,
+            "by_backend": {name: _backend_errors(name) for name in _BACKENDS},
+            "kernels": _kernels_run(check_sdpa_gradients)}
+
+
+def _backend_errors(backend: str) -> list[float] | str:
+    try:
+        return check_sdpa_gradients(backend)
+    except RuntimeError as error:  # this backend refuses the call here: recorded, not fatal
+        return f"refused: {str(error).splitlines()[0][:120]}"
+
+
+def _child_result(variant: str) -> dict:
+    child = subprocess.run([sys.executable, __file__, "--one", variant], capture_output=True, text=True)
+    lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"variant": variant, "error": child.stderr.strip()[-500:]}
+
+
+def _errors_text(errors: list[float] | str) -> str:
+    return errors if isinstance(errors, str) else " ".join(f"{e:.1e}" for e in errors)
+
+
+def _line(result: dict) -> str:
+    head = f"{result['variant']:30s} "
+    if "error" in result:
+        return head + "error: " + result["error"]
+    backends = "; ".join(f"{name} {_errors_text(errors)}" for name, errors in result["by_backend"].items())
+    return (head + f"{'WRONG' if result['wrong'] else 'right'}  errors (out, dq, dk, dv) "
+            + _errors_text(result["errors"]) + f"  rollbacks {result['rollbacks']}\n    by backend: {backends}"
+            + f"\n    kernels: {result['kernels']}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -147,16 +196,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.one:
         print(json.dumps(run_variant(args.one)))
         return
-    results = []
-    for variant in args.variants:
-        child = subprocess.run([sys.executable, __file__, "--one", variant], capture_output=True, text=True)
-        lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
-        result = json.loads(lines[-1]) if lines else {"variant": variant, "error": child.stderr.strip()[-500:]}
-        results.append(result)
-        print(f"{variant:26s} " + ("error: " + result["error"] if "error" in result else
-                                   f"{'WRONG' if result['wrong'] else 'right'}  errors (out, dq, dk, dv) "
-                                   + " ".join(f"{e:.1e}" for e in result["errors"])
-                                   + f"  rollbacks {result['rollbacks']}"), flush=True)
+    # Each variant in a fresh process, four at a time: a correctness check, not a timing.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(_child_result, args.variants))
+    for result in results:
+        print(_line(result), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "cudnn": torch.backends.cudnn.version(), "results": results}
