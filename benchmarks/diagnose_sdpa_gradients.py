@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 _SINGLE_PASSES = ("normalize", "norms", "horizontal_gemm", "activations", "rope")
 VARIANTS = ("none", "optimize", "optimize-no-verify", "optimize-attention-only", "optimize-no-attention",
             "optimize-no-compile", *(f"optimize-only-{name}" for name in _SINGLE_PASSES),
-            "graph-bf16", "graph-float32", "model-float32")
-_BACKENDS = ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+            "graph-bf16", "graph-float32", "model-float32", "pytorch-transposed-grad", "pytorch-contiguous-grad")
+_BACKENDS = ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH", "kernel_pytorch cudnn")
 _WRONG = 0.05  # relative error of the check's output or a gradient that counts as wrong (bf16 noise: ~3e-3)
 _BATCH, _LENGTH, _HEADS, _HEAD_DIM = 2, 256, 4, 128
 
@@ -54,9 +54,11 @@ def _padding_mask() -> torch.Tensor:
     return ((position[:, None] >= position[None, :])[None] & keep[:, None, :])[:, None]
 
 
-def check_sdpa_gradients(backend: str | None = None) -> list[float]:
+def check_sdpa_gradients(backend: str | None = None, grad_layout: str = "contiguous") -> list[float]:
     """Relative errors of a bf16 SDPA call with the padding mask (output, dq, dk, dv) against float32 math:
-    PyTorch's own choice of kernel, or ``backend`` alone (an ``SDPBackend`` name)."""
+    PyTorch's own choice of kernel, ``backend`` alone (an ``SDPBackend`` name), or ``"kernel_pytorch cudnn"``
+    (``attention(kernel="cudnn")``). ``grad_layout="transposed"``: the output gradient laid out (B, L, H, E),
+    as a following ``transpose(1, 2)`` gives it, not as the output."""
     import contextlib
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -64,14 +66,21 @@ def check_sdpa_gradients(backend: str | None = None) -> list[float]:
     mask = _padding_mask()
     q, k, v = (torch.randn(_BATCH, _HEADS, _LENGTH, _HEAD_DIM, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
-    seed = torch.randn_like(q)
+    seed = (torch.randn_like(q) if grad_layout == "contiguous" else
+            torch.randn(_BATCH, _LENGTH, _HEADS, _HEAD_DIM, device="cuda", dtype=torch.bfloat16).transpose(1, 2))
     exact = [t.detach().float().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel([SDPBackend.MATH]):
         expected = F.scaled_dot_product_attention(*exact, attn_mask=mask)
         expected_grads = torch.autograd.grad(expected, exact, seed.float())
-    with sdpa_kernel([getattr(SDPBackend, backend)]) if backend else contextlib.nullcontext():
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if backend == "kernel_pytorch cudnn":
+        from kernel_pytorch.ops.attention import attention
+
+        out = attention(q, k, v, attn_mask=mask, kernel="cudnn")
         grads = torch.autograd.grad(out, (q, k, v), seed)
+    else:
+        with sdpa_kernel([getattr(SDPBackend, backend)]) if backend else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            grads = torch.autograd.grad(out, (q, k, v), seed)
     return [float((a.double() - b.double()).norm() / b.double().norm())
             for a, b in zip((out, *grads), (expected, *expected_grads))]
 
@@ -138,7 +147,7 @@ def _model_float32(model, inputs: dict) -> None:
 
 def run_variant(variant: str) -> dict:
     """The step of ``variant`` (module docstring), then the check; in this process."""
-    if variant != "none":
+    if variant != "none" and not variant.startswith("pytorch-"):
         model, inputs = _llama()
         if variant in _OPTIMIZE_OPTIONS:
             from kernel_pytorch import optimize, report_of
@@ -151,6 +160,9 @@ def run_variant(variant: str) -> dict:
                 _captured_graph_runs(model, inputs, float32=variant == "graph-float32")
             else:
                 _model_float32(model, inputs)
+    if variant.startswith("pytorch-"):  # the same call first, its output gradient laid out otherwise or not
+        rollbacks = None
+        check_sdpa_gradients(grad_layout=variant.split("-")[1])
     errors = check_sdpa_gradients()
     return {"variant": variant, "errors": errors, "wrong": max(errors) > _WRONG,
             "rollbacks": rollbacks if variant != "none" else None,
