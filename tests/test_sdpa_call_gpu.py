@@ -66,9 +66,8 @@ def test_llama_sdpa_calls_get_a_measured_kernel_in_inference():
         assert rel_err(model(**fresh).logits, reference(**fresh).logits) < 2e-2
 
 
-# Open (docs/attention.md, "Open: gradients after optimize with a padding mask"): on the H100 with torch 2.11 the
-# attention rewrite is rolled back here, its gradients wrong after optimize's checks; strict, so a fix shows.
-@pytest.mark.xfail(strict=True, reason="open: padding-mask SDPA gradients after optimize (H100, torch 2.11)")
+# The case that found PyTorch's cuDNN backward plan reuse (docs/attention.md, "cuDNN's backward plan cache"):
+# the rope kernel's contiguous outputs gave the model's own SDPA calls a second gradient layout.
 def test_llama_sdpa_padded_training_gradients_match_in_bf16():
     model = _llama().train()
     reference = twin(model)

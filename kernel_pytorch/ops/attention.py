@@ -49,6 +49,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend
 
 from kernel_pytorch.attention.kernels.record import AttentionKernel
 from kernel_pytorch.attention.kernels.registry import KERNELS, PATTERN_KERNELS, kernel_record
@@ -305,6 +306,11 @@ def attention(
     if (pattern is not None or pattern_tensor is not None) and not record.takes_pattern:
         raise ValueError(f"a mask pattern is computed by kernels {' and '.join(map(repr, sorted(PATTERN_KERNELS)))} "
                          f"only (got kernel={kernel!r}); pass the mask as attn_mask to the other kernels")
+    if record.route == "sdpa" and _trains_on_pytorch_cudnn(q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                                          enable_gqa, softcap):
+        # The same cuDNN kernel through the "cudnn" custom op, whose backward passes the output gradient in
+        # one layout: PyTorch's reuses a plan cached for another layout (wrong gradients, docs/attention.md).
+        record = kernel_record("cudnn")
     if record.route == "sdpa":
         return record.forward(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa,
                               softcap=softcap)
@@ -328,8 +334,26 @@ def attention(
         q, k, v = (F.pad(t, (0, multiple - head_dim % multiple)) for t in (q, k, v))
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, mask))
-    out = attention_fwd(q, k, v, mask, dropout_p, is_causal, scale, kernel, needs_grad)[0]
+    out = attention_fwd(q, k, v, mask, dropout_p, is_causal, scale, record.name, needs_grad)[0]
     return out[..., :value_dim].reshape(out_shape)
+
+
+def _trains_on_pytorch_cudnn(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
+                             is_causal: bool, scale: Optional[float], enable_gqa: bool,
+                             softcap: Optional[float]) -> bool:
+    """Whether ``F.scaled_dot_product_attention`` would run this call on cuDNN with a backward to come, in
+    a form the "cudnn" kernel takes as it is (4-D, equal batch dims, no soft cap, no mask gradient). Under
+    TorchDynamo the call stays SDPA's: PyTorch's choice is asked eagerly or while AOTAutograd traces."""
+    if q.device.type != "cuda" or softcap is not None or torch.compiler.is_dynamo_compiling():
+        return False
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+        return False
+    if not q.dim() == k.dim() == v.dim() == 4 or not q.shape[0] == k.shape[0] == v.shape[0]:
+        return False
+    if attn_mask is not None and attn_mask.requires_grad:
+        return False
+    choice = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return choice == SDPBackend.CUDNN_ATTENTION.value
 
 
 def sparse_or_dense_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernel_pytorch.ops.layout import in_strides_of
+
 __all__ = ["cudnn_forward", "cudnn_backward", "flash_forward", "flash_backward", "efficient_forward",
            "efficient_backward", "cpu_flash_forward", "cpu_flash_backward", "efficient_bias"]
 
@@ -78,6 +80,9 @@ def cudnn_forward(q, k, v, attn_mask, dropout_p, is_causal, scale, compute_log_s
 
 def cudnn_backward(grad_out, q, k, v, attn_mask, out, lse, rng_a, rng_b, dropout_p, is_causal, scale, mask_grad):
     max_q, max_k = q.shape[2], k.shape[2]
+    # PyTorch caches this kernel's plan by q/k/v's strides, the plan fixes grad_out's too: always the output's
+    # (which follow q's), so a plan cached for another grad_out layout is never read with this one (torch 2.11).
+    grad_out = in_strides_of(grad_out, out)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         grad_out, q, k, v, out, lse, rng_a, rng_b,
         attn_mask,  # declared `Tensor attn_bias` (not optional); None passes an undefined tensor
