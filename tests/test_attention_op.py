@@ -724,3 +724,24 @@ def test_gpu_flex_is_lowered_to_a_fused_kernel(cuda):
     fn = torch.compile(lambda q, k, v: attention(q, k, v, is_causal=True, kernel="flex"), fullgraph=True)
     _, codes = run_and_get_code(fn, q, k, v)
     assert any("triton_tem_" in code for code in codes), codes[0][:2000]
+
+
+def test_cudnn_backward_gets_its_output_gradient_in_the_outputs_strides():
+    from kernel_pytorch.attention.kernels.aten_sdpa import in_strides_of
+
+    out = torch.randn(2, 5, 3, 8).transpose(1, 2)  # (B, L, H, E) memory viewed as (B, H, L, E)
+    same = torch.empty_like(out).copy_(out)
+    assert in_strides_of(same, out) is same
+    contiguous = torch.randn(out.shape)
+    moved = in_strides_of(contiguous, out)
+    assert moved.stride() == out.stride() and torch.equal(moved, contiguous)
+
+
+def test_sdpa_kernel_keeps_pytorchs_call_off_cuda(monkeypatch):
+    attention_module = sys.modules["kernel_pytorch.ops.attention"]  # the package exports the function by that name
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    assert not attention_module._trains_on_pytorch_cudnn(q, q, q, None, 0.0, True, None, False, None)
+    calls = []
+    monkeypatch.setattr(attention_module, "attention_fwd", lambda *args: calls.append(args))
+    out = attention(q, q, q, is_causal=True, kernel="sdpa")
+    assert calls == [] and rel_err(out, F.scaled_dot_product_attention(q, q, q, is_causal=True)) < 1e-6

@@ -20,9 +20,8 @@ heads, ``(B, L, 1, R)`` for ``(B, L, H, D)``; q and k may have different head co
 Numerics: math in fp32 (fp64 for fp64 inputs), each output rounded once to q's dtype. Eager model code
 rounds three times in half precision (``q * cos``, ``rot(q) * sin``, their sum), so in bf16/fp16 the op
 is closer to the exact result than the model's own code, and differs from it by about one ulp; in fp32 it
-matches it to ~1e-7. Outputs have q's and k's shapes and dim orders in memory, dense (a (B, L, H, D)
-projection viewed as (B, H, L, D) stays so, as eager ops keep it; a strided feature dim or more than 4
-dims give contiguous outputs), in q's dtype (eager would promote to a wider cos dtype; the op does not).
+matches it to ~1e-7. Outputs are contiguous tensors of q's and k's shapes (whatever q's and k's strides),
+in q's dtype (eager would promote to a wider cos dtype; the op does not).
 
 Backward: the map is linear in x with ``dx = dy * cos + rotᵀ(dy * sin)``, ``rotᵀ = -rot``, so the same
 kernel computes dq and dk (one launch) from cos and sin alone: q and k are saved only when cos or sin
@@ -44,7 +43,6 @@ import torch
 from torch import Tensor
 
 from kernel_pytorch.ops import triton_utils as tu
-from kernel_pytorch.ops.layout import empty_in_order_of
 from kernel_pytorch.ops.triton_utils import jit, tl
 
 __all__ = ["TRITON_MIN_ELEMENTS", "apply_rope", "rope_bwd", "rope_fwd"]
@@ -62,13 +60,13 @@ TRITON_MIN_ELEMENTS = 0
 def _rope_rows(
     X,  # q or k (in the backward: the gradient of q_out or k_out), viewed as (A, B, C, head_dim) with
         # strides stride_x0, stride_x1, stride_x2 and unit feature stride; a row is one (a, b, c) vector
-    Y,  # output in X's dtype, (A, B, C, head_dim) with strides stride_y0, stride_y1, stride_y2, unit feature stride
+    Y,  # (A * B * C, head_dim) output in X's dtype, contiguous: row r starts at r * head_dim
     COS,  # cos broadcast to (A, B, C, 2 * half) through strides stride_c0, stride_c1, stride_c2 (0 on
           # broadcast dims), unit feature stride; any float dtype
     SIN,  # sin, same shape and strides as COS
     tile,  # which tile of ROWS consecutive rows of X this program handles
     n_rows, dim_b, dim_c,  # n_rows = A * B * C; B and C to split a row index into (a, b, c)
-    stride_x0, stride_x1, stride_x2, stride_y0, stride_y1, stride_y2, stride_c0, stride_c1, stride_c2,
+    stride_x0, stride_x1, stride_x2, stride_c0, stride_c1, stride_c2,
     head_dim,  # D: features per row
     half,  # R / 2: rotary pairs per row
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr, ACC: tl.constexpr,
@@ -83,7 +81,7 @@ def _rope_rows(
     a = ab // dim_b
     x_row = X + (a * stride_x0 + b * stride_x1 + c * stride_x2)  # (ROWS,) pointers to each row's feature 0
     t_off = a * stride_c0 + b * stride_c1 + c * stride_c2  # (ROWS,) offsets of the rows' cos / sin
-    y_row = Y + (a * stride_y0 + b * stride_y1 + c * stride_y2)
+    y_row = Y + rows * head_dim
 
     # Each rotary pair (x_a, x_b) as two (ROWS, BLOCK_H) tiles, with their cos and sin.
     if INTERLEAVED:  # pairs (2i, 2i + 1): one contiguous (vectorizable) load, split in registers
@@ -134,18 +132,16 @@ def _rope_rows(
 def _rope_kernel(
     Q,  # q (backward: dq_out), (A, B, C, head_dim) with strides stride_q0/1/2, unit feature stride
     K,  # k (backward: dk_out), (A', B', C', head_dim) with strides stride_k0/1/2, unit feature stride
-    QO,  # output for Q in Q's dtype, (A, B, C, head_dim) with strides stride_qo0/1/2, unit feature stride
-    KO,  # output for K in K's dtype, (A', B', C', head_dim) with strides stride_ko0/1/2, unit feature stride
+    QO,  # (n_q_rows, head_dim) output for Q in Q's dtype, contiguous
+    KO,  # (n_k_rows, head_dim) output for K in K's dtype, contiguous
     COS_Q,  # cos broadcast to Q's rows: (A, B, C, 2 * half), strides stride_cq0/1/2 (0 on broadcast
             # dims), unit feature stride, any float dtype; a view of the caller's table, not a copy
     SIN_Q,  # sin broadcast to Q's rows, same strides as COS_Q
     COS_K,  # cos broadcast to K's rows, strides stride_ck0/1/2
     SIN_K,  # sin broadcast to K's rows, same strides as COS_K
     q_programs,  # programs 0 .. q_programs - 1 take Q's row tiles, the rest K's
-    n_q_rows, q_dim_b, q_dim_c, stride_q0, stride_q1, stride_q2, stride_qo0, stride_qo1, stride_qo2,
-    stride_cq0, stride_cq1, stride_cq2,
-    n_k_rows, k_dim_b, k_dim_c, stride_k0, stride_k1, stride_k2, stride_ko0, stride_ko1, stride_ko2,
-    stride_ck0, stride_ck1, stride_ck2,
+    n_q_rows, q_dim_b, q_dim_c, stride_q0, stride_q1, stride_q2, stride_cq0, stride_cq1, stride_cq2,
+    n_k_rows, k_dim_b, k_dim_c, stride_k0, stride_k1, stride_k2, stride_ck0, stride_ck1, stride_ck2,
     head_dim, half,
     INTERLEAVED: tl.constexpr,  # pairs (2i, 2i + 1) instead of (i, i + half)
     BACKWARD: tl.constexpr,  # apply the adjoint: dx = dy * cos + rotᵀ(dy * sin)
@@ -159,13 +155,11 @@ def _rope_kernel(
     pid = tl.program_id(0)
     if pid < q_programs:
         _rope_rows(Q, QO, COS_Q, SIN_Q, pid, n_q_rows, q_dim_b, q_dim_c,
-                   stride_q0, stride_q1, stride_q2, stride_qo0, stride_qo1, stride_qo2,
-                   stride_cq0, stride_cq1, stride_cq2, head_dim, half,
+                   stride_q0, stride_q1, stride_q2, stride_cq0, stride_cq1, stride_cq2, head_dim, half,
                    INTERLEAVED, BACKWARD, HAS_PASS, ACC, BLOCK_H, BLOCK_P, ROWS)
     else:
         _rope_rows(K, KO, COS_K, SIN_K, pid - q_programs, n_k_rows, k_dim_b, k_dim_c,
-                   stride_k0, stride_k1, stride_k2, stride_ko0, stride_ko1, stride_ko2,
-                   stride_ck0, stride_ck1, stride_ck2, head_dim, half,
+                   stride_k0, stride_k1, stride_k2, stride_ck0, stride_ck1, stride_ck2, head_dim, half,
                    INTERLEAVED, BACKWARD, HAS_PASS, ACC, BLOCK_H, BLOCK_P, ROWS)
 
 
@@ -224,25 +218,16 @@ def _as_4d(x: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
     return x, t
 
 
-def _output_like(x: Tensor) -> Tensor:
-    """The kernel's output for ``x``: laid out in ``x``'s dim order, as eager ops give it (ops/layout.py says
-    why layouts matter); contiguous where ``x``'s features are strided or it has more than 4 dims."""
-    if x.dim() > 4 or x.stride(-1) != 1:
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    return empty_in_order_of(x)
-
-
 def _launch(xq: Tensor, xk: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, backward: bool):
     head_dim, rotary_dim = xq.shape[-1], cos.shape[-1]
-    yq, yk = _output_like(xq), _output_like(xk)
+    yq = torch.empty(xq.shape, dtype=xq.dtype, device=xq.device)
+    yk = torch.empty(xk.shape, dtype=xk.dtype, device=xk.device)
     if cos.stride() != sin.stride() or cos.stride(-1) != 1:  # the kernel reads both with cos's strides
         cos, sin = cos.contiguous(), sin.contiguous()
     q4, cq = _as_4d(xq, cos)
     k4, ck = _as_4d(xk, cos)
     _, sq = _as_4d(xq, sin)
     _, sk = _as_4d(xk, sin)
-    yq4, _ = _as_4d(yq, cos)
-    yk4, _ = _as_4d(yk, cos)
     n_q, n_k = q4.shape[0] * q4.shape[1] * q4.shape[2], k4.shape[0] * k4.shape[1] * k4.shape[2]
     tile = _rope_tile(head_dim, rotary_dim, max(n_q, n_k) if isinstance(n_q, int) else None)
     q_programs = tu.cdiv(n_q, tile.rows)
@@ -255,9 +240,9 @@ def _launch(xq: Tensor, xk: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
         tu.launch(_rope_kernel)[(programs,)](
             q4, k4, yq, yk, cq, sq, ck, sk, q_programs,
             n_q, q4.shape[1], q4.shape[2], q4.stride(0), q4.stride(1), q4.stride(2),
-            yq4.stride(0), yq4.stride(1), yq4.stride(2), cq.stride(0), cq.stride(1), cq.stride(2),
+            cq.stride(0), cq.stride(1), cq.stride(2),
             n_k, k4.shape[1], k4.shape[2], k4.stride(0), k4.stride(1), k4.stride(2),
-            yk4.stride(0), yk4.stride(1), yk4.stride(2), ck.stride(0), ck.stride(1), ck.stride(2),
+            ck.stride(0), ck.stride(1), ck.stride(2),
             head_dim, rotary_dim // 2,
             INTERLEAVED=interleaved, BACKWARD=backward, HAS_PASS=rotary_dim < head_dim,
             ACC=tu.triton_acc_dtype(xq.dtype), BLOCK_H=tile.block_h, BLOCK_P=tile.block_p, ROWS=tile.rows,
@@ -267,12 +252,12 @@ def _launch(xq: Tensor, xk: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
 
 
 def rope_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> tuple[Tensor, Tensor]:
-    """Triton forward, one launch for q and k: ``(q_out, k_out)`` in q's and k's layouts, q's dtype (arguments
+    """Triton forward, one launch for q and k: ``(q_out, k_out)``, contiguous, in q's dtype (arguments
     as :func:`apply_rope` checks them). Any device Triton can launch on, CPU tensors included under
     ``TRITON_INTERPRET=1``.
 
     Grid: one program per tile of ``ROWS`` consecutive rows (a row is one head vector of q or k, rows in
-    q's / k's logical order), q's tiles first, then k's.
+    q's / k's logical order, so the contiguous outputs are written in order), q's tiles first, then k's.
     """
     return _launch(q, k, cos, sin, interleaved, backward=False)
 
@@ -295,7 +280,7 @@ def _rot(x: Tensor, interleaved: bool) -> Tensor:
 
 
 def _rope_native(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, backward: bool) -> Tensor:
-    # The kernel's formula, rounding and output layout: fp32 (fp64) math, one rounding, x's dim order.
+    # The kernel's formula and rounding: fp32 (fp64) math, one rounding, contiguous output.
     acc = tu.acc_dtype(x.dtype)
     rotary_dim = cos.shape[-1]
     xr, c, s = x[..., :rotary_dim].to(acc), cos.to(acc), sin.to(acc)
@@ -305,7 +290,7 @@ def _rope_native(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, backwar
         y = xr * c + _rot(xr, interleaved) * s
     if rotary_dim < x.shape[-1]:
         y = torch.cat((y, x[..., rotary_dim:].to(acc)), dim=-1)
-    return _output_like(x).copy_(y)
+    return y.to(x.dtype).contiguous()
 
 
 def _rope_fwd_native(q, k, cos, sin, interleaved):

@@ -7,11 +7,13 @@ for a referee, and dropout set to 0 (a fused kernel draws its own dropout mask, 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx
 
+from kernel_pytorch.attention.kernels.aten_sdpa import sdpa_dispatch_without_cudnn
 from kernel_pytorch.passes.graph_utils import checkpointed_subgraphs, clone_graph_module
 from kernel_pytorch.verify.numerics import LOW_PRECISION, Run, run_reference, to_float32, unless_out_of_memory
 from kernel_pytorch.verify.referee import float32_fits
@@ -108,7 +110,18 @@ class GraphInputs:
         if self.grad:
             wrt = {name: a for name, a in zip(self.names, args)
                    if isinstance(a, torch.Tensor) and a.requires_grad}
-        return run_reference(gm, args, None, wrt)
+        with _eager_graph_run():
+            return run_reference(gm, args, None, wrt)
+
+
+@contextlib.contextmanager
+def _eager_graph_run() -> Iterator[None]:
+    """How a graph runs eagerly inside the capture: outside the capture's TracingContext (FlexAttention's
+    eager autograd traces its score_mod with make_fx, which would take the capture's fake-tensor mode from it:
+    on a GPU, Gemma-2's soft-capped training failed to compile), and without PyTorch's cuDNN SDPA kernel
+    (:func:`~kernel_pytorch.attention.kernels.aten_sdpa.sdpa_dispatch_without_cudnn` says why)."""
+    with torch._guards.tracing(None), sdpa_dispatch_without_cudnn():
+        yield
 
 
 def float32_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from kernel_pytorch.attention.kernels.aten_sdpa import sdpa_dispatch_without_cudnn
 from kernel_pytorch.report import VerificationRecord
 from kernel_pytorch.verify.numerics import (LOW_PRECISION, NoiseAwareCheck, Run, call_arguments, compared_counts,
                                             is_low_precision, run_reference, unless_out_of_memory)
@@ -41,7 +42,7 @@ class EndToEndCheck:
             self._run_original(model)
 
     def _run_original(self, model: nn.Module) -> None:
-        with _preserved_buffers(model):
+        with _preserved_buffers(model), sdpa_dispatch_without_cudnn():
             self.reference = unless_out_of_memory(lambda: run_reference(model, self.args, self.kwargs, self.wrt))
         if self.reference is None:
             self.unverified = ("not verified end to end (out of memory running the original model on the example "

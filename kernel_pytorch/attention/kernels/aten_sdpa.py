@@ -11,16 +11,15 @@ Backward: ``(grad_out, q, k, v, attn_mask, out, lse, rng_a, rng_b, dropout_p, is
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernel_pytorch.ops.layout import in_strides_of
-
-__all__ = ["cudnn_forward", "cudnn_backward", "flash_forward", "flash_backward", "efficient_forward",
-           "efficient_backward", "cpu_flash_forward", "cpu_flash_backward", "efficient_bias"]
+__all__ = ["in_strides_of", "sdpa_dispatch_without_cudnn", "cudnn_forward", "cudnn_backward", "flash_forward", "flash_backward",
+           "efficient_forward", "efficient_backward", "cpu_flash_forward", "cpu_flash_backward", "efficient_bias"]
 
 
 def efficient_bias(attn_mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
@@ -78,10 +77,29 @@ def cudnn_forward(q, k, v, attn_mask, dropout_p, is_causal, scale, compute_log_s
     return out, lse, seed, offset
 
 
+def in_strides_of(grad_out: Tensor, out: Tensor) -> Tensor:
+    """``grad_out`` with exactly ``out``'s strides (a copy only when they differ; ``out`` is dense).
+
+    PyTorch caches the cuDNN backward plan by q/k/v's strides alone, and the plan fixes grad_out's strides
+    too (torch 2.11, aten/src/ATen/native/cudnn/MHA.cpp): a call whose grad_out is laid out otherwise than
+    the call that built the plan gets wrong gradients (docs/attention.md, "cuDNN's backward plan cache").
+    The output's strides follow q's, which are in the key, so passing grad_out in them always is safe."""
+    if grad_out.stride() == out.stride():
+        return grad_out
+    return torch.empty_like(out, dtype=grad_out.dtype).copy_(grad_out)
+
+
+def sdpa_dispatch_without_cudnn() -> Any:
+    """A context in which PyTorch's SDPA dispatch leaves its cuDNN kernel out (flash, efficient or math run
+    instead). optimize's checks run the model's graphs in it: a graph whose SDPA calls were not rewritten
+    may hand the cuDNN backward an output gradient laid out otherwise than the optimized model's own calls,
+    and the plan that builds would be reused by theirs (see :func:`in_strides_of`). The "cudnn" kernel,
+    called directly, is unaffected."""
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def cudnn_backward(grad_out, q, k, v, attn_mask, out, lse, rng_a, rng_b, dropout_p, is_causal, scale, mask_grad):
     max_q, max_k = q.shape[2], k.shape[2]
-    # PyTorch caches this kernel's plan by q/k/v's strides, the plan fixes grad_out's too: always the output's
-    # (which follow q's), so a plan cached for another grad_out layout is never read with this one (torch 2.11).
     grad_out = in_strides_of(grad_out, out)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         grad_out, q, k, v, out, lse, rng_a, rng_b,
