@@ -7,6 +7,8 @@ rewritten graph equals the original (values and gradients). Then transformers mo
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.nn as nn
@@ -350,3 +352,20 @@ def test_packed_sequences_given_as_position_ids_keep_their_mask():
     fresh = {**sdpa_models.fresh_inputs({"input_ids": inputs["input_ids"]}),
              "position_ids": torch.cat([torch.arange(8), torch.arange(4)]).expand(2, 12).contiguous()}
     _assert_same_values_and_gradients(model, reference, fresh)
+
+
+def test_comparison_methods_as_dynamo_records_them_are_shape_only_ops():
+    """torch 2.11's Dynamo records transformers' ``ids[q] == ids[kv]`` as ``.__eq__``: a mask built so is
+    still a provable constant (on an H100 it had kept the dense mask)."""
+    from kernel_pytorch.passes.shape_constants import ConstantEvaluator
+
+    graph = torch.fx.Graph()
+    positions = graph.call_function(torch.arange, (6,))
+    rows, cols = graph.call_method("unsqueeze", (positions, 1)), graph.call_method("unsqueeze", (positions, 0))
+    causal = graph.call_method("__ge__", (rows, cols))
+    same = graph.call_method("__eq__", (graph.call_method("__mul__", (rows, 0)), graph.call_method("__mul__", (cols, 0))))
+    mask = graph.call_function(operator.and_, (causal, same))
+    graph.output(mask)
+    evaluation = ConstantEvaluator().evaluate(mask)
+    assert evaluation.value is not None, evaluation.reason
+    assert torch.equal(evaluation.value, torch.ones(6, 6, dtype=torch.bool).tril())

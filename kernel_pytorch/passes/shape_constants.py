@@ -120,6 +120,8 @@ _PURE_METHODS = {
     "transpose", "permute", "flip", "logical_not", "logical_and", "logical_or", "eq", "ne", "lt", "le", "gt",
     "ge", "__and__", "__or__", "__invert__", "__xor__", "add", "sub", "mul", "div", "neg", "abs", "sqrt",
     "rsqrt", "exp", "flatten", "repeat", "new_ones", "new_zeros", "new_full", "diff", "cumsum",
+    # Operators as Dynamo records some of them (torch 2.11: transformers' ``a == b`` of packed-sequence ids)
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__add__", "__sub__", "__mul__", "__neg__",
 }
 _META_ONLY_ARGUMENT_METHODS = {"expand_as", "type_as"}  # their second argument is read for shape/dtype
 
