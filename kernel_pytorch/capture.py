@@ -276,7 +276,8 @@ class GraphOptimizer:
 
     def _note_referee(self, comparison: Any, check: NoiseAwareCheck, graph: str, what: str) -> None:
         if comparison.rule != "tolerance":
-            self.report.notes.append(f"{graph}: {what} accepted against a float32 run of the graph: "
+            where = f" (the referee ran {check.referee_where})" if check.referee_where else ""
+            self.report.notes.append(f"{graph}: {what} accepted against a float32 run of the graph{where}: "
                                      f"{comparison.describe()}")
 
     def _record(self, results: list[tuple[GraphPass, PassResult]], graph: str) -> None:

@@ -432,8 +432,8 @@ def test_a_bf16_rewrite_more_accurate_than_the_original_passes_against_a_float32
 
 
 def _gpu_too_small(monkeypatch, host_bytes):
-    """The end-to-end referee's sizing as on a GPU without room for a float32 copy, with ``host_bytes`` free on
-    the host (the graph checks keep their own sizing: on a CPU their referee always fits)."""
+    """The referees' sizing (end to end and per graph) as on a GPU without room for a float32 copy, with
+    ``host_bytes`` free on the host."""
     from kernel_pytorch.verify import referee
 
     monkeypatch.setattr(referee, "float32_fits", lambda *a: "a float32 copy needs ~47.2 GiB, 0.1 GiB free on cuda:0")
@@ -448,6 +448,9 @@ def test_the_end_to_end_referee_runs_on_the_host_when_the_gpu_lacks_the_memory(m
     assert report.verification.passed and report.verification.rule == "float32 referee", report.verification
     where = [n for n in report.notes if n.startswith("end-to-end check: the float32 referee ran on the CPU in")]
     assert where and "47.2 GiB, 0.1 GiB free on cuda:0" in where[0], report.notes
+    graph_notes = [n for n in report.notes if "accepted against a float32 run of the graph (the referee ran on the "
+                   "CPU in" in n]
+    assert graph_notes and report.rollbacks == [], report.notes  # the graph check judged by its referee too
 
 
 def test_without_room_on_the_gpu_or_the_host_the_check_says_so_and_judges_by_tolerance(monkeypatch):
@@ -455,7 +458,7 @@ def test_without_room_on_the_gpu_or_the_host_the_check_says_so_and_judges_by_tol
     model, reference, x = _bf16_rope_like()
     optimize(model, example_inputs=(x,), extra_passes=("test_fma_float32",), tolerances=_TINY_BF16)
     report = report_of(model)
-    assert not report.verification.passed
+    assert [r.pass_name for r in report.rollbacks] == ["test_fma_float32"]  # by the graph check, on tolerance
     assert any("no float32 referee" in n and "host memory available: 0.0 GiB" in n for n in report.notes), report.notes
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))  # everything rolled back
@@ -480,3 +483,18 @@ def test_float32_verification_never_consults_a_referee(monkeypatch):
     optimize(model, example_inputs=(torch.randn(8, 64),), extra_passes=("test_fma_wrong",))
     assert [r.pass_name for r in report_of(model).rollbacks] == ["test_fma_wrong"]
     assert report_of(model).verification.rule == "tolerance"
+
+
+def test_a_graph_moved_to_the_host_computes_there_with_the_devices_it_names_replaced():
+    from kernel_pytorch.verify.graphs import graph_on
+
+    class MakesPositions(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.arange(x.shape[-1], device=torch.device("meta")).to(torch.device("meta"))
+
+    gm = torch.fx.symbolic_trace(MakesPositions())
+    moved = graph_on(gm, torch.device("cpu"))
+    x = torch.randn(3, 4)
+    assert torch.equal(moved(x), x + torch.arange(4))
+    with pytest.raises(RuntimeError):
+        gm(x)  # the original still names the meta device

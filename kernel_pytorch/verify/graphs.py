@@ -8,6 +8,7 @@ for a referee, and dropout set to 0 (a fused kernel draws its own dropout mask, 
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -16,7 +17,7 @@ import torch.fx
 from kernel_pytorch.attention.kernels.aten_sdpa import sdpa_dispatch_without_cudnn
 from kernel_pytorch.passes.graph_utils import checkpointed_subgraphs, clone_graph_module
 from kernel_pytorch.verify.numerics import LOW_PRECISION, Run, run_reference, to_float32, unless_out_of_memory
-from kernel_pytorch.verify.referee import float32_fits
+from kernel_pytorch.verify.referee import referee_device
 
 __all__ = ["GraphInputs", "draws_random_numbers", "float32_graph", "without_dropout"]
 
@@ -93,19 +94,28 @@ class GraphInputs:
 
     def run_float32(self, gm: torch.fx.GraphModule, reference: Run | None = None) -> Run | str:
         """``gm`` (see :func:`float32_graph`) on float32 copies of the bfloat16/float16 inputs, or why not
-        (``reference``: the low-precision run, whose outputs size the memory)."""
-        reason = float32_fits([v for v in self.values if isinstance(v, torch.Tensor)], self.grad, reference)
-        if reason:
-            return reason
+        (``reference``: the low-precision run, whose outputs size the memory); on the host when the GPU lacks the
+        memory (:func:`~kernel_pytorch.verify.referee.referee_device`), as the end-to-end referee."""
+        device, why = referee_device([v for v in self.values if isinstance(v, torch.Tensor)], self.grad, reference)
+        if why and device is None:
+            return why
+        started = time.perf_counter()
         try:
-            run = unless_out_of_memory(lambda: self.run(gm, float32=True))
+            graph = gm if device is None else graph_on(gm, device)
+            run = unless_out_of_memory(lambda: self.run(graph, float32=True, device=device))
         except Exception as error:  # the referee is optional: its failure leaves the plain verdict
             return f"it failed: {type(error).__name__}: {error}"
-        return "out of memory" if run is None else run
+        if run is None:
+            return "out of memory"
+        if device is not None:
+            run.where = f"on the CPU in {time.perf_counter() - started:.0f} s ({why})"
+        return run
 
-    def run(self, gm: torch.fx.GraphModule, float32: bool = False) -> Run:
+    def run(self, gm: torch.fx.GraphModule, float32: bool = False, device: torch.device | None = None) -> Run:
         args = [to_float32(v) if float32 and isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION else _fresh(v)
                 for v in self.values]
+        if device is not None:
+            args = [_moved(a, device) for a in args]
         wrt = None
         if self.grad:
             wrt = {name: a for name, a in zip(self.names, args)
@@ -148,6 +158,33 @@ def float32_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
     for name, body in checkpointed_subgraphs(copy):
         setattr(copy, name, float32_graph(body))
+    copy.recompile()
+    return copy
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    """A tensor on ``device`` as a leaf with the same ``requires_grad``; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.device != device:
+        return value.detach().to(device).requires_grad_(value.requires_grad)
+    return value
+
+
+def graph_on(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
+    """A copy of ``gm`` that computes on ``device``: its attributes moved, and the devices its calls name
+    (``torch.arange(n, device=...)``, ``x.to(device)``) replaced, for the float32 referee on the host."""
+    copy = clone_graph_module(gm).to(device)
+
+    def replace(arg: Any) -> Any:
+        return device if isinstance(arg, torch.device) and arg != device else arg
+
+    for node in copy.graph.nodes:
+        node.args = torch.fx.node.map_aggregate(node.args, replace)
+        kwargs = dict(torch.fx.node.map_aggregate(node.kwargs, replace))
+        if isinstance(kwargs.get("device"), str):
+            kwargs["device"] = device
+        node.kwargs = kwargs
+    for name, body in checkpointed_subgraphs(copy):
+        setattr(copy, name, graph_on(body, device))
     copy.recompile()
     return copy
 
