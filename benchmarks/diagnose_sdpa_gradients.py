@@ -1,21 +1,25 @@
-"""Which step of ``optimize`` leaves PyTorch's SDPA backward with a padding mask wrong in the same process?
+"""Which step of ``optimize`` (or of PyTorch alone) leaves PyTorch's SDPA backward with a padding mask wrong in the
+same process?
 
     python benchmarks/diagnose_sdpa_gradients.py [--variants none optimize ...] [--out DIR]
 
-On the H100 image (torch 2.11, cuDNN 9.19), after ``optimize`` of a small transformers Llama trained in bf16
-with a padding mask, a plain ``F.scaled_dot_product_attention`` backward with a bool mask (4 heads, head dim
-128, 256 tokens) returned gradients 1.4 off (relative), its forward right (docs/attention.md, "Open:
-gradients after optimize with a padding mask"). Each variant runs in a fresh process: a step (or nothing),
-then that plain call's output and gradients against float32 math. Variants:
+On the H100 image (torch 2.11, cuDNN 9.19) PyTorch's cuDNN SDPA backward reuses a plan cached for another output
+gradient layout (docs/attention.md, "cuDNN's backward plan cache"): this script found it. Each variant runs in a
+fresh process (four at a time): a step (or nothing), then a plain bf16 ``F.scaled_dot_product_attention`` call
+with a padding mask (4 heads, head dim 128, 256 tokens), its output and gradients against float32 math, the
+same for each SDPA backend alone and for ``attention(kernel="cudnn")``, and the kernels PyTorch's dispatch ran.
+Variants:
 
 - ``none``: the check alone;
 - ``optimize``, ``optimize-no-verify``, ``optimize-attention-only``, ``optimize-no-attention``,
-  ``optimize-no-compile``: ``optimize`` with every pass, with verification off, with only the attention pass,
-  with every pass but attention, and uncompiled;
+  ``optimize-no-compile``, ``optimize-only-<pass>``: ``optimize`` of a small transformers Llama trained with a
+  padding mask, with every pass, with verification off, with only the attention pass, with every pass but
+  attention, uncompiled, with one pass alone;
 - ``graph-bf16``, ``graph-float32``: the model's captured training graph, unrewritten, run inside the Dynamo
-  backend as the per-graph check runs it (``verify.graphs.GraphInputs``), in bf16 or as the float32 referee
-  (``float32_graph``);
-- ``model-float32``: the end-to-end referee's float32 copy of the model, forward and backward.
+  backend as the per-graph check runs it (``verify.graphs.GraphInputs``), in bf16 or as the float32 referee;
+- ``model-float32``: the end-to-end referee's float32 copy of the model, forward and backward;
+- ``pytorch-transposed-grad``, ``pytorch-contiguous-grad``: the check's own call first, its output gradient laid
+  out (B, L, H, E) or as the output (PyTorch alone: the first reproduces the fault, the second is its control).
 
 Prints a line per variant and writes ``sdpa_gradients.json``; exit status 1 when a variant is wrong and
 ``none`` is right.

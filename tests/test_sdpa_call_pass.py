@@ -306,12 +306,23 @@ def test_transformers_default_attention_is_rewritten_and_matches(family, trainin
 def _without_cache(family: str) -> tuple[nn.Module, dict]:
     """A decoder with use_cache=False (as for training): transformers then materializes a bool mask from
     ``find_packed_sequence_indices(position_ids)`` (``diff``, ``cumsum``) instead of passing is_causal."""
-    config_classes = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}
-    model_classes = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}
-    config = config_classes[family](vocab_size=sdpa_models.VOCAB, hidden_size=64, intermediate_size=96,
-                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                    max_position_embeddings=64, use_cache=False)
-    return model_classes[family](config), {"input_ids": torch.randint(0, sdpa_models.VOCAB, (2, 12))}
+    config_class, model_class = _DECODERS[family]
+    config = config_class(vocab_size=sdpa_models.VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                          use_cache=False, pad_token_id=0)
+    return model_class(config), {"input_ids": torch.randint(0, sdpa_models.VOCAB, (2, 12))}
+
+
+_DECODERS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+    "starcoder2": (transformers.Starcoder2Config, transformers.Starcoder2ForCausalLM),
+}
 
 
 def _assert_same_values_and_gradients(model: nn.Module, reference: nn.Module, inputs: dict) -> None:
@@ -324,7 +335,7 @@ def _assert_same_values_and_gradients(model: nn.Module, reference: nn.Module, in
     assert errors and not {name: e for name, e in errors.items() if not e < 1e-4}, errors
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", list(_DECODERS))
 def test_a_mask_built_from_position_ids_without_a_cache_becomes_is_causal(family):
     """The positions are an arange inside the model: the packed-sequence ids are constants, the mask is causal
     (measured on an H100, that mask had kept every SDPA call on a dense masked kernel)."""
