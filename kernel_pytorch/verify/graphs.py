@@ -19,7 +19,7 @@ from kernel_pytorch.passes.graph_utils import checkpointed_subgraphs, clone_grap
 from kernel_pytorch.verify.numerics import LOW_PRECISION, Run, run_reference, to_float32, unless_out_of_memory
 from kernel_pytorch.verify.referee import referee_device
 
-__all__ = ["GraphInputs", "draws_random_numbers", "float32_graph", "without_dropout"]
+__all__ = ["GraphInputs", "draws_random_numbers", "float32_graph", "graph_on", "without_dropout"]
 
 # Ops whose results depend on the RNG stream: an end-to-end comparison cannot match them when the
 # compiler draws random numbers differently from eager PyTorch (Inductor does).

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["in_strides_of", "sdpa_dispatch_without_cudnn", "cudnn_forward", "cudnn_backward", "flash_forward", "flash_backward",
-           "efficient_forward", "efficient_backward", "cpu_flash_forward", "cpu_flash_backward", "efficient_bias"]
+__all__ = ["in_strides_of", "sdpa_dispatch_without_cudnn", "cudnn_forward", "cudnn_backward", "flash_forward",
+           "flash_backward", "efficient_forward", "efficient_backward", "cpu_flash_forward", "cpu_flash_backward",
+           "efficient_bias"]
 
 
 def efficient_bias(attn_mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
