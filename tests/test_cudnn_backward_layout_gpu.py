@@ -88,3 +88,17 @@ def test_kernel_pytorch_is_right_for_either_gradient_layout_in_turn():
     for transposed in (False, True, False):
         errors = _errors(_ours, length, transposed)
         assert max(errors) < 2e-2, (transposed, errors)
+
+
+def test_the_sdpa_kernel_traced_by_aotautograd_also_passes_the_gradient_in_one_layout():
+    """As in an optimized model's compiled graph: AOTAutograd traces ``attention(kernel="sdpa")`` on fake
+    tensors, where PyTorch's choice of cuDNN must still send the call through the "cudnn" kernel."""
+    from functorch.compile import aot_function, nop
+
+    length = 768
+    _require_pytorch_picks_cudnn(length)
+    traced = aot_function(_ours, fw_compiler=nop, bw_compiler=nop)
+    first = _errors(traced, length, transposed=True)
+    assert max(first) < 2e-2, first
+    after = _errors(_pytorch, length, transposed=False)
+    assert max(after) < 2e-2, after

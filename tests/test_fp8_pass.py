@@ -71,7 +71,7 @@ def test_per_graph_checks_judge_the_kernel_passes_with_the_fp8_tolerance(monkeyp
     (H100 e2e benchmark: "relative error 1.12e-01 exceeds tolerance 4e-02"). No float32 referee here: on the
     GPU it did not rescue them either."""
     graphs = importlib.import_module("kernel_pytorch.verify.graphs")
-    monkeypatch.setattr(graphs, "float32_fits", lambda *a, **k: "no float32 referee in this test")
+    monkeypatch.setattr(graphs, "referee_device", lambda *a, **k: (None, "no float32 referee in this test"))
     model = _llama(dtype=torch.bfloat16).train()
     optimized = kernel_pytorch.optimize(model, fp8={"mode": True, "emulate": True}, example_inputs=(_tokens(model),))
     report = kernel_pytorch.report_of(optimized)
