@@ -31,6 +31,7 @@ from kernel_pytorch.hardware import HardwareInfo
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
 from kernel_pytorch.passes.graph_utils import (block_of, calls_per_block, checkpointed_subgraphs, clone_graph_module,
                                                 is_checkpointed_region)
+from kernel_pytorch.passes.linear_cross_entropy import drop_loss_logits
 from kernel_pytorch.passes.manager import PassManager
 from kernel_pytorch.report import (BlockRecord, OptimizationReport, RewriteRecord, RollbackRecord, SkipRecord,
                                    natural_order)
@@ -157,6 +158,8 @@ class GraphOptimizer:
                           example_inputs=dict(zip(placeholders, example_inputs)),
                           compiled=self.compiler.name != "eager", cuda_graphs=self.compiler.uses_cuda_graphs,
                           **self.pass_inputs)
+        if ctx.training and self.config.training_logits == "drop":
+            self._drop_loss_logits(gm, name)
         started = time.perf_counter()
         candidate, results = self._apply(gm, self.passes, ctx)
         self.report.add_time("passes", time.perf_counter() - started)
@@ -175,6 +178,12 @@ class GraphOptimizer:
                 guard.bind(candidate.graph)
             return GraphRun(GuardedGraph(compiled, gm, guards, self.report, name))
         return GraphRun(compiled)
+
+    def _drop_loss_logits(self, gm: torch.fx.GraphModule, name: str) -> None:
+        dropped = drop_loss_logits(gm)
+        self.report.notes.append(
+            f"{name}: training_logits='drop': " + (f"{dropped} LM head's logits read by the loss returned as None"
+                                                   if dropped else "no logits returned only for a loss here; kept"))
 
     def _training(self, example_inputs: Sequence[Any], name: str) -> bool:
         """Whether this graph is rewritten for training: the model's mode at optimize time, or gradients

@@ -352,6 +352,13 @@ class OptimizeConfig(ConfigModel):
         "outputs are gathered back (kernel_pytorch.distributed.context_parallel)."
     )
 
+    training_logits: Literal["keep", "drop"] = Field(
+        "keep", description="'drop': in training, a model that computes its loss from its LM head's logits "
+        "(transformers' labels=) returns no logits (None), as Liger-Kernel's patched models do: the head and the "
+        "loss run fused and the logits are never materialized. Changes the model's outputs, so off ('keep') by "
+        "default; inference and calls without labels keep their logits."
+    )
+
     sparse_attention: Optional[SparseAttentionConfig] = Field(
         None, description="Content-aware top-k block-sparse attention for long-context inference (an "
         "approximation; off by default): None, 'topk' (SparseAttentionConfig's defaults), a SparseAttentionConfig "

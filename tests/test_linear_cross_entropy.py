@@ -315,6 +315,65 @@ def test_model_keeps_fewer_bytes_for_backward():
     assert kept["unfused"] - kept["fused"] >= 32 * V * 4 - (32 * D + V * D + V) * 4, kept
 
 
+# ------------------------------------------------------------------- training_logits="drop" (Liger's contract)
+
+def _optimized_with_logits(name, training_logits):
+    torch.manual_seed(0)
+    model = _config(name).train()
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' config and loss_type warnings
+        optimize(model, example_inputs=_batch(), training_logits=training_logits)
+    return model, reference
+
+
+@pytest.mark.parametrize("name, capped", [("llama", ""), ("qwen3", ""), ("gemma2", "soft-capped at 3 ")])
+def test_dropped_training_logits_are_none_and_the_loss_and_gradients_stay(name, capped):
+    model, reference = _optimized_with_logits(name, "drop")
+    report = report_of(model)
+    assert any("training_logits='drop': 1 LM head's logits read by the loss returned as None" in n
+               for n in report.notes), report.notes
+    rewrites = _rewrites(model)
+    assert rewrites and f"{capped}-> linear_cross_entropy (the logits never materialized)" in rewrites[0], rewrites
+    assert report.verification.passed and not report.rollbacks, report.verification
+    assert any("['logits'] not compared" in n for n in report.notes), report.notes
+    batch = _batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, expected = model(**batch), reference(**batch)
+    assert out.logits is None and expected.logits is not None
+    assert rel_err(out.loss, expected.loss) < 1e-5
+    out.loss.backward()
+    expected.loss.backward()
+    pairs = list(zip(model.parameters(), reference.parameters()))
+    every = rel_err(torch.cat([p.grad.flatten() for p, _ in pairs]), torch.cat([r.grad.flatten() for _, r in pairs]))
+    assert every < 1e-5, every
+
+
+def test_dropped_training_logits_hold_less_after_the_forward_and_inference_keeps_them():
+    """What a training step holds between forward and backward: the tensors saved for backward and the logits
+    returned. Dropped, the logits are never made; the fused loss saves dh and dW instead (Liger's scheme)."""
+    held = {}
+    batch = _batch(seq=64)
+    for option in ("keep", "drop"):
+        model, _ = _optimized_with_logits("llama", option)
+        outputs = []
+        saved = _bytes_saved(lambda: [outputs.append(model(**batch)) or outputs[0].loss, *model.parameters()])
+        logits = outputs[0].logits
+        held[option] = saved + (0 if logits is None else logits.untyped_storage().nbytes())
+        if option == "drop":
+            assert logits is None
+            model.eval()
+            with torch.no_grad():
+                assert model(input_ids=batch["input_ids"]).logits.shape == (2, 64, V)  # inference: returned
+    assert held["drop"] < held["keep"], held
+
+
+def test_training_logits_is_keep_or_drop():
+    with pytest.raises(ValueError, match="training_logits"):
+        OptimizeConfig(training_logits="skip")
+
+
 @pytest.mark.parametrize("call, reason", [
     (lambda x, y: F.cross_entropy(x, y, reduction="none"), "per-token losses"),
     (lambda x, y: F.cross_entropy(x, y, weight=torch.ones(V)), "class weights"),

@@ -58,7 +58,7 @@ from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import example_value
 from kernel_pytorch.timing import fastest_cuda_ms, measurement_compiles
 
-__all__ = ["LinearCrossEntropyPass", "TIME_MARGIN", "MEASURED_TOKENS"]
+__all__ = ["LinearCrossEntropyPass", "TIME_MARGIN", "MEASURED_TOKENS", "drop_loss_logits"]
 
 # The fused op is taken where it measured at most this much slower than the unfused loss: what it is for is the
 # memory it frees (the float32 logits), and the loss is a small part of a training step (docs/results.md, the
@@ -335,6 +335,53 @@ def _decision(match: _Loss, ctx: PassContext) -> tuple[bool, str]:
     if getattr(value, "device", torch.device("cpu")).type != "cuda" or not torch.cuda.is_available():
         return True, "no GPU to measure on: taken for the memory"
     return _measured_choice(match, ctx)
+
+
+def drop_loss_logits(gm: torch.fx.GraphModule) -> int:
+    """``OptimizeConfig(training_logits="drop")``: each LM head's logits (soft-capped or not) that a cross-entropy
+    loss reads and that are otherwise only returned are returned as None instead, so that the fused loss never
+    materializes them. Changes the captured graph ``gm`` in place, before the passes and the checks, which
+    compare against it: the outputs the user asked not to have are not compared. Returns how many were dropped."""
+    output = next(node for node in gm.graph.nodes if node.op == "output")
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        logits = _returned_head_logits(node, output) if is_call(node, F.cross_entropy) else None
+        if logits is None:
+            continue
+        output.args = torch.fx.node.map_arg(output.args, lambda arg, kept=logits: None if arg is kept else arg)
+        dropped += 1
+    if dropped:
+        gm.graph.lint()
+        gm.recompile()
+    return dropped
+
+
+# Ops between an LM head's logits and the loss in captured (not yet normalized) graphs: casts and views.
+_RAW_STEPS = {"float", "to", "view", "reshape", "contiguous"}
+
+
+def _returned_head_logits(loss: Node, output: Node) -> Optional[Node]:
+    """The logits ``loss`` reads through casts and views, when they are an LM head's (or its soft cap's) and
+    are used by nothing but that chain and the graph's output; else None."""
+    chain, source = [], loss.args[0] if loss.args else None
+    while isinstance(source, Node) and source.op == "call_method" and source.target in _RAW_STEPS:
+        if len(source.users) != 1:
+            return None
+        chain.append(source)
+        source = source.args[0]
+    if not isinstance(source, Node):
+        return None
+    capped = _soft_cap(source)
+    if not _is_linear(capped[1] if capped else source):
+        return None
+    first = chain[-1] if chain else loss
+    return source if [user for user in source.users if user is not first] == [output] else None
+
+
+def _is_linear(node: Node) -> bool:
+    if node.op == "call_module":
+        return isinstance(node.graph.owning_module.get_submodule(node.target), torch.nn.Linear)
+    return node.op == "call_function" and node.target in (F.linear, torch._C._nn.linear)
 
 
 @register_pass

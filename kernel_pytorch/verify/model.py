@@ -41,9 +41,14 @@ class EndToEndCheck:
         if run.verify and run.example_inputs is not None and not unverified:
             self._run_original(model)
 
-    def _run_original(self, model: nn.Module) -> None:
+    def _reference_run(self, model: nn.Module, call: Any, skip: frozenset[str] = frozenset()) -> Run | None:
+        """The original model's run (``call``: the model, or its uncompiled call once optimize has put the compiled
+        one in place); ``skip``: outputs left out of the gradients' projection. None: out of memory."""
         with _preserved_buffers(model), sdpa_dispatch_without_cudnn():
-            self.reference = unless_out_of_memory(lambda: run_reference(model, self.args, self.kwargs, self.wrt))
+            return unless_out_of_memory(lambda: run_reference(call, self.args, self.kwargs, self.wrt, skip=skip))
+
+    def _run_original(self, model: nn.Module) -> None:
+        self.reference = self._reference_run(model, model)
         if self.reference is None:
             self.unverified = ("not verified end to end (out of memory running the original model on the example "
                                "inputs; smaller example inputs verify it, verify=False skips it)")
@@ -60,10 +65,38 @@ class EndToEndCheck:
         if self.reference is None:
             return False
         gradients = self.wrt is not None
-        check = NoiseAwareCheck(self.reference, lambda: _float32_run(self.original, self.args, self.kwargs, gradients,
-                                                                     self.reference), config)
-        _judge(model, optimized, check, self.no_gradients)
+        dropped = _dropped_outputs(self.reference, optimized, config, model)
+        skip = frozenset(dropped)
+        if dropped and gradients:  # the original again, its gradients without the dropped outputs' share
+            self.reference = self._reference_run(model, model._call_impl, skip)
+            if self.reference is None:
+                return False
+        reference = _without(self.reference, dropped)
+        check = NoiseAwareCheck(reference, lambda: _without(_float32_run(self.original, self.args, self.kwargs,
+                                                                         gradients, self.reference, skip), dropped),
+                                config)
+        _judge(model, _without(optimized, dropped), check, self.no_gradients)
         return True
+
+
+def _dropped_outputs(reference: Run, optimized: Run, config: Any, model: nn.Module) -> list[str]:
+    """The outputs ``training_logits="drop"`` took away (the original returns them, the optimized model does not;
+    ``[]`` without that option), said in the report: they are not compared."""
+    if getattr(config, "training_logits", "keep") != "drop":
+        return []
+    dropped = sorted(key for key, value in reference.outputs.items()
+                     if isinstance(value, torch.Tensor) and optimized.outputs.get(key) is None)
+    if dropped:
+        model._kernel_pytorch.report.notes.append(
+            f"end-to-end check: {', '.join(dropped)} not compared (training_logits='drop' returns none)")
+    return dropped
+
+
+def _without(run: Run | str, outputs: list[str]) -> Run | str:
+    """``run`` without ``outputs`` (a referee's "why not" string as it is)."""
+    if not outputs or not isinstance(run, Run):
+        return run
+    return Run({k: v for k, v in run.outputs.items() if k not in outputs}, run.gradients, run.where)
 
 
 def meta_device_reason(model: nn.Module, example_inputs: Any) -> str:
@@ -120,7 +153,7 @@ def _structure_copy(model: nn.Module) -> nn.Module | str:
 
 
 def _float32_run(original: nn.Module | str | None, args: tuple, kwargs: dict, gradients: bool,
-                 reference: Run) -> Run | str:
+                 reference: Run, skip: frozenset[str] = frozenset()) -> Run | str:
     """The original model, with its bfloat16/float16 parameters, buffers and inputs upcast to float32, run
     as the reference runs were (``reference``: the low-precision run, whose outputs size the memory); on the
     host when the GPU lacks the memory (:func:`~kernel_pytorch.verify.referee.referee_device`); or why not."""
@@ -138,7 +171,7 @@ def _float32_run(original: nn.Module | str | None, args: tuple, kwargs: dict, gr
         args32 = tuple(_referee_copy(a, device) for a in args)
         kwargs32 = {k: _referee_copy(v, device) for k, v in kwargs.items()}
         wrt = _gradient_targets(fp32, args32, kwargs32) if gradients else None
-        run = unless_out_of_memory(lambda: run_reference(fp32, args32, kwargs32, wrt))
+        run = unless_out_of_memory(lambda: run_reference(fp32, args32, kwargs32, wrt, skip=skip))
     except Exception as error:  # the referee is optional: its failure leaves the plain verdict
         return f"it failed: {type(error).__name__}: {error}"
     if run is None:

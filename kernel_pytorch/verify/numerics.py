@@ -339,12 +339,14 @@ def run_reference(
     kwargs: dict[str, Any] | None,
     wrt: dict[str, torch.Tensor] | None,
     seed: int = 0,
+    skip: frozenset[str] = frozenset(),
 ) -> Run:
     """Run ``fn`` with the random number generators seeded by ``seed`` (and the caller's RNG state
     restored after); with ``wrt``, also differentiate a random projection of the outputs w.r.t. it.
 
     The projection weights come from generators seeded per output, so two runs (reference and
-    candidate) weigh their outputs identically.
+    candidate) weigh their outputs identically; outputs named in ``skip`` are left out of the projection (the
+    others keep their seeds).
     """
     kwargs = kwargs or {}
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -355,13 +357,16 @@ def run_reference(
         with torch.enable_grad() if wrt else torch.no_grad():
             out = fn(*args, **kwargs)
             outputs = flatten_tensors(out)
-            gradients = _gradients(outputs, wrt, seed) if wrt else None
+            gradients = _gradients(outputs, wrt, seed, skip) if wrt else None
     return Run({k: _detached(v) for k, v in outputs.items()}, gradients)
 
 
-def _gradients(outputs: dict[str, Any], wrt: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor | None]:
+def _gradients(outputs: dict[str, Any], wrt: dict[str, torch.Tensor], seed: int,
+               skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor | None]:
     loss = None
-    for index, value in enumerate(outputs.values()):
+    for index, (key, value) in enumerate(outputs.items()):
+        if key in skip:
+            continue
         if isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point():
             generator = torch.Generator(device=value.device).manual_seed(seed + index)
             weight = torch.randn(value.shape, generator=generator, device=value.device, dtype=torch.float32)
