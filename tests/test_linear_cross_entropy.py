@@ -227,6 +227,16 @@ def _batch(seq=9):
     return {"input_ids": ids, "labels": labels}
 
 
+def _optimized_with_logits(name, training_logits):
+    torch.manual_seed(0)
+    model = _config(name).train()
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' config and loss_type warnings
+        optimize(model, example_inputs=_batch(), training_logits=training_logits)
+    return model, reference
+
+
 def _rewrites(model) -> list[str]:
     return [r.replacement for r in report_of(model).rewrites if r.pass_name == "linear_cross_entropy"]
 
@@ -245,15 +255,12 @@ def _assert_same_loss_and_gradients(model, reference, batch, **kwargs):
                                          ("gemma2", "soft-capped at 3 -> linear_logits"),
                                          ("gpt2", "no LM head right before the loss")])
 def test_transformers_causal_lms_with_labels(name, fused):
-    torch.manual_seed(0)
-    model = _config(name).train()
-    reference = copy.deepcopy(model)
+    model, reference = _optimized_with_logits(name, "keep")
+    rewrites = _rewrites(model)
+    assert len(rewrites) == 1 and fused in rewrites[0], report_of(model)
+    assert not report_of(model).rollbacks
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # transformers' config and loss_type warnings
-        optimize(model, example_inputs=_batch())
-        rewrites = _rewrites(model)
-        assert len(rewrites) == 1 and fused in rewrites[0], report_of(model)
-        assert not report_of(model).rollbacks
+        warnings.simplefilter("ignore")  # transformers' loss_type warnings
         _assert_same_loss_and_gradients(model, reference, _batch())
 
 
@@ -316,16 +323,6 @@ def test_model_keeps_fewer_bytes_for_backward():
 
 
 # ------------------------------------------------------------------- training_logits="drop" (Liger's contract)
-
-def _optimized_with_logits(name, training_logits):
-    torch.manual_seed(0)
-    model = _config(name).train()
-    reference = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # transformers' config and loss_type warnings
-        optimize(model, example_inputs=_batch(), training_logits=training_logits)
-    return model, reference
-
 
 @pytest.mark.parametrize("name, capped", [("llama", ""), ("qwen3", ""), ("gemma2", "soft-capped at 3 ")])
 def test_dropped_training_logits_are_none_and_the_loss_and_gradients_stay(name, capped):
