@@ -21,8 +21,8 @@ Variants:
 - ``pytorch-transposed-grad``, ``pytorch-contiguous-grad``: the check's own call first, its output gradient laid
   out (B, L, H, E) or as the output (PyTorch alone: the first reproduces the fault, the second is its control).
 
-Prints a line per variant and writes ``sdpa_gradients.json``; exit status 1 when a variant is wrong and
-``none`` is right.
+Prints a line per variant and writes ``sdpa_gradients.json``; exit status 1 when a variant other than PyTorch's
+own is wrong and ``none`` is right.
 """
 
 from __future__ import annotations
@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
                "cudnn": torch.backends.cudnn.version(), "results": results}
     (args.out / "sdpa_gradients.json").write_text(json.dumps(payload, indent=1))
     clean = next((r for r in results if r["variant"] == "none" and "errors" in r), None)
-    spoiled = [r["variant"] for r in results if r.get("wrong")]
+    # PyTorch's own variants reproduce its fault (expected while it lasts); a kernel_pytorch step must not.
+    spoiled = [r["variant"] for r in results if r.get("wrong") and not r["variant"].startswith("pytorch-")]
     sys.exit(1 if spoiled and clean is not None and not clean["wrong"] else 0)
 
 
