@@ -151,25 +151,22 @@ def _model_float32(model, inputs: dict) -> None:
 
 def run_variant(variant: str) -> dict:
     """The step of ``variant`` (module docstring), then the check; in this process."""
-    if variant != "none" and not variant.startswith("pytorch-"):
+    rollbacks = None
+    if variant.startswith("pytorch-"):  # the same call first, its output gradient laid out otherwise or not
+        check_sdpa_gradients(grad_layout=variant.split("-")[1])
+    elif variant != "none":
         model, inputs = _llama()
         if variant in _OPTIMIZE_OPTIONS:
             from kernel_pytorch import optimize, report_of
 
             optimize(model, example_inputs=inputs, **_OPTIMIZE_OPTIONS[variant])
             rollbacks = [r.pass_name for r in report_of(model).rollbacks]
+        elif variant.startswith("graph-"):
+            _captured_graph_runs(model, inputs, float32=variant == "graph-float32")
         else:
-            rollbacks = None
-            if variant.startswith("graph-"):
-                _captured_graph_runs(model, inputs, float32=variant == "graph-float32")
-            else:
-                _model_float32(model, inputs)
-    if variant.startswith("pytorch-"):  # the same call first, its output gradient laid out otherwise or not
-        rollbacks = None
-        check_sdpa_gradients(grad_layout=variant.split("-")[1])
+            _model_float32(model, inputs)
     errors = check_sdpa_gradients()
-    return {"variant": variant, "errors": errors, "wrong": max(errors) > _WRONG,
-            "rollbacks": rollbacks if variant != "none" else None,
+    return {"variant": variant, "errors": errors, "wrong": max(errors) > _WRONG, "rollbacks": rollbacks,
             "by_backend": {name: _backend_errors(name) for name in _BACKENDS},
             "kernels": _kernels_run(check_sdpa_gradients)}
 
