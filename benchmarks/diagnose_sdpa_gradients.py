@@ -131,12 +131,12 @@ _OPTIMIZE_OPTIONS = {
 
 def _captured_graph_runs(model, inputs: dict, float32: bool) -> None:
     """Capture the training graph and run it, unrewritten, inside the backend as the per-graph check does."""
-    from kernel_pytorch.verify.graphs import GraphInputs, float32_graph
+    from kernel_pytorch.verify.graphs import GraphInputs
 
     def backend(gm, example_inputs):
         graph_inputs = GraphInputs(gm, example_inputs, training=True)
         if float32:
-            graph_inputs.run_float32(float32_graph(gm))
+            graph_inputs.run_float32(gm)
         else:
             graph_inputs.run(gm)
         return gm

@@ -35,7 +35,7 @@ from kernel_pytorch.passes.linear_cross_entropy import drop_loss_logits
 from kernel_pytorch.passes.manager import PassManager
 from kernel_pytorch.report import (BlockRecord, OptimizationReport, RewriteRecord, RollbackRecord, SkipRecord,
                                    natural_order)
-from kernel_pytorch.verify.graphs import GraphInputs, draws_random_numbers, float32_graph, without_dropout
+from kernel_pytorch.verify.graphs import GraphInputs, draws_random_numbers, without_dropout
 from kernel_pytorch.verify.numerics import NoiseAwareCheck, unless_out_of_memory
 
 __all__ = ["GraphOptimizer", "GuardedGraph", "CompilerChoice"]
@@ -232,7 +232,7 @@ class GraphOptimizer:
             reference = inputs.run(without_dropout(gm))
 
             def float32_run():  # the graph's float32 copy is made only if the referee is needed
-                return inputs.run_float32(float32_graph(without_dropout(gm)), reference)
+                return inputs.run_float32(without_dropout(gm), reference)
 
             check = NoiseAwareCheck(reference, float32_run, self.config)
             return check, check(inputs.run(without_dropout(candidate)), self._judged_by(results))

@@ -460,13 +460,13 @@ def test_auto_fraction_moves_a_prefix_after_the_first_step():
 
 
 def test_not_enough_host_memory_is_a_clear_memory_error(monkeypatch):
-    monkeypatch.setattr(host_memory, "_available_host_bytes", lambda: 1000)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1000)
     with pytest.raises(MemoryError, match=r"needs \d+ bytes .* only 1000 bytes .* available"):
         offloaded(make_model().parameters(), "cpu")
 
 
 def test_available_host_bytes_is_read_from_the_system():
-    assert host_memory._available_host_bytes() > 0
+    assert host_memory.available_host_bytes() > 0
 
 
 @pytest.mark.parametrize("files, room", [
@@ -488,7 +488,7 @@ def test_a_cgroup_limit_bounds_the_available_host_memory(tmp_path, monkeypatch, 
     monkeypatch.setattr(host_memory, "_CGROUP_ROOT", str(tmp_path))
     assert host_memory._cgroup_room() == room
     if room is not None:
-        assert host_memory._available_host_bytes() <= room
+        assert host_memory.available_host_bytes() <= room
 
 
 def test_needs_a_cuda_gpu():

@@ -437,7 +437,7 @@ def _gpu_too_small(monkeypatch, host_bytes):
     from kernel_pytorch.verify import referee
 
     monkeypatch.setattr(referee, "float32_fits", lambda *a: "a float32 copy needs ~47.2 GiB, 0.1 GiB free on cuda:0")
-    monkeypatch.setattr(referee, "host_available_bytes", lambda: host_bytes)
+    monkeypatch.setattr(referee, "available_host_bytes", lambda: host_bytes)
 
 
 def test_the_end_to_end_referee_runs_on_the_host_when_the_gpu_lacks_the_memory(monkeypatch):
@@ -485,15 +485,15 @@ def test_float32_verification_never_consults_a_referee(monkeypatch):
     assert report_of(model).verification.rule == "tolerance"
 
 
-def test_a_graph_moved_to_the_host_computes_there_with_the_devices_it_names_replaced():
-    from kernel_pytorch.verify.graphs import graph_on
+def test_a_referee_graph_on_the_host_computes_there_with_the_devices_it_names_replaced():
+    from kernel_pytorch.verify.graphs import float32_graph
 
     class MakesPositions(torch.nn.Module):
         def forward(self, x):
             return x + torch.arange(x.shape[-1], device=torch.device("meta")).to(torch.device("meta"))
 
     gm = torch.fx.symbolic_trace(MakesPositions())
-    moved = graph_on(gm, torch.device("cpu"))
+    moved = float32_graph(gm, torch.device("cpu"))
     x = torch.randn(3, 4)
     assert torch.equal(moved(x), x + torch.arange(4))
     with pytest.raises(RuntimeError):

@@ -97,9 +97,9 @@ def test_the_referee_goes_to_the_gpu_the_host_or_nowhere_by_the_memory_each_has(
     monkeypatch.setattr(referee, "float32_fits", lambda *a: None)
     assert referee.referee_device([weight], True, outputs) == (None, "")
     monkeypatch.setattr(referee, "float32_fits", lambda *a: "a float32 copy needs ~1.0 GiB, 0.1 GiB free on cuda:0")
-    monkeypatch.setattr(referee, "host_available_bytes", lambda: 2**40)
+    monkeypatch.setattr(referee, "available_host_bytes", lambda: 2**40)
     assert referee.referee_device([weight], True, outputs) == (torch.device("cpu"), referee.float32_fits())
-    monkeypatch.setattr(referee, "host_available_bytes", lambda: 1024)
+    monkeypatch.setattr(referee, "available_host_bytes", lambda: 1024)
     device, why = referee.referee_device([weight], True, outputs)
     assert device is None and why.endswith("host memory available: 0.0 GiB"), why
 

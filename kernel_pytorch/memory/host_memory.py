@@ -1,14 +1,15 @@
-"""How much host memory the offloaded optimizer may pin: ``MemAvailable``, bounded by the room left under a
-memory cgroup's limit, checked before any block is allocated."""
+"""How much host memory there is to take: ``MemAvailable``, bounded by the room left under a memory cgroup's
+limit. The offloaded optimizer checks it before pinning any block; the float32 referee before running on the host
+(``verify/referee.py``)."""
 
 from __future__ import annotations
 
 import os
 
-__all__: list[str] = []  # package-private: pinned_host.py imports _check_host_memory by name
+__all__ = ["available_host_bytes"]  # pinned_host.py also imports _check_host_memory by name
 
 
-def _available_host_bytes() -> int:
+def available_host_bytes() -> int:
     """Host memory the kernel can hand out without swapping: ``MemAvailable`` (free + reclaimable
     page cache), or free pages where /proc/meminfo is missing; in a container whose memory cgroup has a
     limit, no more than the room left under it. /proc/meminfo shows the whole machine there, and going
@@ -69,7 +70,7 @@ def _stat_value(stat: str, key: str) -> int:
 
 
 def _check_host_memory(needed: int, what: str) -> None:
-    available = _available_host_bytes()
+    available = available_host_bytes()
     if needed > available:
         raise MemoryError(
             f"OffloadedOptimizer needs {needed} bytes ({needed / 2**30:.2f} GiB) of pinned host memory "

@@ -120,6 +120,8 @@ def _is_cast_or_view(node: Node) -> bool:
         return isinstance(source, torch.Tensor) and source.shape[-1:] == example_value(node).shape[-1:]
     if is_call(node, "contiguous"):
         return len(node.args) == 1 and not node.kwargs
+    if is_call(node, "float", "bfloat16", "half"):  # as captured, before normalization spells them .to(dtype)
+        return len(node.args) == 1 and not node.kwargs
     return is_call(node, "to") and len(node.args) == 2 and not node.kwargs and node.args[1] in _FLOATS
 
 
@@ -137,7 +139,7 @@ def _soft_cap(node: Node) -> Optional[tuple[float, Node, list[Node]]]:
 
 def _head(node: Node, vocab: int) -> Optional[Node]:
     """``node`` if it is an LM head ``F.linear(h, W, b)`` with ``W`` of ``vocab`` rows, all in one dtype."""
-    if not is_call(node, F.linear) or len(node.args) < 2:
+    if not is_call(node, F.linear, torch._C._nn.linear) or len(node.args) < 2:  # the latter as captured
         return None
     values = [example_value(a) for a in node.args[:3] if a is not None] + [example_value(node)]
     if not all(isinstance(v, torch.Tensor) for v in values) or values[1].dim() != 2 or values[1].shape[0] != vocab:
@@ -356,32 +358,23 @@ def drop_loss_logits(gm: torch.fx.GraphModule) -> int:
     return dropped
 
 
-# Ops between an LM head's logits and the loss in captured (not yet normalized) graphs: casts and views.
-_RAW_STEPS = {"float", "to", "view", "reshape", "contiguous"}
-
-
 def _returned_head_logits(loss: Node, output: Node) -> Optional[Node]:
     """The logits ``loss`` reads through casts and views, when they are an LM head's (or its soft cap's) and
     are used by nothing but that chain and the graph's output; else None."""
     chain, source = [], loss.args[0] if loss.args else None
-    while isinstance(source, Node) and source.op == "call_method" and source.target in _RAW_STEPS:
+    while isinstance(source, Node) and _is_cast_or_view(source):
         if len(source.users) != 1:
             return None
         chain.append(source)
         source = source.args[0]
-    if not isinstance(source, Node):
+    value = example_value(loss.args[0]) if loss.args else None
+    if not isinstance(source, Node) or not isinstance(value, torch.Tensor):
         return None
     capped = _soft_cap(source)
-    if not _is_linear(capped[1] if capped else source):
+    if _head(capped[1] if capped else source, value.shape[-1]) is None:
         return None
     first = chain[-1] if chain else loss
     return source if [user for user in source.users if user is not first] == [output] else None
-
-
-def _is_linear(node: Node) -> bool:
-    if node.op == "call_module":
-        return isinstance(node.graph.owning_module.get_submodule(node.target), torch.nn.Linear)
-    return node.op == "call_function" and node.target in (F.linear, torch._C._nn.linear)
 
 
 @register_pass

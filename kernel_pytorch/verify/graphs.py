@@ -16,10 +16,10 @@ import torch.fx
 
 from kernel_pytorch.attention.kernels.aten_sdpa import sdpa_dispatch_without_cudnn
 from kernel_pytorch.passes.graph_utils import checkpointed_subgraphs, clone_graph_module
-from kernel_pytorch.verify.numerics import LOW_PRECISION, Run, run_reference, to_float32, unless_out_of_memory
-from kernel_pytorch.verify.referee import referee_device
+from kernel_pytorch.verify.numerics import LOW_PRECISION, Run, run_reference, unless_out_of_memory
+from kernel_pytorch.verify.referee import referee_copy, referee_device
 
-__all__ = ["GraphInputs", "draws_random_numbers", "float32_graph", "graph_on", "without_dropout"]
+__all__ = ["GraphInputs", "draws_random_numbers", "float32_graph", "without_dropout"]
 
 # Ops whose results depend on the RNG stream: an end-to-end comparison cannot match them when the
 # compiler draws random numbers differently from eager PyTorch (Inductor does).
@@ -93,16 +93,16 @@ class GraphInputs:
             isinstance(v, torch.Tensor) and v.requires_grad for v in self.values)
 
     def run_float32(self, gm: torch.fx.GraphModule, reference: Run | None = None) -> Run | str:
-        """``gm`` (see :func:`float32_graph`) on float32 copies of the bfloat16/float16 inputs, or why not
-        (``reference``: the low-precision run, whose outputs size the memory); on the host when the GPU lacks the
-        memory (:func:`~kernel_pytorch.verify.referee.referee_device`), as the end-to-end referee."""
+        """The captured graph ``gm`` as the float32 referee (:func:`float32_graph`), on float32 copies of the
+        bfloat16/float16 inputs, or why not (``reference``: the low-precision run, whose outputs size the memory);
+        on the host when the GPU lacks the memory (:func:`~kernel_pytorch.verify.referee.referee_device`), as the
+        end-to-end referee."""
         device, why = referee_device([v for v in self.values if isinstance(v, torch.Tensor)], self.grad, reference)
         if why and device is None:
             return why
         started = time.perf_counter()
         try:
-            graph = gm if device is None else graph_on(gm, device)
-            run = unless_out_of_memory(lambda: self.run(graph, float32=True, device=device))
+            run = unless_out_of_memory(lambda: self.run(float32_graph(gm, device), float32=True, device=device))
         except Exception as error:  # the referee is optional: its failure leaves the plain verdict
             return f"it failed: {type(error).__name__}: {error}"
         if run is None:
@@ -112,10 +112,8 @@ class GraphInputs:
         return run
 
     def run(self, gm: torch.fx.GraphModule, float32: bool = False, device: torch.device | None = None) -> Run:
-        args = [to_float32(v) if float32 and isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION else _fresh(v)
-                for v in self.values]
-        if device is not None:
-            args = [_moved(a, device) for a in args]
+        """``gm`` on fresh copies of the inputs (``float32``: low-precision ones upcast; ``device``: moved there)."""
+        args = [_referee_input(v, device) if float32 else _fresh(v) for v in self.values]
         wrt = None
         if self.grad:
             wrt = {name: a for name, a in zip(self.names, args)
@@ -134,20 +132,26 @@ def _eager_graph_run() -> Iterator[None]:
         yield
 
 
-def float32_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def float32_graph(gm: torch.fx.GraphModule, device: torch.device | None = None) -> torch.fx.GraphModule:
     """A copy of ``gm`` computing in float32 where it computed in bfloat16/float16, for a float32 referee
     run: dtype arguments (``x.to(torch.bfloat16)``, ``softmax(..., dtype=)``) become float32 and
-    low-precision attributes are upcast where read. Autocast regions are left as they are."""
-    copy = clone_graph_module(gm)
+    low-precision attributes are upcast where read. Autocast regions are left as they are. ``device`` (the
+    referee on the host): attributes moved there, and the devices calls name (``torch.arange(n, device=...)``,
+    ``x.to(device)``) replaced by it."""
+    copy = clone_graph_module(gm) if device is None else clone_graph_module(gm).to(device)
 
-    def upcast(arg: Any) -> Any:
-        return torch.float32 if isinstance(arg, torch.dtype) and arg in LOW_PRECISION else arg
+    def referee_argument(arg: Any) -> Any:
+        if isinstance(arg, torch.dtype) and arg in LOW_PRECISION:
+            return torch.float32
+        return device if device is not None and isinstance(arg, torch.device) else arg
 
     for node in list(copy.graph.nodes):
         if "autocast" in str(getattr(node.target, "__name__", node.target)):
             continue
-        node.args = torch.fx.node.map_aggregate(node.args, upcast)
-        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, upcast)
+        node.args = torch.fx.node.map_aggregate(node.args, referee_argument)
+        node.kwargs = dict(torch.fx.node.map_aggregate(node.kwargs, referee_argument))
+        if device is not None and isinstance(node.kwargs.get("device"), str):
+            node.kwargs = {**node.kwargs, "device": device}
         if node.op == "get_attr":
             value = copy
             for part in str(node.target).split("."):
@@ -157,36 +161,16 @@ def float32_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                     cast = copy.graph.call_method("to", (node, torch.float32))
                 node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
     for name, body in checkpointed_subgraphs(copy):
-        setattr(copy, name, float32_graph(body))
+        setattr(copy, name, float32_graph(body, device))
     copy.recompile()
     return copy
 
 
-def _moved(value: Any, device: torch.device) -> Any:
-    """A tensor on ``device`` as a leaf with the same ``requires_grad``; anything else as it is."""
-    if isinstance(value, torch.Tensor) and value.device != device:
-        return value.detach().to(device).requires_grad_(value.requires_grad)
-    return value
-
-
-def graph_on(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
-    """A copy of ``gm`` that computes on ``device``: its attributes moved, and the devices its calls name
-    (``torch.arange(n, device=...)``, ``x.to(device)``) replaced, for the float32 referee on the host."""
-    copy = clone_graph_module(gm).to(device)
-
-    def replace(arg: Any) -> Any:
-        return device if isinstance(arg, torch.device) and arg != device else arg
-
-    for node in copy.graph.nodes:
-        node.args = torch.fx.node.map_aggregate(node.args, replace)
-        kwargs = dict(torch.fx.node.map_aggregate(node.kwargs, replace))
-        if isinstance(kwargs.get("device"), str):
-            kwargs["device"] = device
-        node.kwargs = kwargs
-    for name, body in checkpointed_subgraphs(copy):
-        setattr(copy, name, graph_on(body, device))
-    copy.recompile()
-    return copy
+def _referee_input(value: Any, device: torch.device | None) -> Any:
+    """An input of the float32 referee run: upcast and moved (:func:`~kernel_pytorch.verify.referee.referee_copy`),
+    or, where that leaves it as it is, a fresh copy as for any run."""
+    copied = referee_copy(value, device)
+    return _fresh(value) if copied is value else copied
 
 
 def _fresh(value: Any) -> Any:

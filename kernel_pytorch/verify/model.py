@@ -19,9 +19,9 @@ from torch.utils import _pytree as pytree
 
 from kernel_pytorch.attention.kernels.aten_sdpa import sdpa_dispatch_without_cudnn
 from kernel_pytorch.report import VerificationRecord
-from kernel_pytorch.verify.numerics import (LOW_PRECISION, NoiseAwareCheck, Run, call_arguments, compared_counts,
-                                            is_low_precision, run_reference, unless_out_of_memory)
-from kernel_pytorch.verify.referee import referee_device
+from kernel_pytorch.verify.numerics import (NoiseAwareCheck, Run, call_arguments, compared_counts, is_low_precision,
+                                            run_reference, unless_out_of_memory)
+from kernel_pytorch.verify.referee import referee_copy, referee_device
 
 __all__ = ["EndToEndCheck", "meta_device_reason"]
 
@@ -65,34 +65,28 @@ class EndToEndCheck:
         if self.reference is None:
             return False
         gradients = self.wrt is not None
-        dropped = _dropped_outputs(self.reference, optimized, config, model)
-        skip = frozenset(dropped)
+        dropped = _dropped_outputs(self.reference, optimized) if config.training_logits == "drop" else frozenset()
+        if dropped:
+            model._kernel_pytorch.report.notes.append(
+                f"end-to-end check: {', '.join(sorted(dropped))} not compared (training_logits='drop' returns none)")
         if dropped and gradients:  # the original again, its gradients without the dropped outputs' share
-            self.reference = self._reference_run(model, model._call_impl, skip)
+            self.reference = self._reference_run(model, model._call_impl, dropped)
             if self.reference is None:
                 return False
-        reference = _without(self.reference, dropped)
-        check = NoiseAwareCheck(reference, lambda: _without(_float32_run(self.original, self.args, self.kwargs,
-                                                                         gradients, self.reference, skip), dropped),
-                                config)
+        check = NoiseAwareCheck(_without(self.reference, dropped),
+                                lambda: _without(_float32_run(self.original, self.args, self.kwargs, gradients,
+                                                              self.reference, dropped), dropped), config)
         _judge(model, _without(optimized, dropped), check, self.no_gradients)
         return True
 
 
-def _dropped_outputs(reference: Run, optimized: Run, config: Any, model: nn.Module) -> list[str]:
-    """The outputs ``training_logits="drop"`` took away (the original returns them, the optimized model does not;
-    ``[]`` without that option), said in the report: they are not compared."""
-    if getattr(config, "training_logits", "keep") != "drop":
-        return []
-    dropped = sorted(key for key, value in reference.outputs.items()
+def _dropped_outputs(reference: Run, optimized: Run) -> frozenset[str]:
+    """The outputs ``training_logits="drop"`` took away: tensors the original returns and the optimized model not."""
+    return frozenset(key for key, value in reference.outputs.items()
                      if isinstance(value, torch.Tensor) and optimized.outputs.get(key) is None)
-    if dropped:
-        model._kernel_pytorch.report.notes.append(
-            f"end-to-end check: {', '.join(dropped)} not compared (training_logits='drop' returns none)")
-    return dropped
 
 
-def _without(run: Run | str, outputs: list[str]) -> Run | str:
+def _without(run: Run | str, outputs: frozenset[str]) -> Run | str:
     """``run`` without ``outputs`` (a referee's "why not" string as it is)."""
     if not outputs or not isinstance(run, Run):
         return run
@@ -165,11 +159,11 @@ def _float32_run(original: nn.Module | str | None, args: tuple, kwargs: dict, gr
     if why and device is None:
         return why
     started = time.perf_counter()
-    memo = {id(t): _referee_copy(t, device) for t in (*original.parameters(), *original.buffers())}
+    memo = {id(t): referee_copy(t, device) for t in (*original.parameters(), *original.buffers())}
     try:
         fp32 = copy.deepcopy(original, memo=memo)
-        args32 = tuple(_referee_copy(a, device) for a in args)
-        kwargs32 = {k: _referee_copy(v, device) for k, v in kwargs.items()}
+        args32 = tuple(referee_copy(a, device) for a in args)
+        kwargs32 = {k: referee_copy(v, device) for k, v in kwargs.items()}
         wrt = _gradient_targets(fp32, args32, kwargs32) if gradients else None
         run = unless_out_of_memory(lambda: run_reference(fp32, args32, kwargs32, wrt, skip=skip))
     except Exception as error:  # the referee is optional: its failure leaves the plain verdict
@@ -179,21 +173,6 @@ def _float32_run(original: nn.Module | str | None, args: tuple, kwargs: dict, gr
     if device is not None:
         run.where = f"on the CPU in {time.perf_counter() - started:.0f} s ({why})"
     return run
-
-
-def _referee_copy(value: Any, device: torch.device | None) -> Any:
-    """``value`` for the float32 run: low-precision tensors upcast, tensors moved to ``device`` (None: kept
-    where they are), parameters still parameters."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    detached = value.detach()
-    moved = detached.float() if detached.dtype in LOW_PRECISION else detached
-    moved = moved.to(device) if device is not None else moved
-    if moved is detached:  # unchanged: the tensor itself (an integer buffer, a float32 parameter or input)
-        return value
-    if isinstance(value, nn.Parameter):
-        return nn.Parameter(moved, value.requires_grad)
-    return moved.requires_grad_(value.requires_grad)
 
 
 def _judge(model: nn.Module, optimized: Run, check: NoiseAwareCheck, no_gradients: str) -> None:

@@ -1,5 +1,6 @@
 """Where a float32 referee run goes (:class:`~kernel_pytorch.verify.numerics.NoiseAwareCheck`): on the GPU when a
-float32 copy of the low-precision tensors fits beside what is there, else, for the end-to-end check, on the host.
+float32 copy of the low-precision tensors fits beside what is there, else on the host (the per-graph checks and the
+end-to-end one alike), and the tensors it runs on (:func:`referee_copy`).
 
 At vocabulary 128256 and 8 x 2048 tokens a 12-layer model's float32 run needs about 47 GiB beyond the checks' own
 runs, which an 80 GB GPU does not have after them; judged by tolerance alone, the bf16 logits (2.5e-2 from the bf16
@@ -9,16 +10,16 @@ back. The host holds the float32 copy instead, slower (its matmuls on the CPU) b
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+import torch.nn as nn
 
+from kernel_pytorch.memory.host_memory import available_host_bytes
 from kernel_pytorch.verify.numerics import LOW_PRECISION, Run
 
-__all__ = ["float32_bytes_needed", "float32_fits", "host_available_bytes", "referee_device"]
+__all__ = ["float32_bytes_needed", "float32_fits", "referee_device", "referee_copy"]
 
 GIB = 2**30
 
@@ -50,19 +51,6 @@ def float32_fits(tensors: Sequence[torch.Tensor], gradients: bool, outputs: Opti
     return None
 
 
-def host_available_bytes() -> int | None:
-    """The host memory a new allocation can get (Linux ``MemAvailable``; else free pages), None if unknown."""
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def referee_device(tensors: Sequence[torch.Tensor], gradients: bool,
                    outputs: Optional[Run] = None) -> tuple[Optional[torch.device], str]:
     """Where the float32 run goes: ``(None, "")`` where the tensors are; ``(cpu, why)`` on the host, the GPU
@@ -70,8 +58,23 @@ def referee_device(tensors: Sequence[torch.Tensor], gradients: bool,
     on_gpu = float32_fits(tensors, gradients, outputs)
     if on_gpu is None:
         return None, ""
-    needed, available = float32_bytes_needed(tensors, gradients, outputs), host_available_bytes()
+    needed, available = float32_bytes_needed(tensors, gradients, outputs), available_host_bytes()
     if available is None or available < needed:
         host = "unknown" if available is None else f"{available / GIB:.1f} GiB"
         return None, f"{on_gpu}; host memory available: {host}"
     return torch.device("cpu"), on_gpu
+
+
+def referee_copy(value: Any, device: torch.device | None) -> Any:
+    """``value`` for the float32 run: low-precision tensors upcast, tensors moved to ``device`` (None: kept
+    where they are), parameters still parameters, leaves with the same ``requires_grad``."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    detached = value.detach()
+    moved = detached.float() if detached.dtype in LOW_PRECISION else detached
+    moved = moved.to(device) if device is not None else moved
+    if moved is detached:  # unchanged: the tensor itself (an integer buffer, a float32 parameter or input)
+        return value
+    if isinstance(value, nn.Parameter):
+        return nn.Parameter(moved, value.requires_grad)
+    return moved.requires_grad_(value.requires_grad)
