@@ -552,6 +552,7 @@ def run_provider(name: str, provider: str, s: Setup, hbm: dict, info_out: dict) 
         if provider == OURS:
             result["recompiles"] = recompile_sweep(runner, info, s)
             result["report_generation_lines"] = _report_lines(runner.model)
+            result["setup_phases_s"] = _setup_phases(runner.model)
         result.update(_peak_gib(s))
     except Exception as error:  # a provider that raises (out of memory, compile failure) must not end the run
         result["error"] = first_line(error)
@@ -579,6 +580,13 @@ def _report_lines(model: nn.Module) -> list[str]:
         return generation_lines(report) + decode_kernel_lines(report)
     except Exception as error:  # not optimized (optimize raised before returning)
         return [f"no report: {first_line(error)}"]
+
+
+def _setup_phases(model: nn.Module) -> dict[str, float]:
+    """Where optimize's warm-up went: the report's seconds per phase (passes, verify, compile), summed over graphs."""
+    import kernel_pytorch
+
+    return {phase: round(seconds, 2) for phase, seconds in kernel_pytorch.report_of(model).timings_s.items()}
 
 
 # ---------------------------------------------------------------------------- comparisons, targets, summary

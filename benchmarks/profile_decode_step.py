@@ -52,7 +52,13 @@ def profile_lane(lane: DecodeLane, prompt: int, steps: int, label: str) -> str:
     gpu_us = sum(e.device_time for e in kernels) / steps
     head = (f"== {label}: {len(kernels) / steps:.0f} kernels per step, {gpu_us:.0f} us GPU time per step; "
             f"prefill of {prompt} tokens {prefill_ms:.1f} ms")
-    return head + "\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90)
+    one_step = sorted(kernels, key=lambda e: e.time_range.start)[: len(kernels) // steps]
+    order = "\n".join(f"{e.device_time:8.1f} us  {e.name[:110]}" for e in one_step[:_SEQUENCE_SHOWN])
+    return (head + "\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90)
+            + f"\nthe first {_SEQUENCE_SHOWN} kernels of one step, in launch order:\n" + order)
+
+
+_SEQUENCE_SHOWN = 40  # the embedding, the first two layers and a bit: the per-layer sequence repeats
 
 
 def main(argv: list[str] | None = None) -> None:
