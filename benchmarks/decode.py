@@ -345,7 +345,7 @@ def generation_lines(report: dict) -> list[str]:
     return lines[:40]
 
 
-_DECODE_PASSES = ("decode_attention", "decode_linear")
+_DECODE_PASSES = ("decode_attention", "decode_linear", "decode_fusion", "decode_rope_cache")
 
 
 def decode_kernel_lines(report: dict) -> list[str]:

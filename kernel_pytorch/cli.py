@@ -57,6 +57,7 @@ _SUITE_HARDWARE = {
     "memory": _NEEDS_CUDA_GPU,
     "profile_cudnn_band": _NEEDS_CUDNN,
     "profile_decode_step": _NEEDS_CUDA_GPU,
+    "profile_warm_up": _NEEDS_CUDA_GPU,
     "profile_float8_linear": _NEEDS_FP8_GPU,
     "render_readme_table": _CPU_OK,  # reads benchmarks/results/ and prints Markdown
     "ring_attention": _NEEDS_CUDA_GPU,

@@ -70,10 +70,13 @@ class Backend:
     # pass would otherwise dispatch as general attention.
     # "linear_cross_entropy" reads only the LM head and the loss, which no other pass rewrites.
     # "fp8" after them: it converts the linears as the horizontal fusion left them (passes/fp8_linear.py: why).
-    # "decode_linear" last: it takes the F.linear calls of a few token rows that no other pass converted.
+    # "decode_linear" after them: it takes the F.linear calls of a few token rows that no other pass converted;
+    # "decode_fusion" after it: it folds the norm before and the gated activation after a decode_linear launch into
+    # it; "decode_rope_cache" takes the rope pass's call and the KV-cache writes after it.
     graph_passes: ClassVar[tuple[str, ...]] = ("normalize", "norms", "horizontal_gemm", "activations", "rope",
                                                "decode_attention", "attention", "context_parallel",
-                                               "linear_cross_entropy", "fp8", "decode_linear")
+                                               "linear_cross_entropy", "fp8", "decode_linear",
+                                               "decode_fusion", "decode_rope_cache")
     module_passes: ClassVar[tuple[str, ...]] = ()
     kernels: ClassVar[tuple[Kernel, ...]] = ()
 

@@ -24,9 +24,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernel_pytorch.ops import triton_utils as tu
+from kernel_pytorch.ops.activations import ACTIVATION_KINDS
 from kernel_pytorch.ops.triton_utils import tl
 
-__all__ = ["grouped_linear", "GemvTile", "gemv_tile", "MAX_ROWS", "MAX_WEIGHTS"]
+__all__ = ["grouped_linear", "grouped_gemv", "grouped_linear_native", "use_triton_kernel", "GemvTile", "gemv_tile",
+           "NormInput", "MAX_ROWS", "MAX_WEIGHTS"]
 
 MAX_ROWS = 16  # token rows one program holds (batch x new tokens of a decode step)
 MAX_WEIGHTS = 3
@@ -52,22 +54,64 @@ def gemv_tile(rows: int) -> GemvTile:
 
 
 @tu.jit
+def _input_chunk(X, R, NW, x_offsets, r_offsets, kk, K, mask, rstd,
+                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr):
+    """A chunk of the GEMV's input in X's dtype: x, or with NORM the RMSNorm of h = x (+ r) as the norm op
+    computes it (h rounded to X's dtype, statistics in float32, one or two roundings around the weight).
+    1-D (one token row) or 2-D (rows x K) by the shape of the offsets."""
+    x = tl.load(X + x_offsets, mask=mask, other=0.0)
+    if NORM:
+        if HAS_RESIDUAL:
+            x = (x.to(tl.float32) + tl.load(R + r_offsets, mask=mask, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+        y = x.to(tl.float32) * rstd
+        w = tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if CAST_BEFORE_WEIGHT:
+            y = y.to(X.dtype.element_ty).to(tl.float32)
+        x = (y * w).to(X.dtype.element_ty)
+    return x
+
+
+@tu.jit
+def _norm_statistics(X, R, H, x_offsets, r_offsets, h_offsets, k_step, K, mask_rows, eps, write_h,
+                     HAS_RESIDUAL: tl.constexpr, AXIS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(h²) + eps) (float32) per token row of h = x (+ r), rounded to X's dtype, the rows along
+    AXIS 1 (2-D offsets) or one row (AXIS 0); where ``write_h`` also stores h."""
+    squares = tl.zeros_like(x_offsets).to(tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask = mask_rows & (k0 + k_step < K)
+        h = tl.load(X + x_offsets + k0, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            h = (h.to(tl.float32) + tl.load(R + r_offsets + k0, mask=mask, other=0.0).to(tl.float32)).to(
+                X.dtype.element_ty)
+            if write_h:
+                tl.store(H + h_offsets + k0, h, mask=mask)
+        h = h.to(tl.float32)
+        squares += h * h
+    # .to: Inductor passes a Python-float eps as float64, which would make every normed tile float64
+    return tl.math.rsqrt(tl.sum(squares, axis=AXIS) / K + eps).to(tl.float32)
+
+
+@tu.jit
 def _grouped_gemv_kernel(
-    X, W0, W1, W2, B0, B1, B2, OUT, M, K, N0, N1, N2, sx_m, so_m, blocks0, blocks01,
+    X, R, H, NW, W0, W1, W2, B0, B1, B2, OUT, M, K, N0, N1, N2, sx_m, sr_m, sh_m, so_m, blocks0, blocks01, eps,
     NUM_W: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, GATED: tl.constexpr,
+    KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program: ``BLOCK_N`` rows of one weight (programs [0, blocks0) are W0's, then W1's, then W2's),
     reduced over all of K for the M token rows. USE_DOT: tensor cores (M > 1); else FMAs into a
     (BLOCK_N, BLOCK_K) float32 partial, summed once at the end. IEEE: float32 products without TF32.
-    UPCAST: 16-bit dot operands in float32 (Triton's interpreter, whose 16-bit ``dot`` is wrong)."""
+    UPCAST: 16-bit dot operands in float32 (Triton's interpreter, whose 16-bit ``dot`` is wrong).
+    NORM: the input is RMSNorm(x (+ R)) with weight NW, each program computing the rows' statistics itself;
+    program 0 stores h = x + R to H. GATED: W0 (gate) and W1 (up) rows of the same index in one program, the
+    output act(gate) * up (KIND as in ops/activations.py), each product rounded as the unfused ops round it."""
     pid = tl.program_id(0)
     w_ptr = W0
     b_ptr = B0
     first = pid * BLOCK_N
     n_size = N0
     column = 0
-    if NUM_W > 1:
+    if NUM_W > 1 and not GATED:
         if pid >= blocks0:
             w_ptr = W1
             b_ptr = B1
@@ -85,52 +129,118 @@ def _grouped_gemv_kernel(
     row_ok = rows < n_size
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
+    k_step = tl.arange(0, BLOCK_K)
+    rstd = 1.0
     if USE_DOT:
+        x_rows, r_rows, m_mask = m[:, None] * sx_m, m[:, None] * sr_m, m_ok[:, None]
+        if NORM:
+            rstd = _norm_statistics(X, R, H, x_rows + k_step[None, :], r_rows + k_step[None, :],
+                                    m[:, None] * sh_m + k_step[None, :], k_step[None, :], K, m_mask, eps, pid == 0,
+                                    HAS_RESIDUAL, 1, BLOCK_K)[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     else:
+        if NORM:
+            rstd = _norm_statistics(X, R, H, k_step, k_step, k_step, k_step, K, k_step < BLOCK_K, eps, pid == 0,
+                                    HAS_RESIDUAL, 0, BLOCK_K)
         partial = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        partial_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
+        kk = k0 + k_step
         k_ok = kk < K
-        w = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = row_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=w_mask, other=0.0)
+        if GATED:
+            w_up = tl.load(W1 + rows[:, None] * K + kk[None, :], mask=w_mask, other=0.0)
         if USE_DOT:
-            x = tl.load(X + m[:, None] * sx_m + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if UPCAST:
-                x, w = x.to(tl.float32), w.to(tl.float32)
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
+            x = _input_chunk(X, R, NW, x_rows + kk[None, :], r_rows + kk[None, :], kk[None, :], K,
+                             m_mask & k_ok[None, :], rstd, NORM, HAS_RESIDUAL, CAST_BEFORE_WEIGHT)
+            acc = _dot(acc, x, w, IEEE, UPCAST)
+            if GATED:
+                up = _dot(up, x, w_up, IEEE, UPCAST)
         else:
-            x = tl.load(X + kk, mask=k_ok, other=0.0)
-            partial += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    if USE_DOT:
-        out = acc
-    else:
-        out = tl.sum(partial, 1)[None, :]
+            x = _input_chunk(X, R, NW, kk, kk, kk, K, k_ok, rstd, NORM, HAS_RESIDUAL, CAST_BEFORE_WEIGHT).to(tl.float32)
+            partial += w.to(tl.float32) * x[None, :]
+            if GATED:
+                partial_up += w_up.to(tl.float32) * x[None, :]
+    if not USE_DOT:
+        acc = tl.sum(partial, 1)[None, :]
+        up = tl.sum(partial_up, 1)[None, :]
     if HAS_BIAS:
-        out += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(OUT + m[:, None] * so_m + (column + rows)[None, :], out.to(OUT.dtype.element_ty),
-             mask=m_ok[:, None] & row_ok[None, :])
+        acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            up += tl.load(B1 + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    out = acc.to(OUT.dtype.element_ty)
+    if GATED:
+        gate = out.to(tl.float32)
+        out = (_activation(gate, KIND) * up.to(OUT.dtype.element_ty).to(tl.float32)).to(OUT.dtype.element_ty)
+    tl.store(OUT + m[:, None] * so_m + (column + rows)[None, :], out, mask=m_ok[:, None] & row_ok[None, :])
 
 
-def grouped_gemv(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]], tile: GemvTile | None = None) -> Tensor:
-    """The Triton launch: x (M, K) contiguous rows, weights (Ni, K) contiguous."""
+@tu.jit
+def _dot(acc, x, w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        x, w = x.to(tl.float32), w.to(tl.float32)
+    if IEEE:
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:
+        acc += tl.dot(x, tl.trans(w))
+    return acc
+
+
+@tu.jit
+def _activation(x, KIND: tl.constexpr):
+    """silu (0), gelu (1), gelu_tanh (2): ops/activations.py's formulas (constants written out: a jit function
+    reads no Python globals)."""
+    if KIND == 0:
+        y = x * tl.sigmoid(x)
+    elif KIND == 1:
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    else:
+        y = x * tl.sigmoid(1.5957691216057308 * x * (1.0 + 0.044715 * x * x))
+    return y
+
+
+@dataclass(frozen=True)
+class NormInput:
+    """The RMSNorm a fused GEMV applies to its input first: ``rms_norm(x, weight, eps, residual)`` as
+    ops/rms_norm.py computes it (``h = x + residual`` is also returned)."""
+
+    weight: Tensor
+    eps: float
+    cast_before_weight: bool
+    residual: Optional[Tensor] = None
+
+
+def grouped_gemv(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]], tile: GemvTile | None = None,
+                 norm: Optional[NormInput] = None, activation: Optional[str] = None) -> tuple[Tensor, Optional[Tensor]]:
+    """The Triton launch: x (M, K) contiguous rows, weights (Ni, K) contiguous; with ``norm`` the input is
+    normed first (and h = x + residual returned second, else None); with ``activation`` two weights (gate, up)
+    give act(gate) * up."""
     rows, k = x.shape
     sizes = [w.shape[0] for w in weights]
     tile = tile or gemv_tile(rows)
-    out = x.new_empty((rows, sum(sizes)))
+    gated = activation is not None
+    out = x.new_empty((rows, sizes[0] if gated else sum(sizes)))
     blocks = [tu.cdiv(n, tile.block_n) for n in sizes]
     padded = weights + [weights[0]] * (MAX_WEIGHTS - len(weights))
     bias_args = (biases + [biases[0]] * (MAX_WEIGHTS - len(biases))) if biases else [tu.unused_pointer(x)] * MAX_WEIGHTS
     counts = sizes + [0] * (MAX_WEIGHTS - len(sizes))
+    residual = norm.residual if norm is not None else None
+    h = torch.empty_like(x) if residual is not None else None
+    unused = tu.unused_pointer(x)
     with tu.device_guard(x):
-        tu.launch(_grouped_gemv_kernel)[(sum(blocks),)](
-            x, *padded, *bias_args, out, rows, k, *counts, x.stride(0), out.stride(0), blocks[0], sum(blocks[:2]),
+        tu.launch(_grouped_gemv_kernel)[(blocks[0] if gated else sum(blocks),)](
+            x, residual if residual is not None else unused, h if h is not None else unused,
+            norm.weight if norm is not None else unused, *padded, *bias_args, out, rows, k, *counts, x.stride(0),
+            residual.stride(0) if residual is not None else 0, h.stride(0) if h is not None else 0, out.stride(0),
+            blocks[0], sum(blocks[:2]), float(norm.eps) if norm is not None else 0.0,
             NUM_W=len(weights), HAS_BIAS=bool(biases), USE_DOT=rows > 1, IEEE=x.dtype == torch.float32,
-            UPCAST=x.device.type != "cuda", BLOCK_M=max(16, tu.next_power_of_2(rows)),
+            UPCAST=x.device.type != "cuda", NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+            CAST_BEFORE_WEIGHT=bool(norm and norm.cast_before_weight), GATED=gated,
+            KIND=ACTIVATION_KINDS[activation] if gated else 0, BLOCK_M=max(16, tu.next_power_of_2(rows)),
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages)
-    return out
+    return out, h
 
 
 def grouped_linear_native(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]]) -> Tensor:
@@ -138,7 +248,8 @@ def grouped_linear_native(x: Tensor, weights: list[Tensor], biases: Optional[lis
     return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
 
 
-def _use_triton(x: Tensor, weights: list[Tensor]) -> bool:
+def use_triton_kernel(x: Tensor, weights: list[Tensor]) -> bool:
+    """Whether the Triton GEMV serves ``x`` (M, K) and ``weights``: a GPU, few rows, contiguous operands of one dtype."""
     return (tu.use_triton(x) and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(-1) == 1
             and all(w.dtype == x.dtype and w.is_contiguous() for w in weights))
 
@@ -146,8 +257,8 @@ def _use_triton(x: Tensor, weights: list[Tensor]) -> bool:
 @torch.library.triton_op("kernel_pytorch::grouped_linear", mutates_args=())
 def _grouped_linear_op(x: Tensor, weights: list[Tensor], biases: list[Tensor]) -> Tensor:
     """``biases``: one per weight, or empty for none (the schema has no optional lists)."""
-    if _use_triton(x, weights):
-        return grouped_gemv(x, weights, biases or None)
+    if use_triton_kernel(x, weights):
+        return grouped_gemv(x, weights, biases or None)[0]
     return grouped_linear_native(x, weights, biases or None)
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kernel_pytorch.passes import (activations, attention, context_parallel, decode_attention,  # noqa: F401
-                                   decode_linear, fp8_linear, horizontal_gemm, linear_cross_entropy, normalize,
-                                   norms, rope)  # (registers them)
+                                   decode_fusion, decode_linear, decode_rope_cache, fp8_linear, horizontal_gemm,
+                                   linear_cross_entropy, normalize, norms, rope)  # (registers them)
 from kernel_pytorch.passes.base import (Candidate, GraphPass, ModulePass, PassContext, PassResult, Rewrite, Skip,
                                        candidates, replace_module)
 from kernel_pytorch.passes.manager import PassManager

@@ -1,0 +1,72 @@
+"""Where ``optimize``'s generation warm-up spends its time: each captured graph's passes and compile (seconds, node
+count), TorchDynamo's own phase times, and the host profile's heaviest functions, for the 1B-class Llama of
+benchmarks/decode.py on a fresh process. A diagnosis tool for issue 27's warm-up target.
+
+    python benchmarks/profile_warm_up.py [--layers 16] [--top 45] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kernel_pytorch  # noqa: E402
+from benchmarks.profile_decode_step import llama  # noqa: E402
+from kernel_pytorch.capture import GraphOptimizer  # noqa: E402
+
+
+def timed_compiles(records: list[str]):
+    """Wrap GraphOptimizer._compile to record each graph's compile seconds and size."""
+    original = GraphOptimizer._compile
+
+    def compile_and_time(self, gm, example_inputs, name, training):
+        started = time.perf_counter()
+        try:
+            return original(self, gm, example_inputs, name, training)
+        finally:
+            calls = sum(n.op == "call_function" for n in gm.graph.nodes)
+            symbolic = sum(isinstance(v, torch.SymInt) for v in example_inputs)
+            records.append(f"{name}: compile {time.perf_counter() - started:6.1f} s, {calls} calls, "
+                           f"{symbolic} symbolic size inputs")
+
+    GraphOptimizer._compile = compile_and_time
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--top", type=int, default=45)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    records: list[str] = []
+    timed_compiles(records)
+    model = kernel_pytorch.optimize(llama(args.layers))
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    profiler.enable()
+    model.generate.warm_up(progress=False)
+    profiler.disable()
+    seconds = time.perf_counter() - started
+    stream = io.StringIO()
+    pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(args.top)
+    phases = kernel_pytorch.report_of(model).timings_s
+    text = "\n".join([f"== warm-up {seconds:.1f} s; report phases: " + ", ".join(
+        f"{k} {v:.1f}" for k, v in phases.items() if v >= 0.5), *records,
+        "== TorchDynamo compile_times:", str(torch._dynamo.utils.compile_times(repr="str")),
+        "== host profile (cumulative):", stream.getvalue()])
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "profile_warm_up.txt").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

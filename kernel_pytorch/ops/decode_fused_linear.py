@@ -1,0 +1,94 @@
+"""A decode step's norm, projections and gated activation in one GEMV launch.
+
+    out, h = decode_fused_linear(x, [w_gate, w_up], norm_weight=w, eps=eps, residual=r, activation="silu")
+    # computes what these three launches compute
+    normed, h = rms_norm(x, w, eps, residual=r)                     # h = x + r
+    gate, up = grouped_linear(normed, [w_gate, w_up]).split(...)
+    out = gated_activation(gate, up, "silu")
+
+At batch 1 a decoder layer's small kernels (the norms, the activation) each cost a launch and a gap of the
+order of a small weight's GEMV. Here every program of :mod:`~kernel_pytorch.ops.decode_linear`'s grouped GEMV
+computes the rows' norm statistics itself (the input is a few KB, read from L2), normalizes each chunk of the
+input as it reads it, and program 0 writes ``h``; with ``activation`` a program reduces the same rows of the
+gate and the up weight and writes ``act(gate) * up``. Every value is rounded where the unfused ops round it
+(``h``, the normed input, each projection, the activation's product), so the result is theirs up to float32
+summation order.
+
+Inference only (no autograd formula), like the grouped GEMV. Off CUDA, or for shapes without a kernel, the
+unfused ops' native paths.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kernel_pytorch.ops import decode_linear as gemv
+from kernel_pytorch.ops.activations import ACTIVATION_KINDS, gated_activation
+from kernel_pytorch.ops.rms_norm import rms_norm
+
+__all__ = ["decode_fused_linear"]
+
+
+def _unfused(x: Tensor, residual: Optional[Tensor], norm: Optional[gemv.NormInput], weights: list[Tensor],
+             biases: Optional[list[Tensor]], activation: str) -> tuple[Tensor, Tensor]:
+    h = x.new_empty(0)
+    if norm is not None:
+        normed = rms_norm(x, norm.weight, norm.eps, residual, cast_before_weight=norm.cast_before_weight)
+        x, h = normed if residual is not None else (normed, h)
+    out = gemv.grouped_linear_native(x, weights, biases)
+    if activation:
+        gate, up = out.split([w.shape[0] for w in weights], -1)
+        out = gated_activation(gate, up, activation)
+    return out, h
+
+
+@torch.library.triton_op("kernel_pytorch::decode_fused_linear", mutates_args=())
+def _decode_fused_linear_op(x: Tensor, residual: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
+                            cast_before_weight: bool, weights: list[Tensor], biases: list[Tensor],
+                            activation: str) -> tuple[Tensor, Tensor]:
+    """``biases``: one per weight or empty; ``activation``: '' or a key of ACTIVATION_KINDS. Returns (out, h),
+    h empty without a residual (an op's output may not alias its input)."""
+    norm = gemv.NormInput(norm_weight, eps, cast_before_weight, residual) if norm_weight is not None else None
+    usable = gemv.use_triton_kernel(x, weights) and (norm is None or norm_weight.is_contiguous()) and (
+        residual is None or (residual.shape == x.shape and residual.stride(-1) == 1 and residual.dtype == x.dtype))
+    if not usable:
+        return _unfused(x, residual, norm, weights, biases or None, activation)
+    out, h = gemv.grouped_gemv(x, weights, biases or None, norm=norm, activation=activation or None)
+    return out, (h if h is not None else x.new_empty(0))
+
+
+def decode_fused_linear(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]] = None, *,
+                        norm_weight: Optional[Tensor] = None, eps: float = 1e-6, residual: Optional[Tensor] = None,
+                        cast_before_weight: bool = False, activation: Optional[str] = None):
+    """``grouped_linear(x, weights, biases)`` for a few token rows, one launch (module docstring), with
+
+    - ``norm_weight``: the input normed first, ``rms_norm(x, norm_weight, eps, residual, cast_before_weight=...)``;
+      with ``residual`` the result is ``(output, x + residual)``;
+    - ``activation`` (two weights of one shape: gate, up): ``act(gate) * up`` instead of the concatenation.
+
+    ``x`` (..., K) of at most MAX_ROWS rows. Inference only.
+
+    >>> x, w = torch.randn(1, 1, 64), torch.ones(64)
+    >>> gate, up = torch.randn(96, 64), torch.randn(96, 64)
+    >>> decode_fused_linear(x, [gate, up], norm_weight=w, activation="silu").shape
+    torch.Size([1, 1, 96])
+    """
+    if not 1 <= len(weights) <= gemv.MAX_WEIGHTS:
+        raise ValueError(f"decode_fused_linear takes 1 to {gemv.MAX_WEIGHTS} weights, got {len(weights)}")
+    if activation is not None and (activation not in ACTIVATION_KINDS or len(weights) != 2
+                                   or weights[0].shape != weights[1].shape):
+        raise ValueError(f"decode_fused_linear: activation={activation!r} takes two weights of one shape (gate, up) "
+                         f"and one of {sorted(ACTIVATION_KINDS)}")
+    if biases is not None and len(biases) != len(weights):
+        raise ValueError(f"decode_fused_linear: {len(biases)} biases for {len(weights)} weights")
+    if residual is not None and norm_weight is None:
+        raise ValueError("decode_fused_linear: a residual is added before the norm; it needs norm_weight")
+    lead, k = x.shape[:-1], x.shape[-1]
+    flat_residual = residual.reshape(-1, k) if residual is not None else None
+    out, h = _decode_fused_linear_op(x.reshape(-1, k), flat_residual, norm_weight, float(eps), bool(cast_before_weight),
+                                     list(weights), list(biases) if biases is not None else [], activation or "")
+    out = out.view(*lead, out.shape[-1])
+    return (out, h.view(*lead, k)) if residual is not None else out

@@ -1,0 +1,238 @@
+"""A decode GEMV's RMSNorm before it and gated activation after it -> one launch
+(:func:`kernel_pytorch.ops.decode_fused_linear.decode_fused_linear`).
+
+    # before (after the norms, activations and decode_linear passes)   # after
+    normed, h = rms_norm(x, w_norm, eps, residual=r)                   gated, h = decode_fused_linear(
+    gate_up = grouped_linear(normed, [w_gate, w_up])                       x, [w_gate, w_up], norm_weight=w_norm,
+    gate, up = split(gate_up, [n, n], -1)                                  eps=eps, residual=r, activation="silu")
+    gated = gated_activation(gate, up, "silu")
+
+A decode step at batch 1 runs each of these as a launch of a few microseconds; the GEMV reads its whole input
+anyway, so it can norm it, and it can reduce the gate and up rows of one index in one program.
+
+Matched: a ``grouped_linear`` (the decode_linear pass's GEMV launch) whose input is an ``rms_norm`` output read
+by nothing else (the norm's optional residual sum ``h`` may have any readers), and/or whose two equal-shape
+outputs are split and read only by one ``gated_activation``. Norms computing FP8 scales are left alone.
+Decided by measurement on CUDA: the fused launch against the unfused ones at the group's shapes, timed as CUDA-graph
+replays; the faster is kept and the report says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import operator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.fx
+from torch.fx import Node
+
+from kernel_pytorch.ops import decode_linear as gemv
+from kernel_pytorch.ops.activations import gated_activation
+from kernel_pytorch.ops.decode_fused_linear import decode_fused_linear
+from kernel_pytorch.ops.rms_norm import rms_norm
+from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
+from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of, set_example_value
+from kernel_pytorch.passes.registry import register_pass
+from kernel_pytorch.passes.shape_constants import example_value
+
+__all__ = ["DecodeFusionPass"]
+
+_VENDORS = ("nvidia", "amd")
+
+
+@dataclass
+class _Norm:
+    node: Node  # the rms_norm call
+    normed: Node  # its normed output (the call itself, or getitem 0 with a residual)
+    x: Node
+    weight: Node
+    eps: float
+    residual: Optional[Node]
+    cast_before_weight: bool
+
+
+@dataclass
+class _Gated:
+    split: Node
+    node: Node  # the gated_activation call
+    kind: str
+
+
+def _bound(node: Node, fn: Any) -> dict[str, Any] | None:
+    try:
+        bound = inspect.signature(fn).bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _only_user(node: Node) -> Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _norm_before(launch: Node) -> _Norm | None:
+    """The rms_norm whose normed output is the launch's input and nothing else's."""
+    normed = launch.args[0]
+    if not isinstance(normed, Node) or _only_user(normed) is not launch:
+        return None
+    node = normed
+    if normed.target is operator.getitem and normed.args[1] == 0:
+        node = normed.args[0]
+    if not isinstance(node, Node) or node.target is not rms_norm:
+        return None
+    args = _bound(node, rms_norm)
+    if args is None or args["fp8_amax"] or args["grad_amax_slot"] is not None or not isinstance(args["weight"], Node):
+        return None
+    if (args["residual"] is None) != (node is normed):
+        return None  # with a residual the norm returns (normed, h): its output is read through getitem 0
+    if any(_reads_before(user, launch) for user in node.users if user is not normed):
+        return None  # h is read before the launch, where the fused call is placed
+    return _Norm(node, normed, args["x"], args["weight"], float(args["eps"]), args["residual"],
+                 bool(args["cast_before_weight"]))
+
+
+def _reads_before(getter: Node, launch: Node) -> bool:
+    """Whether a read of the norm's h (a getitem) has a user placed before ``launch`` in the graph."""
+    order = {node: index for index, node in enumerate(launch.graph.nodes)}
+    return any(order[user] < order[launch] for user in getter.users)
+
+
+def _gated_after(launch: Node) -> _Gated | None:
+    """The gated activation that reads the launch's two equal halves, and nothing else reads them."""
+    weights = launch.args[1]
+    if len(weights) != 2 or example_value(weights[0]).shape != example_value(weights[1]).shape:
+        return None
+    split = _only_user(launch)
+    if split is None or split.target is not torch.split or split.args[1:] != (
+            [int(example_value(weights[0]).shape[0])] * 2, -1):
+        return None
+    parts = sorted(split.users, key=lambda n: n.args[1] if n.target is operator.getitem else -1)
+    if len(parts) != 2 or any(p.target is not operator.getitem for p in parts):
+        return None
+    node = _only_user(parts[0])
+    if node is None or node is not _only_user(parts[1]) or node.target is not gated_activation:
+        return None
+    args = _bound(node, gated_activation)
+    if args is None or args["fp8_amax"] or args["gate"] is not parts[0] or args["up"] is not parts[1]:
+        return None
+    return _Gated(split, node, args["kind"])
+
+
+# ---------------------------------------------------------------------------------------- measurement
+
+@functools.lru_cache(maxsize=256)
+def _measured(rows: int, sizes: tuple[int, ...], k: int, bias: bool, norm: tuple[bool, bool] | None,
+              activation: str | None, dtype: torch.dtype, device_index: int) -> tuple[bool, str]:
+    """(whether the fused launch wins, the timings) at one launch's shapes; ``norm``: (residual, cast before
+    the weight) or None."""
+    from kernel_pytorch.timing import fastest_cuda_graph_ms
+
+    device = torch.device("cuda", device_index)
+    x, r = (torch.randn(rows, k, device=device, dtype=dtype) for _ in range(2))
+    weights = [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for n in sizes]
+    biases = [torch.randn(n, device=device, dtype=dtype) for n in sizes] if bias else None
+    options = {"activation": activation}
+    if norm is not None:
+        options.update(norm_weight=torch.rand(k, device=device, dtype=dtype) + 0.5, eps=1e-6,
+                       residual=r if norm[0] else None, cast_before_weight=norm[1])
+
+    def unfused():
+        inp = x
+        if norm is not None:
+            inp = rms_norm(x, options["norm_weight"], 1e-6, options["residual"], cast_before_weight=norm[1])
+            inp = inp[0] if norm[0] else inp
+        out = gemv.grouped_linear(inp, weights, biases)
+        return gated_activation(*out.split(list(sizes), -1), activation) if activation else out
+
+    timings = fastest_cuda_graph_ms({"unfused": unfused,
+                                     "fused": lambda: decode_fused_linear(x, weights, biases, **options)})
+    return timings.faster("fused", "unfused"), timings.in_microseconds()
+
+
+def _decision(launch: Node, norm: _Norm | None, gated: _Gated | None) -> tuple[bool, str]:
+    x_value = example_value(launch.args[0])
+    if x_value.device.type != "cuda":
+        return True, "the unfused ops' native paths off CUDA"
+    weights = [example_value(w) for w in launch.args[1]]
+    rows = x_value.numel() // x_value.shape[-1]
+    norm_key = (norm.residual is not None, norm.cast_before_weight) if norm else None
+    return _measured(rows, tuple(int(w.shape[0]) for w in weights), int(weights[0].shape[1]),
+                     launch.args[2] is not None, norm_key, gated.kind if gated else None, x_value.dtype,
+                     x_value.device.index or 0)
+
+
+# ---------------------------------------------------------------------------------------------- the pass
+
+@register_pass
+class DecodeFusionPass(GraphPass):
+    """A decode GEMV with its RMSNorm and gated activation -> one launch (module docstring)."""
+
+    name = "decode_fusion"
+    description = "a decode GEMV's RMSNorm before it and gated activation after it -> one launch"
+
+    def unavailable_reason(self, hardware) -> str | None:
+        if hardware.vendor not in _VENDORS or not hardware.triton_usable:
+            return f"the fused GEMV is a Triton kernel for NVIDIA and AMD GPUs; this is {hardware.vendor}"
+        return None
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        result = PassResult()
+        if ctx.training:
+            return result  # the GEMV launches exist in inference graphs only
+        for launch in [n for n in gm.graph.nodes if n.target is gemv.grouped_linear]:
+            norm, gated = _norm_before(launch), _gated_after(launch)
+            if norm is None and gated is None:
+                continue
+            location = module_path_of(launch, "(model)")
+            what = " + ".join(part for part, found in (("rms_norm", norm), ("grouped_linear", True),
+                                                      (f"gated {gated.kind if gated else ''}", gated)) if found)
+            chosen, how = _decision(launch, norm, gated)
+            if not chosen:
+                result.skip(location, f"{what}: the unfused launches kept, faster here ({how})")
+                continue
+            _rewrite(gm, launch, norm, gated)
+            result.rewrite(location, f"{what} -> decode_fused_linear: {how}")
+        return result
+
+
+def _rewrite(gm: torch.fx.GraphModule, launch: Node, norm: _Norm | None, gated: _Gated | None) -> None:
+    graph, stack = gm.graph, launch.meta.get("nn_module_stack", {})
+    x, weights, biases = launch.args
+    kwargs: dict[str, Any] = {"activation": gated.kind if gated else None}
+    if norm is not None:
+        x = norm.x
+        kwargs.update(norm_weight=norm.weight, eps=norm.eps, residual=norm.residual,
+                      cast_before_weight=norm.cast_before_weight)
+    inserted = [_call(graph, launch, decode_fused_linear, (x, weights, biases), kwargs, stack)]
+    output = inserted[0]
+    sums = _residual_sums(norm)
+    if sums:
+        output = _call(graph, launch, operator.getitem, (inserted[0], 0), {}, stack)
+        h = _call(graph, launch, operator.getitem, (inserted[0], 1), {}, stack)
+        inserted += [output, h]
+        for user in sums:
+            user.replace_all_uses_with(h)
+    for node in inserted:
+        set_example_value(gm, node)
+    (gated.node if gated else launch).replace_all_uses_with(output)
+    dead = [launch] + ([gated.node, *gated.split.users, gated.split] if gated else [])
+    dead += [norm.node, norm.normed, *sums] if norm else []
+    erase_unused(graph, dead)
+
+
+def _call(graph: torch.fx.Graph, before: Node, target: Any, args: tuple, kwargs: dict, stack: dict) -> Node:
+    with graph.inserting_before(before):
+        node = graph.call_function(target, args, kwargs)
+    node.meta["nn_module_stack"] = dict(stack)
+    return node
+
+
+def _residual_sums(norm: _Norm | None) -> list[Node]:
+    """The reads of the norm's ``h = x + residual`` output (getitem 1), which the fused launch then gives."""
+    if norm is None or norm.residual is None:
+        return []
+    return [user for user in norm.node.users if user.target is operator.getitem and user.args[1] == 1]
