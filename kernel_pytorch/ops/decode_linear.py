@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernel_pytorch.ops import triton_utils as tu
-from kernel_pytorch.ops.activations import ACTIVATION_KINDS
+from kernel_pytorch.ops.activations import ACTIVATION_KINDS, _act  # _act: the activations' formulas, one copy
 from kernel_pytorch.ops.triton_utils import tl
 
 __all__ = ["grouped_linear", "grouped_gemv", "grouped_linear_native", "use_triton_kernel", "GemvTile", "gemv_tile",
@@ -173,7 +173,7 @@ def _grouped_gemv_kernel(
     out = acc.to(OUT.dtype.element_ty)
     if GATED:
         gate = out.to(tl.float32)
-        out = (_activation(gate, KIND) * up.to(OUT.dtype.element_ty).to(tl.float32)).to(OUT.dtype.element_ty)
+        out = (_act(gate, KIND) * up.to(OUT.dtype.element_ty).to(tl.float32)).to(OUT.dtype.element_ty)
     tl.store(OUT + m[:, None] * so_m + (column + rows)[None, :], out, mask=m_ok[:, None] & row_ok[None, :])
 
 
@@ -186,19 +186,6 @@ def _dot(acc, x, w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     else:
         acc += tl.dot(x, tl.trans(w))
     return acc
-
-
-@tu.jit
-def _activation(x, KIND: tl.constexpr):
-    """silu (0), gelu (1), gelu_tanh (2): ops/activations.py's formulas (constants written out: a jit function
-    reads no Python globals)."""
-    if KIND == 0:
-        y = x * tl.sigmoid(x)
-    elif KIND == 1:
-        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    else:
-        y = x * tl.sigmoid(1.5957691216057308 * x * (1.0 + 0.044715 * x * x))
-    return y
 
 
 @dataclass(frozen=True)
