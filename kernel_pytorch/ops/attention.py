@@ -352,7 +352,11 @@ def _trains_on_pytorch_cudnn(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optiona
         return False
     if attn_mask is not None and attn_mask.requires_grad:
         return False
-    choice = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with disable_proxy_modes_tracing():  # a decision taken while tracing, not an op of the traced graph
+        choice = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                                         enable_gqa=enable_gqa)
     return choice == SDPBackend.CUDNN_ATTENTION.value
 
 
