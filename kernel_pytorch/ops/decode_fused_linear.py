@@ -7,12 +7,16 @@
     out = gated_activation(gate, up, "silu")
 
 At batch 1 a decoder layer's small kernels (the norms, the activation) each cost a launch and a gap of the
-order of a small weight's GEMV. Here every program of :mod:`~kernel_pytorch.ops.decode_linear`'s grouped GEMV
-computes the rows' norm statistics itself (the input is a few KB, read from L2), normalizes each chunk of the
-input as it reads it, and program 0 writes ``h``; with ``activation`` a program reduces the same rows of the
-gate and the up weight and writes ``act(gate) * up``. Every value is rounded where the unfused ops round it
-(``h``, the normed input, each projection, the activation's product), so the result is theirs up to float32
-summation order.
+order of a small weight's GEMV. Here the grouped GEMV of :mod:`~kernel_pytorch.ops.decode_linear` norms its input
+in the same pass over it: the products take ``h * norm_weight`` (h = x + residual, rounded as the norm op rounds
+it; program 0 writes it), each row's sum of squares accumulates beside them, and ``1 / sqrt(mean(h²) + eps)``
+scales the sums at the end, so no program waits for the statistic before reading weights. With ``activation`` a
+program reduces the same rows of the gate and the up weight and writes ``act(gate) * up``.
+
+Numerics: the unfused ops round the normed input to the input's dtype before the products (twice with
+``cast_before_weight``); the kernel does not, so in bf16 its outputs differ from theirs by that rounding
+(relative ~1e-3; tested at 1e-2), and in float32 by summation order. Each projection and the activation's
+product are rounded where the unfused ops round them.
 
 Inference only (no autograd formula), like the grouped GEMV. Off CUDA, or for shapes without a kernel, the
 unfused ops' native paths.

@@ -16,7 +16,7 @@ for shapes without a kernel, ``F.linear`` per weight and a ``cat``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -54,57 +54,37 @@ def gemv_tile(rows: int) -> GemvTile:
 
 
 @tu.jit
-def _input_chunk(X, R, NW, x_offsets, r_offsets, kk, K, mask, rstd,
-                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr):
-    """A chunk of the GEMV's input in X's dtype: x, or with NORM the RMSNorm of h = x (+ r) as the norm op
-    computes it (h rounded to X's dtype, statistics in float32, one or two roundings around the weight).
+def _input_chunk(X, R, H, NW, x_offsets, r_offsets, h_offsets, kk, K, mask, write_h,
+                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """A chunk of the GEMV's input and its squares (float32): x, or with NORM h * norm_weight where h = x (+ r)
+    rounded to X's dtype (program ``write_h`` stores h); the norm's statistic is applied after the products.
     1-D (one token row) or 2-D (rows x K) by the shape of the offsets."""
     x = tl.load(X + x_offsets, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(R + r_offsets, mask=mask, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+        if write_h:
+            tl.store(H + h_offsets, x, mask=mask)
+    h = x.to(tl.float32)
     if NORM:
-        if HAS_RESIDUAL:
-            x = (x.to(tl.float32) + tl.load(R + r_offsets, mask=mask, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
-        y = x.to(tl.float32) * rstd
-        w = tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
-        if CAST_BEFORE_WEIGHT:
-            y = y.to(X.dtype.element_ty).to(tl.float32)
-        x = (y * w).to(X.dtype.element_ty)
-    return x
-
-
-@tu.jit
-def _norm_statistics(X, R, H, x_offsets, r_offsets, h_offsets, k_step, K, mask_rows, eps, write_h,
-                     HAS_RESIDUAL: tl.constexpr, AXIS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / sqrt(mean(h²) + eps) (float32) per token row of h = x (+ r), rounded to X's dtype, the rows along
-    AXIS 1 (2-D offsets) or one row (AXIS 0); where ``write_h`` also stores h."""
-    squares = tl.zeros_like(x_offsets).to(tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask = mask_rows & (k0 + k_step < K)
-        h = tl.load(X + x_offsets + k0, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            h = (h.to(tl.float32) + tl.load(R + r_offsets + k0, mask=mask, other=0.0).to(tl.float32)).to(
-                X.dtype.element_ty)
-            if write_h:
-                tl.store(H + h_offsets + k0, h, mask=mask)
-        h = h.to(tl.float32)
-        squares += h * h
-    # .to: Inductor passes a Python-float eps as float64, which would make every normed tile float64
-    return tl.math.rsqrt(tl.sum(squares, axis=AXIS) / K + eps).to(tl.float32)
+        x = h * tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
+    return x, h * h
 
 
 @tu.jit
 def _grouped_gemv_kernel(
     X, R, H, NW, W0, W1, W2, B0, B1, B2, OUT, M, K, N0, N1, N2, sx_m, sr_m, sh_m, so_m, blocks0, blocks01, eps,
     NUM_W: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, GATED: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
     KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program: ``BLOCK_N`` rows of one weight (programs [0, blocks0) are W0's, then W1's, then W2's),
     reduced over all of K for the M token rows. USE_DOT: tensor cores (M > 1); else FMAs into a
     (BLOCK_N, BLOCK_K) float32 partial, summed once at the end. IEEE: float32 products without TF32.
     UPCAST: 16-bit dot operands in float32 (Triton's interpreter, whose 16-bit ``dot`` is wrong).
-    NORM: the input is RMSNorm(x (+ R)) with weight NW, each program computing the rows' statistics itself;
-    program 0 stores h = x + R to H. GATED: W0 (gate) and W1 (up) rows of the same index in one program, the
-    output act(gate) * up (KIND as in ops/activations.py), each product rounded as the unfused ops round it."""
+    NORM: the input is RMSNorm(x (+ R)) with weight NW, in one pass: the products take h * NW, each row's sum
+    of squares accumulates beside them, and 1 / sqrt(mean(h²) + eps) scales the sums at the end; program 0
+    stores h = x + R to H. GATED: W0 (gate) and W1 (up) rows of the same index in one program, the output
+    act(gate) * up (KIND as in ops/activations.py), each projection rounded as the unfused ops round it."""
     pid = tl.program_id(0)
     w_ptr = W0
     b_ptr = B0
@@ -130,21 +110,16 @@ def _grouped_gemv_kernel(
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
     k_step = tl.arange(0, BLOCK_K)
-    rstd = 1.0
+    write_h = pid == 0
     if USE_DOT:
-        x_rows, r_rows, m_mask = m[:, None] * sx_m, m[:, None] * sr_m, m_ok[:, None]
-        if NORM:
-            rstd = _norm_statistics(X, R, H, x_rows + k_step[None, :], r_rows + k_step[None, :],
-                                    m[:, None] * sh_m + k_step[None, :], k_step[None, :], K, m_mask, eps, pid == 0,
-                                    HAS_RESIDUAL, 1, BLOCK_K)[:, None]
+        x_rows, r_rows, h_rows, m_mask = m[:, None] * sx_m, m[:, None] * sr_m, m[:, None] * sh_m, m_ok[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     else:
-        if NORM:
-            rstd = _norm_statistics(X, R, H, k_step, k_step, k_step, k_step, K, k_step < BLOCK_K, eps, pid == 0,
-                                    HAS_RESIDUAL, 0, BLOCK_K)
         partial = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         partial_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        squares = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + k_step
         k_ok = kk < K
@@ -153,19 +128,33 @@ def _grouped_gemv_kernel(
         if GATED:
             w_up = tl.load(W1 + rows[:, None] * K + kk[None, :], mask=w_mask, other=0.0)
         if USE_DOT:
-            x = _input_chunk(X, R, NW, x_rows + kk[None, :], r_rows + kk[None, :], kk[None, :], K,
-                             m_mask & k_ok[None, :], rstd, NORM, HAS_RESIDUAL, CAST_BEFORE_WEIGHT)
+            x, sq = _input_chunk(X, R, H, NW, x_rows + kk[None, :], r_rows + kk[None, :], h_rows + kk[None, :],
+                                 kk[None, :], K, m_mask & k_ok[None, :], write_h, NORM, HAS_RESIDUAL)
+            x = x.to(X.dtype.element_ty)
+            if NORM:
+                squares += sq
             acc = _dot(acc, x, w, IEEE, UPCAST)
             if GATED:
                 up = _dot(up, x, w_up, IEEE, UPCAST)
         else:
-            x = _input_chunk(X, R, NW, kk, kk, kk, K, k_ok, rstd, NORM, HAS_RESIDUAL, CAST_BEFORE_WEIGHT).to(tl.float32)
+            x, sq = _input_chunk(X, R, H, NW, kk, kk, kk, kk, K, k_ok, write_h, NORM, HAS_RESIDUAL)
+            x = x.to(tl.float32)
+            if NORM:
+                squares += sq
             partial += w.to(tl.float32) * x[None, :]
             if GATED:
                 partial_up += w_up.to(tl.float32) * x[None, :]
     if not USE_DOT:
         acc = tl.sum(partial, 1)[None, :]
         up = tl.sum(partial_up, 1)[None, :]
+    if NORM:
+        # .to: Inductor passes a Python-float eps as float64, which would make the sums float64
+        if USE_DOT:
+            rstd = tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps).to(tl.float32)[:, None]
+        else:
+            rstd = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps).to(tl.float32)
+        acc = acc * rstd
+        up = up * rstd
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -190,8 +179,9 @@ def _dot(acc, x, w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 @dataclass(frozen=True)
 class NormInput:
-    """The RMSNorm a fused GEMV applies to its input first: ``rms_norm(x, weight, eps, residual)`` as
-    ops/rms_norm.py computes it (``h = x + residual`` is also returned)."""
+    """The RMSNorm a fused GEMV applies to its input first: ``rms_norm(x, weight, eps, residual)`` of
+    ops/rms_norm.py (``h = x + residual`` is also returned). ``cast_before_weight`` is the unfused ops'
+    rounding; the kernel, which applies the statistic after the products, rounds neither way."""
 
     weight: Tensor
     eps: float
@@ -208,6 +198,10 @@ def grouped_gemv(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]
     sizes = [w.shape[0] for w in weights]
     tile = tile or gemv_tile(rows)
     gated = activation is not None
+    if x.element_size() > 2 and (norm is not None or gated):
+        # 32-bit tiles of the input, its residual and two weights, pipelined, overflow shared memory (H100: 233472
+        # of 232448 bytes for a normed launch at 2 rows)
+        tile = replace(tile, block_k=tile.block_k // 2)
     out = x.new_empty((rows, sizes[0] if gated else sum(sizes)))
     blocks = [tu.cdiv(n, tile.block_n) for n in sizes]
     padded = weights + [weights[0]] * (MAX_WEIGHTS - len(weights))
@@ -224,7 +218,7 @@ def grouped_gemv(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]
             blocks[0], sum(blocks[:2]), float(norm.eps) if norm is not None else 0.0,
             NUM_W=len(weights), HAS_BIAS=bool(biases), USE_DOT=rows > 1, IEEE=x.dtype == torch.float32,
             UPCAST=x.device.type != "cuda", NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-            CAST_BEFORE_WEIGHT=bool(norm and norm.cast_before_weight), GATED=gated,
+            GATED=gated,
             KIND=ACTIVATION_KINDS[activation] if gated else 0, BLOCK_M=max(16, tu.next_power_of_2(rows)),
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out, h
