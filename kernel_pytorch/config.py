@@ -438,12 +438,10 @@ class OptimizeConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _shape_buckets_combine(self) -> OptimizeConfig:
-        """Shape buckets compile one static graph per bucket, in entries of their own, around the whole sequence."""
+        """Shape buckets run compiled entries of their own around the whole sequence."""
         if self.shape_buckets is None:
             return self
-        conflict = ("dynamic=True: it compiles one static-shape graph per bucket; use dynamic=None or False"
-                    if self.dynamic else
-                    "context_parallel: a rank's shard would be padded in the middle of the sequence"
+        conflict = ("context_parallel: a rank's shard would be padded in the middle of the sequence"
                     if self.context_parallel is not None else
                     "memory.offload_activations: bucketed calls run compiled entries of their own, outside its wrapper"
                     if self.memory.offload_activations is not False else "")

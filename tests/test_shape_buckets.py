@@ -106,12 +106,12 @@ def masked_mean(h, mask):
     return (h * weights).sum(1) / weights.sum(1)
 
 
-def small(mix=None, train=False, **buckets):
+def small(mix=None, train=False, dynamic=None, **buckets):
     torch.manual_seed(0)
     model = (Embedded(mix) if mix != "batch_norm" else TokenBatchNorm()).train(train)
     reference = twin(model)
     example = {"input_ids": torch.randint(0, 50, (2, 9)), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
-    model = kernel_pytorch.optimize(model, example_inputs=example, shape_buckets=buckets or "auto")
+    model = kernel_pytorch.optimize(model, example_inputs=example, shape_buckets=buckets or "auto", dynamic=dynamic)
     return model, reference
 
 
@@ -151,9 +151,6 @@ def test_config_shorthands():
      "is the limit"),
     ({"shape_buckets": {"beyond_largest": "grow"}},
      "shape_buckets.beyond_largest='grow' is not allowed; use one of: 'error', 'new_bucket'"),
-    ({"shape_buckets": "auto", "dynamic": True},
-     "shape_buckets does not combine with dynamic=True: it compiles one static-shape graph per bucket; use "
-     "dynamic=None or False"),
     ({"shape_buckets": "auto", "memory": {"offload_activations": True}},
      "shape_buckets does not combine with memory.offload_activations: bucketed calls run compiled entries of their "
      "own, outside its wrapper"),
@@ -166,9 +163,11 @@ def test_config_errors_are_one_line(options, line):
 
 # --------------------------------------------------------------------------------- transformers, end to end
 
-@pytest.mark.parametrize("make", [bert, distilbert, gpt2, llama])
-def test_bucketed_outputs_equal_unbucketed_with_one_graph_per_bucket(make):
-    model, reference, key = optimized(make)
+# One graph serves every bucket (dynamic sizes); with dynamic=False, one static-shape graph per bucket hit.
+@pytest.mark.parametrize("make, dynamic, graphs", [(bert, None, 1), (distilbert, None, 1), (gpt2, None, 1),
+                                                   (llama, None, 1), (bert, False, 2), (llama, False, 2)])
+def test_bucketed_outputs_equal_unbucketed(make, dynamic, graphs):
+    model, reference, key = optimized(make, dynamic=dynamic)
     assert "padding the batch and the sequence kept the outputs" in note(model)
     assert report_of(model).verification.passed
     # (batch, length): on a bucket, just above one, into buckets already captured (the example's is (2, 16))
@@ -181,7 +180,7 @@ def test_bucketed_outputs_equal_unbucketed_with_one_graph_per_bucket(make):
     report = report_of(model)
     # optimize's first call (the example, 2 x 11) counts too
     assert [(b.batch, b.length, b.calls) for b in report.shape_buckets] == [(2, 16, 3), (4, 32, 3)]
-    assert report.graphs == 2  # one graph per bucket hit
+    assert report.graphs == graphs
 
 
 def test_a_call_without_attention_mask_gets_one_and_a_pooled_output_is_sliced():
@@ -340,9 +339,10 @@ def test_without_example_inputs_the_first_call_checks():
     assert "lengths not bucketed: cumsum along the sequence" in note(model)
 
 
-def test_more_buckets_than_the_recompile_limit_stay_optimized():
-    lengths = tuple(range(14, 50, 2))  # 18 lengths: more than one compiled entry holds (half its recompile limit)
-    model, reference = small(masked_mean, batch=(2, 4), length=lengths)  # 36 buckets
+@pytest.mark.parametrize("dynamic, graphs", [(None, 1), (False, 36)], ids=["dynamic-sizes", "static-per-bucket"])
+def test_more_buckets_than_the_recompile_limit_stay_optimized(dynamic, graphs):
+    lengths = tuple(range(14, 50, 2))  # 18 lengths: more than one static entry holds (half its recompile limit)
+    model, reference = small(masked_mean, dynamic=dynamic, batch=(2, 4), length=lengths)  # 36 buckets
     assert graphs_per_entry() < len(lengths) and 2 * len(lengths) > RECOMPILE_LIMIT
     with warnings.catch_warnings():
         warnings.simplefilter("error", RecompileLimitWarning)
@@ -351,7 +351,7 @@ def test_more_buckets_than_the_recompile_limit_stay_optimized():
         with torch.no_grad():  # as warm_up captured the buckets of a model optimized for inference
             assert rel_err(model(ids, mask), reference(ids, mask)) < FLOAT32
     report = report_of(model)
-    assert report.graphs == 36
+    assert report.graphs == graphs
     # warm-up calls are not counted: optimize's first call (2 x 9), then this one
     assert [(b.batch, b.length, b.calls) for b in report.shape_buckets] == [(2, 14, 1), (4, 48, 1)]
 

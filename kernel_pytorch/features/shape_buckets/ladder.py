@@ -1,7 +1,8 @@
 """The bucket ladders: which padded batch sizes and sequence lengths calls are served at, independent of the config.
 
 A call of batch ``b`` and length ``l`` runs at the smallest batch bucket ``>= b`` and the smallest length bucket
-``>= l``; each (batch, length) bucket is one static-shape graph.
+``>= l``; each (batch, length) bucket is one shape the compiled graphs run at (and, with CUDA graphs, one captured
+graph).
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
 """``ShapeBucketCall``: the wrapper in ``model._compiled_call_impl`` that pads each call up to its bucket, runs the
 bucket's compiled entry and slices the outputs back (``padding`` has the rules).
 
-Each batch bucket gets compiled entries of its own (``CompiledCall``s with static shapes), each capturing the graphs
+Every bucket runs one compiled entry (a ``CompiledCall``) with dynamic sizes: its few graphs (batch 1 and larger
+batches, each grad mode) take any bucket's sizes, so a ladder of dozens of buckets compiles a few graphs, and with
+``compile="reduce-overhead"`` Inductor records one CUDA graph per bucket shape, the padding bounding how many.
+With ``dynamic=False`` each batch bucket gets static-shape entries of its own instead, each capturing the graphs
 of at most half as many length buckets as TorchDynamo recaptures a function (``graphs_per_entry``: its recompile
-limit, 32 per entry on torch >= 2.13, 8 before): any ladder stays under the limit, with room for each bucket's
-graph under the other grad mode. Calls the buckets do not serve (the check refused padding; a KV cache passed in;
-argument sizes unlike the first call's) go to the compiled call found inside, as without the feature.
+limit, 32 per entry on torch >= 2.13, 8 before): one graph per bucket, each specialized to its sizes and compiled
+at its first call. Calls the buckets do not serve (the check refused padding; a KV cache passed in; argument sizes
+unlike the first call's) go to the compiled call found inside, as without the feature.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from kernel_pytorch.features.shape_buckets.safety import Verdict, check_padding
 from kernel_pytorch.report import OptimizationReport, ShapeBucketRecord
 
 __all__ = ["ShapeBucketCall", "ShapeBucketError", "bucket_call", "install_wrapper", "run_check", "set_note",
-           "NOTE_PREFIX"]
+           "static_buckets", "graphs_per_entry", "NOTE_PREFIX"]
 
 NOTE_PREFIX = "shape buckets"
 # Arguments whose presence makes a call positional state rather than a fresh sequence: padding would be cached.
@@ -133,14 +136,19 @@ class ShapeBucketCall:
         return size
 
     def _entry(self, bucket: CallShape, ladder: Ladder) -> CompiledCall:
-        """The compiled entry (static shapes) of ``bucket``: its batch size's, for its group of length buckets (a
-        length above the ladder gets one of its own); made at its first call."""
-        group = -1 if bucket.length not in (ladder.length or ()) else \
-            ladder.length.index(bucket.length) // graphs_per_entry()
-        entry = self.entries.get((bucket.batch, group))
+        """The compiled entry of ``bucket``, made at its first call: the one with dynamic sizes, or (``dynamic=False``)
+        its batch size's static entry for its group of length buckets (a length above the ladder gets one of its own)."""
+        if static_buckets(self.plan):
+            group = -1 if bucket.length not in (ladder.length or ()) else \
+                ladder.length.index(bucket.length) // graphs_per_entry()
+            key = (bucket.batch, group)
+        else:
+            key = (0, 0)
+        entry = self.entries.get(key)
         if entry is None:
             compiled = self._compiled_call()
-            entry = self.entries[bucket.batch, group] = CompiledCall(self.model, compiled.backend, False, self.report)
+            entry = self.entries[key] = CompiledCall(self.model, compiled.backend, not static_buckets(self.plan),
+                                                     self.report)
         return entry
 
     def _compiled_call(self) -> CompiledCall:
@@ -174,6 +182,12 @@ def _continues_a_sequence(call: NamedCall) -> bool:
     return any(named.get(name) is not None for name in _STATEFUL_ARGUMENTS)
 
 
+def static_buckets(plan: BucketPlan) -> bool:
+    """Whether each bucket gets a static-shape graph of its own (``dynamic=False``) rather than sharing one entry
+    with dynamic sizes."""
+    return plan.config.dynamic is False
+
+
 @functools.cache
 def graphs_per_entry() -> int:
     """Buckets per compiled entry: half the recaptures TorchDynamo allows it (its recompile limit), the other half
@@ -205,7 +219,9 @@ def set_note(report: OptimizationReport, plan: BucketPlan) -> None:
     if served is None:
         text = f"{NOTE_PREFIX} refused, calls run unbucketed: {'. '.join(refused)}"
     else:
-        text = (f"{NOTE_PREFIX}: {served.describe()}, compiled entries of at most {graphs_per_entry()} buckets of one "
-                f"batch size; {verdict.measured}; calls and padding waste in the shape buckets table"
+        entries = (f"static-shape entries of at most {graphs_per_entry()} buckets of one batch size (dynamic=False)"
+                   if static_buckets(plan) else "one compiled entry with dynamic sizes for every bucket")
+        text = (f"{NOTE_PREFIX}: {served.describe()}, {entries}; {verdict.measured}; calls and padding waste in the "
+                "shape buckets table"
                 + "".join(f". {line}" for line in refused))
     report.set_note(NOTE_PREFIX, text)
