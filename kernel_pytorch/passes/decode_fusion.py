@@ -33,14 +33,14 @@ from kernel_pytorch.ops import decode_linear as gemv
 from kernel_pytorch.ops.activations import gated_activation
 from kernel_pytorch.ops.decode_fused_linear import decode_fused_linear
 from kernel_pytorch.ops.rms_norm import rms_norm
-from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
+from kernel_pytorch.passes.base import PassContext, PassResult
+from kernel_pytorch.passes.decode_base import DecodeStepPass
 from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of, set_example_value
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import example_value
 
 __all__ = ["DecodeFusionPass"]
 
-_VENDORS = ("nvidia", "amd")
 
 
 @dataclass
@@ -168,16 +168,13 @@ def _decision(launch: Node, norm: _Norm | None, gated: _Gated | None) -> tuple[b
 # ---------------------------------------------------------------------------------------------- the pass
 
 @register_pass
-class DecodeFusionPass(GraphPass):
+class DecodeFusionPass(DecodeStepPass):
     """A decode GEMV with its RMSNorm and gated activation -> one launch (module docstring)."""
 
+    kernel = "the fused GEMV"
     name = "decode_fusion"
     description = "a decode GEMV's RMSNorm before it and gated activation after it -> one launch"
 
-    def unavailable_reason(self, hardware) -> str | None:
-        if hardware.vendor not in _VENDORS or not hardware.triton_usable:
-            return f"the fused GEMV is a Triton kernel for NVIDIA and AMD GPUs; this is {hardware.vendor}"
-        return None
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()

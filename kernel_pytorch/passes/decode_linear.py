@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from kernel_pytorch.ops import decode_linear as gemv
-from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
+from kernel_pytorch.passes.base import PassContext, PassResult
+from kernel_pytorch.passes.decode_base import DecodeStepPass
 from kernel_pytorch.passes.graph_utils import erase_unused, gemm_rows, module_path_of
 from kernel_pytorch.passes.horizontal_gemm import (NodeBuilder, linears_by_input, modified_in_place,
                                                   reordering_barrier, replace_by_part)
@@ -38,7 +39,6 @@ from kernel_pytorch.passes.shape_constants import example_value
 
 __all__ = ["DecodeLinearPass"]
 
-_VENDORS = ("nvidia", "amd")
 
 
 def _rows(x: Node) -> int | None:
@@ -120,16 +120,13 @@ def _decision(group: list[Node], rows: int) -> tuple[bool, str]:
 # ---------------------------------------------------------------------------------------------- the pass
 
 @register_pass
-class DecodeLinearPass(GraphPass):
+class DecodeLinearPass(DecodeStepPass):
     """Linears of a few token rows -> the grouped GEMV kernel (module docstring)."""
 
+    kernel = "the grouped GEMV"
     name = "decode_linear"
     description = "linears of a few token rows (decode steps) -> one grouped GEMV launch per input"
 
-    def unavailable_reason(self, hardware) -> str | None:
-        if hardware.vendor not in _VENDORS or not hardware.triton_usable:
-            return f"the grouped GEMV is a Triton kernel for NVIDIA and AMD GPUs; this is {hardware.vendor}"
-        return None
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()

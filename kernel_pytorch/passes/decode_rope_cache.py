@@ -26,7 +26,8 @@ from torch.fx import Node
 
 from kernel_pytorch.ops.decode_rope_cache import decode_rope_cache
 from kernel_pytorch.ops.rope import apply_rope
-from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
+from kernel_pytorch.passes.base import PassContext, PassResult
+from kernel_pytorch.passes.decode_base import DecodeStepPass
 from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of, set_example_value
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import example_value, static_int
@@ -34,7 +35,6 @@ from kernel_pytorch.passes.shape_constants import example_value, static_int
 __all__ = ["DecodeRopeCachePass", "MAX_TOKENS"]
 
 MAX_TOKENS = 16  # new tokens per sequence of a decode step (a prefill keeps the RoPE kernel's row tiles)
-_VENDORS = ("nvidia", "amd")
 
 
 @dataclass
@@ -93,16 +93,13 @@ def _safe_to_move(match: _Match, order: dict[Node, int]) -> bool:
 
 
 @register_pass
-class DecodeRopeCachePass(GraphPass):
+class DecodeRopeCachePass(DecodeStepPass):
     """RoPE + the KV-cache write of a decode step -> one launch (module docstring)."""
 
+    kernel = "the fused RoPE + cache write"
     name = "decode_rope_cache"
     description = "a decode step's RoPE and KV-cache write (index_copy_) -> one launch"
 
-    def unavailable_reason(self, hardware) -> str | None:
-        if hardware.vendor not in _VENDORS or not hardware.triton_usable:
-            return f"the fused RoPE + cache write is a Triton kernel for NVIDIA and AMD GPUs; this is {hardware.vendor}"
-        return None
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
