@@ -198,6 +198,8 @@ def grouped_gemv(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]
     sizes = [w.shape[0] for w in weights]
     tile = tile or gemv_tile(rows)
     gated = activation is not None
+    if gated:  # a program reduces the same rows of two weights: half the rows keep the tile's bytes and program count
+        tile = replace(tile, block_n=max(tile.block_n // 2, 1))
     if x.element_size() > 2 and (norm is not None or gated):
         # 32-bit tiles of the input, its residual and two weights, pipelined, overflow shared memory (H100: 233472
         # of 232448 bytes for a normed launch at 2 rows)
@@ -230,7 +232,7 @@ def grouped_linear_native(x: Tensor, weights: list[Tensor], biases: Optional[lis
 
 
 def use_triton_kernel(x: Tensor, weights: list[Tensor]) -> bool:
-    """Whether the Triton GEMV serves ``x`` (M, K) and ``weights``: a GPU, few rows, contiguous operands of one dtype."""
+    """Whether the Triton GEMV serves ``x`` (M, K) and ``weights``: a GPU, few rows, contiguous operands, one dtype."""
     return (tu.use_triton(x) and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(-1) == 1
             and all(w.dtype == x.dtype and w.is_contiguous() for w in weights))
 
