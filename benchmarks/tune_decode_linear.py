@@ -2,11 +2,18 @@
 the decode benchmark's models (benchmarks/decode.py: 1b and 7b), and a sweep of its tiles: GPU time of CUDA-graph
 replays (kernel_pytorch.timing), so launch gaps count as in a captured decode step.
 
-    python benchmarks/tune_decode_linear.py [--rows 1 8] [--out DIR]
+    python benchmarks/tune_decode_linear.py [--rows 1 8] [--cold] [--out DIR]
 
 Candidates per shape: ``cublas``: one ``F.linear`` per weight (what a transformers model runs);
 ``cublas_packed``: one ``F.linear`` on the weights concatenated beforehand (what packing the parameters into one
-tensor would give); ``gemv <tile>``: the grouped kernel, every tile of the sweep. Writes tune_decode_linear.json.
+tensor would give); ``gemv <tile>``: the grouped kernel, every tile of the sweep; for the q/k/v and gate/up
+shapes also ``fused <tile>``: the decode_fusion launch (RMSNorm with a residual before, and for gate/up the
+SwiGLU after; ops/decode_fused_linear.py) at the default tile and with half its rows. Writes
+tune_decode_linear.json (``--cold``: tune_decode_linear_cold.json).
+
+``--cold``: the calls captured in one CUDA graph rotate over copies of the weights that together exceed twice the
+50 MB L2, so each call reads its weights from HBM, as a decode step does (weights read once per token); without
+it, weights of up to ~32 MB stay in L2 between replays.
 """
 
 from __future__ import annotations
@@ -35,36 +42,75 @@ SHAPES = {
 TILES = [DL.GemvTile(n, k, w, s) for n, k, w, s in itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (3, 5))]
 
 
-def measure(sizes: tuple[int, ...], k: int, rows: int) -> dict:
+_L2_BYTES = 50 * 2**20
+_CALLS_PER_GRAPH = 8
+
+
+def _weight_sets(sizes: tuple[int, ...], k: int, cold: bool) -> list[list[torch.Tensor]]:
+    """One set of weights, or (cold) enough copies that one graph's calls read over twice the L2 between them."""
+    bytes_per_set = sum(sizes) * k * 2
+    copies = max(_CALLS_PER_GRAPH, -(-2 * _L2_BYTES // bytes_per_set)) if cold else 1
+    return [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in sizes] for _ in range(copies)]
+
+
+def _rotating(fn, sets: list) -> callable:
+    """A zero-argument call of ``fn`` on the next of ``sets`` each time (a captured graph records one per call)."""
+    turn = itertools.cycle(sets)
+    return lambda: fn(next(turn))
+
+
+def measure(sizes: tuple[int, ...], k: int, rows: int, cold: bool) -> dict:
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in sizes]
-    packed = torch.cat(weights)
-    candidates = {"cublas": lambda: [F.linear(x, w) for w in weights], "cublas_packed": lambda: F.linear(x, packed)}
-    reference = F.linear(x.float(), packed.float())
+    sets = _weight_sets(sizes, k, cold)
+    weights = sets[0]
+    packed_sets = [torch.cat(ws) for ws in sets]
+    candidates = {"cublas": _rotating(lambda ws: [F.linear(x, w) for w in ws], sets),
+                  "cublas_packed": _rotating(lambda w: F.linear(x, w), packed_sets)}
+    reference = F.linear(x.float(), packed_sets[0].float())
     errors = {}
     for tile in TILES:
         if tile.block_k > k:
             continue
         name = f"gemv n{tile.block_n} k{tile.block_k} w{tile.num_warps} s{tile.num_stages}"
-        out = DL.grouped_gemv(x, weights, None, tile)
+        out = DL.grouped_gemv(x, weights, None, tile)[0]
         errors[name] = float((out.float() - reference).norm() / reference.norm())
-        candidates[name] = lambda tile=tile: DL.grouped_gemv(x, weights, None, tile)
-    ms = fastest_cuda_graph_ms(candidates, rounds=3).ms
+        candidates[name] = _rotating(lambda ws, tile=tile: DL.grouped_gemv(x, ws, None, tile), sets)
+    candidates.update(_fused_candidates(x, sizes, sets))
+    ms = fastest_cuda_graph_ms(candidates, rounds=3, calls_per_graph=_CALLS_PER_GRAPH).ms
     bytes_read = sum(w.numel() for w in weights) * 2
     best = min((name for name in ms if name.startswith("gemv")), key=ms.get)
-    return {"ms": ms, "max_rel_error": max(errors.values()), "best_gemv": best,
+    return {"ms": ms, "max_rel_error": max(errors.values()), "best_gemv": best, "weight_copies": len(sets),
             "tb_per_s": {name: bytes_read / (value * 1e-3) / 1e12 for name, value in ms.items()}}
+
+
+def _fused_candidates(x: torch.Tensor, sizes: tuple[int, ...], sets: list) -> dict:
+    """The decode_fusion launch for q/k/v (3 weights: norm + residual) and gate/up (2 equal weights: norm + residual
+    + SwiGLU), at the default tile and with half its rows."""
+    if len(sizes) == 1:
+        return {}
+    gated = len(sizes) == 2
+    norm = DL.NormInput(torch.ones(x.shape[-1], device="cuda", dtype=x.dtype), 1e-6, False, torch.randn_like(x))
+    default = DL.gemv_tile(x.shape[0])
+    if gated:  # grouped_gemv halves the rows of a gated launch's tile itself: double them back for the variant
+        tiles = {"default": None, "double rows": DL.GemvTile(default.block_n * 2, default.block_k,
+                                                             default.num_warps, default.num_stages)}
+    else:
+        tiles = {"default": None, "half rows": DL.GemvTile(max(default.block_n // 2, 1), default.block_k,
+                                                           default.num_warps, default.num_stages)}
+    return {f"fused {label}": _rotating(lambda ws, tile=tile: DL.grouped_gemv(
+        x, ws, None, tile, norm=norm, activation="silu" if gated else None), sets) for label, tile in tiles.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", type=int, default=[1])
+    parser.add_argument("--cold", action="store_true", help="weights read from HBM at every call (see above)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     results = {}
     for rows in args.rows:
         for name, (sizes, k) in SHAPES.items():
-            r = measure(sizes, k, rows)
+            r = measure(sizes, k, rows, args.cold)
             results[f"{name} rows{rows}"] = r
             tb = r["tb_per_s"]
             print(f"{name:12s} rows {rows}: cublas {r['ms']['cublas'] * 1e3:6.1f} us ({tb['cublas']:.2f} TB/s), packed "
@@ -73,7 +119,8 @@ def main() -> None:
                   f"max rel error {r['max_rel_error']:.1e}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {"environment": environment(), "command": " ".join(sys.argv), "results": results}
-    (args.out / "tune_decode_linear.json").write_text(json.dumps(payload, indent=1))
+    name = "tune_decode_linear_cold.json" if args.cold else "tune_decode_linear.json"
+    (args.out / name).write_text(json.dumps(payload, indent=1))
 
 
 if __name__ == "__main__":
