@@ -176,6 +176,28 @@ def _copied(example: list) -> list:
     return [value.clone() if isinstance(value, torch.Tensor) else value for value in example]
 
 
+class _ResidualThenHead(nn.Module):
+    """A final residual add and norm before an LM head: the norm's sum h is read by nothing after it."""
+
+    def __init__(self, dim=32, vocab=40):
+        super().__init__()
+        self.norm, self.head = nn.RMSNorm(dim, eps=1e-6), nn.Linear(dim, vocab, False)
+
+    def forward(self, x, r):
+        return self.head(self.norm(x + r))
+
+
+def test_a_norm_whose_residual_sum_nobody_reads_is_fused():
+    torch.manual_seed(0)
+    module = _ResidualThenHead().eval()
+    x, r = torch.randn(1, 1, 32), torch.randn(1, 1, 32)
+    with torch.no_grad():
+        gm, example = capture_graph(module, (x, r))
+        result = _run_passes(gm, example)
+        assert _fused_launches(gm) == [(1, True, True, None)] and len(result.rewrites) == 1
+        torch.testing.assert_close(gm(*example)[0], module(x, r), rtol=1e-6, atol=1e-6)
+
+
 class _SharedNorm(nn.Module):
     """A norm whose output a projection and something else read (the fused launch would not write it)."""
 

@@ -42,7 +42,6 @@ from kernel_pytorch.passes.shape_constants import example_value
 __all__ = ["DecodeFusionPass"]
 
 
-
 @dataclass
 class _Norm:
     node: Node  # the rms_norm call
@@ -175,7 +174,6 @@ class DecodeFusionPass(DecodeStepPass):
     name = "decode_fusion"
     description = "a decode GEMV's RMSNorm before it and gated activation after it -> one launch"
 
-
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
         if ctx.training:
@@ -207,10 +205,12 @@ def _rewrite(gm: torch.fx.GraphModule, launch: Node, norm: _Norm | None, gated: 
     inserted = [_call(graph, launch, decode_fused_linear, (x, weights, biases), kwargs, stack)]
     output = inserted[0]
     sums = _residual_sums(norm)
-    if sums:
+    if norm is not None and norm.residual is not None:  # the fused call returns (output, h)
         output = _call(graph, launch, operator.getitem, (inserted[0], 0), {}, stack)
+        inserted.append(output)
+    if sums:
         h = _call(graph, launch, operator.getitem, (inserted[0], 1), {}, stack)
-        inserted += [output, h]
+        inserted.append(h)
         for user in sums:
             user.replace_all_uses_with(h)
     for node in inserted:

@@ -40,7 +40,6 @@ from kernel_pytorch.passes.shape_constants import example_value
 __all__ = ["DecodeLinearPass"]
 
 
-
 def _rows(x: Node) -> int | None:
     """Token rows of a linear's input when every size is static and there are at most MAX_ROWS."""
     rows = gemm_rows(x, static_only=True)
@@ -126,7 +125,6 @@ class DecodeLinearPass(DecodeStepPass):
     kernel = "the grouped GEMV"
     name = "decode_linear"
     description = "linears of a few token rows (decode steps) -> one grouped GEMV launch per input"
-
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()

@@ -100,7 +100,6 @@ class DecodeRopeCachePass(DecodeStepPass):
     name = "decode_rope_cache"
     description = "a decode step's RoPE and KV-cache write (index_copy_) -> one launch"
 
-
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
         if ctx.training:
