@@ -53,6 +53,7 @@ _SUITE_HARDWARE = {
     "e2e": _CPU_SMOKE_RUN,
     "fp8": _NEEDS_FP8_GPU,
     "inspect_compiled_norm": _NEEDS_CUDA_GPU,
+    "kernel_resources": _CPU_OK,  # compiles for sm_90a and reads ptxas's report; runs no kernel
     "kernels": _NEEDS_CUDA_GPU,
     "memory": _NEEDS_CUDA_GPU,
     "profile_cudnn_band": _NEEDS_CUDNN,

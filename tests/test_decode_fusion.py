@@ -222,3 +222,19 @@ def test_a_norm_read_by_more_than_the_launch_and_training_graphs_are_left_alone(
         torch.testing.assert_close(gm(*example)[0], original(*example)[0], rtol=1e-6, atol=1e-6)
     gm, example = capture_graph(module.train(), (x,))
     assert not _run_passes(gm, example, training=True).rewrites
+
+
+# ---------------------------------------------------------------------------------------------- resources
+
+def test_the_committed_decode_tiles_do_not_spill_on_an_h100():
+    """Compiled for sm_90a here (Triton and its ptxas, no GPU): a tile that spills registers reads local memory in
+    its inner loop, and one of 192 registers fits 2 programs per SM instead of 6 (the first fused gate/up tile)."""
+    from benchmarks import kernel_resources
+
+    committed = [v for v in kernel_resources.VARIANTS if "committed" in v.notes]
+    assert len(committed) == 2
+    for variant in committed:
+        found = kernel_resources.resources(variant)
+        assert found["spill_bytes"] == 0 and found["stack_bytes"] == 0, (variant.name, found)
+    one_row = kernel_resources.resources(next(v for v in committed if "1 row" in v.name))
+    assert one_row["programs_per_sm"] >= 4, one_row

@@ -46,6 +46,7 @@ class GemvTile:
 # (benchmarks/tune_decode_linear.py; the sweep's results: docs/kernels.md, "Decode GEMV").
 _TILE_ONE_ROW = GemvTile(block_n=8, block_k=512, num_warps=4, num_stages=3)
 _TILE_ROWS = GemvTile(block_n=32, block_k=512, num_warps=4, num_stages=3)
+_FUSED_DOT_BLOCK_K = 128  # the K tile of a fused (normed or gated) launch of several rows: no spills (see grouped_gemv)
 
 
 def gemv_tile(rows: int) -> GemvTile:
@@ -115,7 +116,7 @@ def _grouped_gemv_kernel(
         x_rows, r_rows, h_rows, m_mask = m[:, None] * sx_m, m[:, None] * sr_m, m[:, None] * sh_m, m_ok[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+        squares = tl.zeros([BLOCK_M], tl.float32)  # reduced per chunk: a (BLOCK_M, BLOCK_K) sum spilled registers
     else:
         partial = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         partial_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -132,7 +133,7 @@ def _grouped_gemv_kernel(
                                  kk[None, :], K, m_mask & k_ok[None, :], write_h, NORM, HAS_RESIDUAL)
             x = x.to(X.dtype.element_ty)
             if NORM:
-                squares += sq
+                squares += tl.sum(sq, axis=1)
             acc = _dot(acc, x, w, IEEE, UPCAST)
             if GATED:
                 up = _dot(up, x, w_up, IEEE, UPCAST)
@@ -150,7 +151,7 @@ def _grouped_gemv_kernel(
     if NORM:
         # .to: Inductor passes a Python-float eps as float64, which would make the sums float64
         if USE_DOT:
-            rstd = tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps).to(tl.float32)[:, None]
+            rstd = tl.math.rsqrt(squares / K + eps).to(tl.float32)[:, None]
         else:
             rstd = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps).to(tl.float32)
         acc = acc * rstd
@@ -200,10 +201,10 @@ def grouped_gemv(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]
     gated = activation is not None
     if gated:  # a program reduces the same rows of two weights: half the rows keep the tile's bytes and program count
         tile = replace(tile, block_n=max(tile.block_n // 2, 1))
-    if x.element_size() > 2 and (norm is not None or gated):
-        # 32-bit tiles of the input, its residual and two weights, pipelined, overflow shared memory (H100: 233472
-        # of 232448 bytes for a normed launch at 2 rows)
-        tile = replace(tile, block_k=tile.block_k // 2)
+    if rows > 1 and (norm is not None or gated):
+        # tl.dot tiles of the input, its residual and one or two weights: at K 512 ptxas spilled 2-21 KB per thread
+        # for sm_90a (benchmarks/kernel_resources.py), and 32-bit ones overflowed the H100's shared memory
+        tile = replace(tile, block_k=min(tile.block_k, _FUSED_DOT_BLOCK_K))
     out = x.new_empty((rows, sizes[0] if gated else sum(sizes)))
     blocks = [tu.cdiv(n, tile.block_n) for n in sizes]
     padded = weights + [weights[0]] * (MAX_WEIGHTS - len(weights))
