@@ -34,6 +34,7 @@ CASES = {
     "gqa8-bool-BH1L": (2, 8, 1, 130, 32, "bool-per-head"),
     "gqa2-additive-min": (2, 4, 2, 150, 24, "additive"),
     "gqa2-additive-inf-2d": (1, 4, 2, 70, 16, "additive-inf-2d"),
+    "gqa2-bool-hd80": (1, 4, 2, 90, 80, "bool"),  # the combine's feature blocks: 3 of 32, the last partly masked
 }
 
 
