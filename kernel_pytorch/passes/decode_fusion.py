@@ -174,10 +174,7 @@ class DecodeFusionPass(DecodeStepPass):
     name = "decode_fusion"
     description = "a decode GEMV's RMSNorm before it and gated activation after it -> one launch"
 
-    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-        result = PassResult()
-        if ctx.training:
-            return result  # the GEMV launches exist in inference graphs only
+    def rewrite_step(self, gm: torch.fx.GraphModule, ctx: PassContext, result: PassResult) -> PassResult:
         for launch in [n for n in gm.graph.nodes if n.target is gemv.grouped_linear]:
             norm, gated = _norm_before(launch), _gated_after(launch)
             if norm is None and gated is None:

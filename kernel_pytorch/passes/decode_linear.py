@@ -126,10 +126,7 @@ class DecodeLinearPass(DecodeStepPass):
     name = "decode_linear"
     description = "linears of a few token rows (decode steps) -> one grouped GEMV launch per input"
 
-    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-        result = PassResult()
-        if ctx.training:
-            return result  # a decode step does not train; training graphs have many rows anyway
+    def rewrite_step(self, gm: torch.fx.GraphModule, ctx: PassContext, result: PassResult) -> PassResult:
         for group in _groups(gm.graph):
             rows = _rows(group[0].args[0])
             location = module_path_of(group[0], "(model)")

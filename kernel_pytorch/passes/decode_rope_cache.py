@@ -100,10 +100,7 @@ class DecodeRopeCachePass(DecodeStepPass):
     name = "decode_rope_cache"
     description = "a decode step's RoPE and KV-cache write (index_copy_) -> one launch"
 
-    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-        result = PassResult()
-        if ctx.training:
-            return result  # a decode step does not train
+    def rewrite_step(self, gm: torch.fx.GraphModule, ctx: PassContext, result: PassResult) -> PassResult:
         for rope in [n for n in gm.graph.nodes if n.target is apply_rope]:
             match = _match(rope)
             if match is None:
