@@ -14,6 +14,7 @@ import importlib
 
 import pytest
 import torch
+from torch import nn
 
 from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.hardware import detect_hardware
@@ -21,6 +22,7 @@ from kernel_pytorch.ops.rope import apply_rope
 from kernel_pytorch.passes import PassContext, PassManager, get_pass
 from kernel_pytorch.passes.graph_utils import clone_graph_module
 
+from .conftest import capture_graph
 from .generation_models import causal_lm
 from .test_decode_linear import _step_graph
 from .triton_interpreter import INTERPRETED, cuda_device, interp, route_to_triton, run_interpreted_tests
@@ -146,3 +148,42 @@ def test_prefills_and_training_graphs_are_left_alone():
         assert not _run(gm, example).rewrites  # 40 tokens, a symbolic length: the RoPE kernel's tiles stay
     gm, example = _step_graph(causal_lm("llama"))
     assert not _run(gm, example, training=True).rewrites
+
+
+class _TwoLayersSharedPositions(nn.Module):
+    """Two layers of RoPE (transformers' rotate_half) and cache writes at one positions tensor for both, as a
+    model that passes ``cache_position`` down to every layer's cache update writes them."""
+
+    def forward(self, q, k, v, cos, sin, positions, caches):
+        outputs = []
+        for layer in range(2):
+            q_rot = q * cos + _rotate_half(q) * sin
+            k_rot = k * cos + _rotate_half(k) * sin
+            caches[2 * layer].index_copy_(2, positions, k_rot)
+            caches[2 * layer + 1].index_copy_(2, positions, v)
+            outputs.append(q_rot * (layer + 1))
+        return outputs[0] + outputs[1]
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def test_a_positions_tensor_shared_by_the_layers_pairs_each_layers_own_writes():
+    q, k, v, cos, sin, _, positions = _inputs("decode-1x1-full-rotary", torch.float32, "cpu")
+    caches = [torch.randn(1, 2, 10, 16) for _ in range(4)]
+    args = (q, k, v, cos, sin, positions, caches)
+    gm, example = capture_graph(_TwoLayersSharedPositions(), args)
+    original = clone_graph_module(gm)
+    with torch.no_grad():
+        result = _run(gm, example)
+        assert len(result.rewrites) == 2
+        fused = [n for n in gm.graph.nodes if n.target is RC.decode_rope_cache]
+        # each call writes its own layer's caches: k into caches 0 / 2, v into 1 / 3
+        assert [(n.args[5].name, n.args[6].name) for n in fused] == [("l_caches_0_", "l_caches_1_"),
+                                                                      ("l_caches_2_", "l_caches_3_")]
+        ours, theirs = _copied(example), _copied(example)
+        torch.testing.assert_close(gm(*ours)[0], original(*theirs)[0], rtol=1e-6, atol=1e-6)
+        for mine, reference in zip(ours, theirs):
+            torch.testing.assert_close(mine, reference, rtol=1e-6, atol=1e-6)

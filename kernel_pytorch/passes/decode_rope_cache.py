@@ -7,7 +7,7 @@
     values.index_copy_(2, cache_position, v)                                                      cache_position)
 
 Matched: a rotate-half ``apply_rope`` whose rotated k is read only by an ``index_copy_`` along dim 2 of a 4-D
-cache, a second ``index_copy_`` at the same positions writing v into another cache, a few new tokens (a static
+cache, the nearest other ``index_copy_`` at the same positions writing v into another cache, a few new tokens (a static
 sequence dim of at most ``MAX_TOKENS``), inference graphs. The fused call takes the place of the later copy; the
 match is refused if anything reads or writes a cache between the two copies or reads the rotated q before that
 place. Not timed: the fused launch reads and writes the same bytes minus the rotated k's round trip, in one launch
@@ -72,13 +72,17 @@ def _match(rope: Node) -> _Match | None:
     keys, positions, _ = found
     writes_v = [user for user in positions.users if user is not write_k and _cache_write(user) is not None
                 and _cache_write(user)[0] is not keys]
-    if len(writes_v) != 1:
+    if not writes_v:
         return None
+    # the nearest: a positions tensor shared by every layer (transformers passing cache_position down) has each
+    # layer's writes as users
+    order = {node: index for index, node in enumerate(rope.graph.nodes)}
+    write_v = min(writes_v, key=lambda user: abs(order[user] - order[write_k]))
     q_value = example_value(args.arguments["q"])
     tokens = static_int(q_value.shape[2]) if isinstance(q_value, torch.Tensor) and q_value.dim() == 4 else None
     if tokens is None or tokens > MAX_TOKENS:
         return None
-    return _Match(rope, parts[0], parts[1], write_k, writes_v[0])
+    return _Match(rope, parts[0], parts[1], write_k, write_v)
 
 
 def _safe_to_move(match: _Match, order: dict[Node, int]) -> bool:
