@@ -176,6 +176,23 @@ def _copied(example: list) -> list:
     return [value.clone() if isinstance(value, torch.Tensor) else value for value in example]
 
 
+def test_a_packed_gate_up_weight_is_fused_as_its_two_halves():
+    """Phi-3 packs q/k/v and gate/up into one weight each: the norm goes into both launches, and the packed gated
+    activation into gate/up's, whose weight's row halves become the gate and up weights."""
+    from .test_decode_linear import _phi3
+
+    model = _phi3()
+    gm, example = _step_graph(model)
+    original = clone_graph_module(gm)
+    with torch.no_grad():
+        result = _run_passes(gm, example)
+        layers = model.config.num_hidden_layers
+        assert _fused_launches(gm) == [(1, True, layer > 0, None) if kind == "qkv" else (2, True, True, "silu")
+                                       for layer in range(layers) for kind in ("qkv", "gate_up")]
+        assert len(result.rewrites) == 2 * layers
+        torch.testing.assert_close(gm(*_copied(example))[0], original(*_copied(example))[0], rtol=1e-5, atol=1e-5)
+
+
 class _ResidualThenHead(nn.Module):
     """A final residual add and norm before an LM head: the norm's sum h is read by nothing after it."""
 

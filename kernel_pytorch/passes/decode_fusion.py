@@ -12,7 +12,8 @@ anyway, so it can norm it, and it can reduce the gate and up rows of one index i
 
 Matched: a ``grouped_linear`` (the decode_linear pass's GEMV launch) whose input is an ``rms_norm`` output read
 by nothing else (the norm's optional residual sum ``h`` may have any readers), and/or whose two equal-shape
-outputs are split and read only by one ``gated_activation``. Norms computing FP8 scales are left alone.
+outputs are split and read only by one ``gated_activation`` (or whose one packed gate/up output is read only by
+``gated_activation_packed``: its weight's two row halves become the gate and up weights, as views). Norms computing FP8 scales are left alone.
 Decided by measurement on CUDA: the fused launch against the unfused ones at the group's shapes, timed as CUDA-graph
 replays; the faster is kept and the report says so.
 """
@@ -30,7 +31,7 @@ import torch.fx
 from torch.fx import Node
 
 from kernel_pytorch.ops import decode_linear as gemv
-from kernel_pytorch.ops.activations import gated_activation
+from kernel_pytorch.ops.activations import gated_activation, gated_activation_packed
 from kernel_pytorch.ops.decode_fused_linear import decode_fused_linear
 from kernel_pytorch.ops.rms_norm import rms_norm
 from kernel_pytorch.passes.base import PassContext, PassResult
@@ -55,9 +56,10 @@ class _Norm:
 
 @dataclass
 class _Gated:
-    split: Node
+    split: Node | None  # None: one packed gate/up weight, read by gated_activation_packed
     node: Node  # the gated_activation call
     kind: str
+    gate_first: bool = True
 
 
 def _bound(node: Node, fn: Any) -> dict[str, Any] | None:
@@ -101,8 +103,11 @@ def _reads_before(getter: Node, launch: Node) -> bool:
 
 
 def _gated_after(launch: Node) -> _Gated | None:
-    """The gated activation that reads the launch's two equal halves, and nothing else reads them."""
+    """The gated activation that reads the launch's two equal halves (two weights, or one packed gate/up weight),
+    and nothing else reads them."""
     weights = launch.args[1]
+    if len(weights) == 1:
+        return _packed_gated_after(launch)
     if len(weights) != 2 or example_value(weights[0]).shape != example_value(weights[1]).shape:
         return None
     split = _only_user(launch)
@@ -119,6 +124,17 @@ def _gated_after(launch: Node) -> _Gated | None:
     if args is None or args["fp8_amax"] or args["gate"] is not parts[0] or args["up"] is not parts[1]:
         return None
     return _Gated(split, node, args["kind"])
+
+
+def _packed_gated_after(launch: Node) -> _Gated | None:
+    """``gated_activation_packed`` reading a one-weight launch (Phi-3's gate_up_proj), and nothing else reading it."""
+    node = _only_user(launch)
+    if node is None or node.target is not gated_activation_packed or example_value(launch.args[1][0]).shape[0] % 2:
+        return None
+    args = _bound(node, gated_activation_packed)
+    if args is None or args["fp8_amax"] or args["grad_amax_slot"] is not None or args["gate_up"] is not launch:
+        return None
+    return _Gated(None, node, args["kind"], bool(args["gate_first"]))
 
 
 # ---------------------------------------------------------------------------------------- measurement
@@ -157,9 +173,12 @@ def _decision(launch: Node, norm: _Norm | None, gated: _Gated | None) -> tuple[b
     if x_value.device.type != "cuda":
         return True, "the unfused ops' native paths off CUDA"
     weights = [example_value(w) for w in launch.args[1]]
+    sizes = tuple(int(w.shape[0]) for w in weights)
+    if gated is not None and gated.split is None:  # a packed gate/up weight: timed as its two halves
+        sizes = (sizes[0] // 2,) * 2
     rows = x_value.numel() // x_value.shape[-1]
     norm_key = (norm.residual is not None, norm.cast_before_weight) if norm else None
-    return _measured(rows, tuple(int(w.shape[0]) for w in weights), int(weights[0].shape[1]),
+    return _measured(rows, sizes, int(weights[0].shape[1]),
                      launch.args[2] is not None, norm_key, gated.kind if gated else None, x_value.dtype,
                      x_value.device.index or 0)
 
@@ -194,6 +213,9 @@ class DecodeFusionPass(DecodeStepPass):
 def _rewrite(gm: torch.fx.GraphModule, launch: Node, norm: _Norm | None, gated: _Gated | None) -> None:
     graph, stack = gm.graph, launch.meta.get("nn_module_stack", {})
     x, weights, biases = launch.args
+    if gated is not None and gated.split is None:
+        weights, biases = _halves(gm, launch, weights[0], gated.gate_first), biases and _halves(
+            gm, launch, biases[0], gated.gate_first)
     kwargs: dict[str, Any] = {"activation": gated.kind if gated else None}
     if norm is not None:
         x = norm.x
@@ -213,9 +235,21 @@ def _rewrite(gm: torch.fx.GraphModule, launch: Node, norm: _Norm | None, gated: 
     for node in inserted:
         set_example_value(gm, node)
     (gated.node if gated else launch).replace_all_uses_with(output)
-    dead = [launch] + ([gated.node, *gated.split.users, gated.split] if gated else [])
+    dead = [launch] + ([gated.node, *gated.split.users, gated.split] if gated and gated.split else
+                       [gated.node] if gated else [])
     dead += [norm.node, norm.normed, *sums] if norm else []
     erase_unused(graph, dead)
+
+
+def _halves(gm: torch.fx.GraphModule, launch: Node, packed: Node, gate_first: bool) -> list[Node]:
+    """[gate, up] as row views of a packed gate/up weight (or bias): contiguous, read in place."""
+    rows = int(example_value(packed).shape[0]) // 2
+    stack = launch.meta.get("nn_module_stack", {})
+    first, second = (_call(gm.graph, launch, operator.getitem, (packed, part), {}, stack)
+                     for part in (slice(0, rows), slice(rows, 2 * rows)))
+    for node in (first, second):
+        set_example_value(gm, node)
+    return [first, second] if gate_first else [second, first]
 
 
 def _call(graph: torch.fx.Graph, before: Node, target: Any, args: tuple, kwargs: dict, stack: dict) -> Node:
