@@ -129,7 +129,8 @@ def _assemble(ptx: str) -> str:
                                    os.path.join(folder, "kernel.cubin")], capture_output=True, text=True, check=False)
             if done.returncode == 0:
                 return done.stdout + done.stderr
-            errors.append(f"{ptxas.name}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+            why = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit code {done.returncode}"
+            errors.append(f"{ptxas.name}: {why}")
     raise RuntimeError("no bundled ptxas assembled the kernel: " + "; ".join(errors or ["none found"]))
 
 
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{variant.name:58s} {r['registers']:4d} registers, {r['spill_bytes']} B spilled, "
               f"{r['shared_bytes']} B shared, {r['programs_per_sm']} programs per SM", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    payload = {"environment": {**environment(), "device": "none: compiled for sm_90a (H100) with Triton's ptxas"},
+    device = "no GPU (compiled for sm_90a, an H100, by Triton and its ptxas)"
+    payload = {"environment": {**environment(), "device": device},
                "command": " ".join(["python", "benchmarks/kernel_resources.py", *(argv or sys.argv[1:])]),
                "variants": rows}
     (args.out / "kernel_resources.json").write_text(json.dumps(payload, indent=2) + "\n")

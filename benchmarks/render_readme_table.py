@@ -483,6 +483,15 @@ def render_tune_decode_linear(data: dict) -> list[str]:
                    "best tile", "max rel. error"], rows)]
 
 
+def render_kernel_resources(data: dict) -> list[str]:
+    """Per decode-kernel variant: registers, spills, shared memory and programs an SM holds (ptxas's report)."""
+    rows = [[name, fmt(r.get("registers")), fmt(r.get("spill_bytes")), fmt(r.get("shared_bytes")),
+             fmt(r.get("programs_per_sm")), fmt(r.get("notes") or "-")] for name, r in data.get("variants", {}).items()]
+    return ["Compiled for sm_90a (H100) without a GPU, assembled by Triton's ptxas (`-v`); programs per SM from the "
+            "registers alone (65536 per SM):",
+            table(["variant", "registers", "spilled bytes", "shared bytes", "programs per SM", "note"], rows)]
+
+
 def render_tune_flex_attention(data: dict) -> list[str]:
     out = [f"FlexAttention options for a causal sliding window of {data.get('window')}, {data.get('heads')} heads, head "
            f"dim {data.get('head_dim')}, {data.get('dtype')}: per length and direction, the candidate kept (fastest of "
@@ -523,6 +532,7 @@ TUNING: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "tune_float8_amax.json": ("FP8 amax kernel", render_tune_float8_amax),
     "tune_flex_attention.json": ("FlexAttention options for sliding windows", render_tune_flex_attention),
     "tune_decode_linear.json": ("Grouped GEMV of decode steps", render_tune_decode_linear),
+    "kernel_resources.json": ("Decode kernels' registers on an H100, compiled without a GPU", render_kernel_resources),
 }
 
 

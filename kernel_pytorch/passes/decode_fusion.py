@@ -13,9 +13,9 @@ anyway, so it can norm it, and it can reduce the gate and up rows of one index i
 Matched: a ``grouped_linear`` (the decode_linear pass's GEMV launch) whose input is an ``rms_norm`` output read
 by nothing else (the norm's optional residual sum ``h`` may have any readers), and/or whose two equal-shape
 outputs are split and read only by one ``gated_activation`` (or whose one packed gate/up output is read only by
-``gated_activation_packed``: its weight's two row halves become the gate and up weights, as views). Norms computing FP8 scales are left alone.
-Decided by measurement on CUDA: the fused launch against the unfused ones at the group's shapes, timed as CUDA-graph
-replays; the faster is kept and the report says so.
+``gated_activation_packed``: its weight's two row halves become the gate and up weights, as views). Norms computing
+FP8 scales are left alone. Decided by measurement on CUDA: the fused launch against the unfused ones at the group's
+shapes, timed as CUDA-graph replays; the faster is kept and the report says so.
 """
 
 from __future__ import annotations
