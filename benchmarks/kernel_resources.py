@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import environment  # noqa: E402
+from kernel_pytorch.ops import decode_linear as DL  # noqa: E402
 
 __all__ = ["Variant", "VARIANTS", "resources", "main"]
 
@@ -54,19 +55,24 @@ def _gemv(name: str, notes: str = "", num_stages: int = 3, **constexprs) -> Vari
                    floats=("eps",), num_stages=num_stages, notes=notes)
 
 
+def _committed_gated_gemv(name: str, rows: int) -> Variant:
+    """The fused norm + SwiGLU launch at the tile ``decode_linear.gemv_tile`` gives it for ``rows`` token rows."""
+    tile = DL.gemv_tile(rows, gated=True, normed=True)
+    return _gemv(name, "the committed tile", num_stages=tile.num_stages, NUM_W=2, NORM=True, HAS_RESIDUAL=True,
+                 GATED=True, USE_DOT=rows > 1, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
+
+
 VARIANTS = (
     _gemv("GEMV, 1 row, 3 weights (q/k/v)", "decode_linear's one-row tile"),
     _gemv("GEMV, 1 row, 1 weight (o, down)", NUM_W=1),
     _gemv("fused GEMV, 1 row, norm + residual (q/k/v)", NORM=True, HAS_RESIDUAL=True),
     _gemv("fused GEMV, 1 row, norm + SwiGLU, 8 rows of each weight", "the first fused gate/up tile",
           NUM_W=2, NORM=True, HAS_RESIDUAL=True, GATED=True, BLOCK_N=8),
-    _gemv("fused GEMV, 1 row, norm + SwiGLU, 4 rows of each weight", "the committed gate/up tile",
-          NUM_W=2, NORM=True, HAS_RESIDUAL=True, GATED=True, BLOCK_N=4),
+    _committed_gated_gemv("fused GEMV, 1 row, norm + SwiGLU, the committed tile", 1),
     _gemv("GEMV, 8 rows (tl.dot), 3 weights", USE_DOT=True, BLOCK_N=32),
     _gemv("fused GEMV, 8 rows (tl.dot), norm + SwiGLU, K tile 512", "spills", USE_DOT=True, BLOCK_N=16, NUM_W=2,
           NORM=True, HAS_RESIDUAL=True, GATED=True),
-    _gemv("fused GEMV, 8 rows (tl.dot), norm + SwiGLU, K tile 128", "the committed tile of fused launches of rows",
-          USE_DOT=True, BLOCK_N=16, NUM_W=2, NORM=True, HAS_RESIDUAL=True, GATED=True, BLOCK_K=128),
+    _committed_gated_gemv("fused GEMV, 8 rows (tl.dot), norm + SwiGLU, the committed tile", 8),
     _gemv("fused GEMV, 8 rows (tl.dot), norm + residual, K tile 128", USE_DOT=True, BLOCK_N=32, NORM=True,
           HAS_RESIDUAL=True, BLOCK_K=128),
     Variant("decode attention split, GQA 4, head dim 128, bool mask", "kernel_pytorch.ops.decode_attention",

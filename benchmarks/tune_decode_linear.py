@@ -22,6 +22,8 @@ import argparse
 import itertools
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -53,7 +55,7 @@ def _weight_sets(sizes: tuple[int, ...], k: int, cold: bool) -> list[list[torch.
     return [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in sizes] for _ in range(copies)]
 
 
-def _rotating(fn, sets: list) -> callable:
+def _rotating(fn: Callable[[list], object], sets: list) -> Callable[[], object]:
     """A zero-argument call of ``fn`` on the next of ``sets`` each time (a captured graph records one per call)."""
     turn = itertools.cycle(sets)
     return lambda: fn(next(turn))
@@ -90,13 +92,9 @@ def _fused_candidates(x: torch.Tensor, sizes: tuple[int, ...], sets: list) -> di
         return {}
     gated = len(sizes) == 2
     norm = DL.NormInput(torch.ones(x.shape[-1], device="cuda", dtype=x.dtype), 1e-6, False, torch.randn_like(x))
-    default = DL.gemv_tile(x.shape[0])
-    if gated:  # grouped_gemv halves the rows of a gated launch's tile itself: double them back for the variant
-        tiles = {"default": None, "double rows": DL.GemvTile(default.block_n * 2, default.block_k,
-                                                             default.num_warps, default.num_stages)}
-    else:
-        tiles = {"default": None, "half rows": DL.GemvTile(max(default.block_n // 2, 1), default.block_k,
-                                                           default.num_warps, default.num_stages)}
+    default = DL.gemv_tile(x.shape[0], gated=gated, normed=True)
+    rows = default.block_n * 2 if gated else max(default.block_n // 2, 1)
+    tiles = {"default": default, "double rows" if gated else "half rows": replace(default, block_n=rows)}
     return {f"fused {label}": _rotating(lambda ws, tile=tile: DL.grouped_gemv(
         x, ws, None, tile, norm=norm, activation="silu" if gated else None), sets) for label, tile in tiles.items()}
 

@@ -66,14 +66,12 @@ def _unfused(x, weights, options, dtype=None):
     cast = (lambda t: t.to(dtype) if t is not None else None) if dtype else (lambda t: t)
     x, weights = cast(x), [cast(w) for w in weights]
     biases = [cast(b) for b in options["biases"]] if options["biases"] else None
-    norm = None
+    norm, k = None, x.shape[-1]
     if options.get("norm_weight") is not None:
+        residual = options["residual"]
         norm = DL.NormInput(cast(options["norm_weight"]), options["eps"], options["cast_before_weight"],
-                            cast(options["residual"]))
-    flat_residual = norm.residual.reshape(-1, x.shape[-1]) if norm and norm.residual is not None else None
-    out, h = FUSED._unfused(x.reshape(-1, x.shape[-1]), flat_residual, norm, weights, biases,
-                            options["activation"] or "")
-    return out, h
+                            cast(residual.reshape(-1, k)) if residual is not None else None)
+    return FUSED.unfused(x.reshape(-1, k), norm, weights, biases, options["activation"] or "")
 
 
 def check(case: str, dtype: torch.dtype, device="cpu", tol=TOL) -> None:

@@ -18,7 +18,7 @@ from kernel_pytorch.hardware import detect_hardware
 from kernel_pytorch.passes import (GraphPass, ModulePass, PassContext, PassManager, PassResult, get_pass, register_pass,
                                    replace_module)
 from kernel_pytorch.passes.base import candidates
-from kernel_pytorch.passes.graph_utils import module_path_of
+from kernel_pytorch.passes.graph_utils import module_path_of, nodes_between
 
 from .conftest import rel_err, twin
 
@@ -498,3 +498,17 @@ def test_a_referee_graph_on_the_host_computes_there_with_the_devices_it_names_re
     assert torch.equal(moved(x), x + torch.arange(4))
     with pytest.raises(RuntimeError):
         gm(x)  # the original still names the meta device
+
+
+def test_nodes_between_walks_graph_order_and_says_when_the_second_is_not_after():
+    def f(x):
+        a = x + 1
+        b = a * 2
+        c = b - 3
+        return c
+
+    gm = torch.fx.symbolic_trace(f)
+    x, a, b, c, _ = gm.graph.nodes
+    assert nodes_between(x, c) == [a, b]
+    assert nodes_between(a, b) == []
+    assert nodes_between(c, a) is None

@@ -24,6 +24,7 @@ unfused ops' native paths.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -33,16 +34,19 @@ from kernel_pytorch.ops import decode_linear as gemv
 from kernel_pytorch.ops.activations import ACTIVATION_KINDS, gated_activation
 from kernel_pytorch.ops.rms_norm import rms_norm
 
-__all__ = ["decode_fused_linear"]
+__all__ = ["decode_fused_linear", "unfused"]
 
 
-def _unfused(x: Tensor, residual: Optional[Tensor], norm: Optional[gemv.NormInput], weights: list[Tensor],
-             biases: Optional[list[Tensor]], activation: str) -> tuple[Tensor, Tensor]:
+def unfused(x: Tensor, norm: Optional[gemv.NormInput], weights: list[Tensor], biases: Optional[list[Tensor]],
+            activation: str, linear: Callable[..., Tensor] = gemv.grouped_linear_native) -> tuple[Tensor, Tensor]:
+    """What the fused launch replaces, as separate ops: the norm, ``linear(x, weights, biases)`` (the native
+    linears for the op's own fallback; the grouped GEMV launch when the decode_fusion pass times them), the
+    activation. Returns (out, h), h empty without a residual."""
     h = x.new_empty(0)
     if norm is not None:
-        normed = rms_norm(x, norm.weight, norm.eps, residual, cast_before_weight=norm.cast_before_weight)
-        x, h = normed if residual is not None else (normed, h)
-    out = gemv.grouped_linear_native(x, weights, biases)
+        normed = rms_norm(x, norm.weight, norm.eps, norm.residual, cast_before_weight=norm.cast_before_weight)
+        x, h = normed if norm.residual is not None else (normed, h)
+    out = linear(x, weights, biases)
     if activation:
         gate, up = out.split([w.shape[0] for w in weights], -1)
         out = gated_activation(gate, up, activation)
@@ -59,7 +63,7 @@ def _decode_fused_linear_op(x: Tensor, residual: Optional[Tensor], norm_weight: 
     usable = gemv.use_triton_kernel(x, weights) and (norm is None or norm_weight.is_contiguous()) and (
         residual is None or (residual.shape == x.shape and residual.stride(-1) == 1 and residual.dtype == x.dtype))
     if not usable:
-        return _unfused(x, residual, norm, weights, biases or None, activation)
+        return unfused(x, norm, weights, biases or None, activation)
     out, h = gemv.grouped_gemv(x, weights, biases or None, norm=norm, activation=activation or None)
     return out, (h if h is not None else x.new_empty(0))
 

@@ -46,12 +46,22 @@ class GemvTile:
 # (benchmarks/tune_decode_linear.py; the sweep's results: docs/kernels.md, "Decode GEMV").
 _TILE_ONE_ROW = GemvTile(block_n=8, block_k=512, num_warps=4, num_stages=3)
 _TILE_ROWS = GemvTile(block_n=32, block_k=512, num_warps=4, num_stages=3)
-_FUSED_DOT_BLOCK_K = 128  # the K tile of a fused (normed or gated) launch of several rows: no spills (see grouped_gemv)
+# The K tile of a fused (normed or gated) launch of several rows: tl.dot tiles of the input, its residual and one or
+# two weights spilled 2-21 KB per thread at K 512 for sm_90a (benchmarks/kernel_resources.py), none at 128; 32-bit
+# ones at 512 overflowed the H100's shared memory.
+_FUSED_DOT_BLOCK_K = 128
 
 
-def gemv_tile(rows: int) -> GemvTile:
-    """The tile for ``rows`` token rows."""
-    return _TILE_ONE_ROW if rows == 1 else _TILE_ROWS
+def gemv_tile(rows: int, *, gated: bool = False, normed: bool = False) -> GemvTile:
+    """The tile for ``rows`` token rows. ``gated`` (a program reduces the same rows of two weights): half the rows,
+    which keeps the tile's bytes, program count and registers (192 registers per thread at the full rows: 2
+    programs per SM instead of 6). Fused launches of several rows: a K tile of ``_FUSED_DOT_BLOCK_K``."""
+    tile = _TILE_ONE_ROW if rows == 1 else _TILE_ROWS
+    if gated:
+        tile = replace(tile, block_n=max(tile.block_n // 2, 1))
+    if rows > 1 and (gated or normed):
+        tile = replace(tile, block_k=min(tile.block_k, _FUSED_DOT_BLOCK_K))
+    return tile
 
 
 @tu.jit
@@ -194,25 +204,19 @@ def grouped_gemv(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]
                  norm: Optional[NormInput] = None, activation: Optional[str] = None) -> tuple[Tensor, Optional[Tensor]]:
     """The Triton launch: x (M, K) contiguous rows, weights (Ni, K) contiguous; with ``norm`` the input is
     normed first (and h = x + residual returned second, else None); with ``activation`` two weights (gate, up)
-    give act(gate) * up."""
+    give act(gate) * up. ``tile``: :func:`gemv_tile`'s for the launch, unless given."""
     rows, k = x.shape
     sizes = [w.shape[0] for w in weights]
-    tile = tile or gemv_tile(rows)
     gated = activation is not None
-    if gated:  # a program reduces the same rows of two weights: half the rows keep the tile's bytes and program count
-        tile = replace(tile, block_n=max(tile.block_n // 2, 1))
-    if rows > 1 and (norm is not None or gated):
-        # tl.dot tiles of the input, its residual and one or two weights: at K 512 ptxas spilled 2-21 KB per thread
-        # for sm_90a (benchmarks/kernel_resources.py), and 32-bit ones overflowed the H100's shared memory
-        tile = replace(tile, block_k=min(tile.block_k, _FUSED_DOT_BLOCK_K))
+    tile = tile or gemv_tile(rows, gated=gated, normed=norm is not None)
     out = x.new_empty((rows, sizes[0] if gated else sum(sizes)))
     blocks = [tu.cdiv(n, tile.block_n) for n in sizes]
+    unused = tu.unused_pointer(x)
     padded = weights + [weights[0]] * (MAX_WEIGHTS - len(weights))
-    bias_args = (biases + [biases[0]] * (MAX_WEIGHTS - len(biases))) if biases else [tu.unused_pointer(x)] * MAX_WEIGHTS
+    bias_args = (biases + [biases[0]] * (MAX_WEIGHTS - len(biases))) if biases else [unused] * MAX_WEIGHTS
     counts = sizes + [0] * (MAX_WEIGHTS - len(sizes))
     residual = norm.residual if norm is not None else None
     h = torch.empty_like(x) if residual is not None else None
-    unused = tu.unused_pointer(x)
     with tu.device_guard(x):
         tu.launch(_grouped_gemv_kernel)[(blocks[0] if gated else sum(blocks),)](
             x, residual if residual is not None else unused, h if h is not None else unused,

@@ -32,11 +32,11 @@ from torch.fx import Node
 
 from kernel_pytorch.ops import decode_linear as gemv
 from kernel_pytorch.ops.activations import gated_activation, gated_activation_packed
-from kernel_pytorch.ops.decode_fused_linear import decode_fused_linear
+from kernel_pytorch.ops.decode_fused_linear import decode_fused_linear, unfused
 from kernel_pytorch.ops.rms_norm import rms_norm
 from kernel_pytorch.passes.base import PassContext, PassResult
 from kernel_pytorch.passes.decode_base import DecodeStepPass
-from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of, set_example_value
+from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of, nodes_between, set_example_value
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import example_value
 
@@ -90,16 +90,11 @@ def _norm_before(launch: Node) -> _Norm | None:
         return None
     if (args["residual"] is None) != (node is normed):
         return None  # with a residual the norm returns (normed, h): its output is read through getitem 0
-    if any(_reads_before(user, launch) for user in node.users if user is not normed):
+    before_launch = set(nodes_between(node, launch))
+    if any(user in before_launch for getter in node.users if getter is not normed for user in getter.users):
         return None  # h is read before the launch, where the fused call is placed
     return _Norm(node, normed, args["x"], args["weight"], float(args["eps"]), args["residual"],
                  bool(args["cast_before_weight"]))
-
-
-def _reads_before(getter: Node, launch: Node) -> bool:
-    """Whether a read of the norm's h (a getitem) has a user placed before ``launch`` in the graph."""
-    order = {node: index for index, node in enumerate(launch.graph.nodes)}
-    return any(order[user] < order[launch] for user in getter.users)
 
 
 def _gated_after(launch: Node) -> _Gated | None:
@@ -150,21 +145,13 @@ def _measured(rows: int, sizes: tuple[int, ...], k: int, bias: bool, norm: tuple
     x, r = (torch.randn(rows, k, device=device, dtype=dtype) for _ in range(2))
     weights = [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for n in sizes]
     biases = [torch.randn(n, device=device, dtype=dtype) for n in sizes] if bias else None
-    options = {"activation": activation}
-    if norm is not None:
-        options.update(norm_weight=torch.rand(k, device=device, dtype=dtype) + 0.5, eps=1e-6,
-                       residual=r if norm[0] else None, cast_before_weight=norm[1])
-
-    def unfused():
-        inp = x
-        if norm is not None:
-            inp = rms_norm(x, options["norm_weight"], 1e-6, options["residual"], cast_before_weight=norm[1])
-            inp = inp[0] if norm[0] else inp
-        out = gemv.grouped_linear(inp, weights, biases)
-        return gated_activation(*out.split(list(sizes), -1), activation) if activation else out
-
-    timings = fastest_cuda_graph_ms({"unfused": unfused,
-                                     "fused": lambda: decode_fused_linear(x, weights, biases, **options)})
+    normed = None if norm is None else gemv.NormInput(torch.rand(k, device=device, dtype=dtype) + 0.5, 1e-6, norm[1],
+                                                      r if norm[0] else None)
+    fused_norm = {} if normed is None else dict(norm_weight=normed.weight, eps=normed.eps, residual=normed.residual,
+                                                cast_before_weight=normed.cast_before_weight)
+    timings = fastest_cuda_graph_ms({
+        "unfused": lambda: unfused(x, normed, weights, biases, activation or "", gemv.grouped_linear),
+        "fused": lambda: decode_fused_linear(x, weights, biases, activation=activation, **fused_norm)})
     return timings.faster("fused", "unfused"), timings.in_microseconds()
 
 

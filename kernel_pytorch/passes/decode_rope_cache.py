@@ -7,8 +7,8 @@
     values.index_copy_(2, cache_position, v)                                                      cache_position)
 
 Matched: a rotate-half ``apply_rope`` whose rotated k is read only by an ``index_copy_`` along dim 2 of a 4-D
-cache, the nearest other ``index_copy_`` at the same positions writing v into another cache, a few new tokens (a static
-sequence dim of at most ``MAX_TOKENS``), inference graphs. The fused call takes the place of the later copy; the
+cache, the next ``index_copy_`` after it at the same positions writing v into another cache, a few new tokens (a static
+sequence dim of at most ``MAX_TOKENS``), inference graphs. The fused call takes the place of the v copy; the
 match is refused if anything reads or writes a cache between the two copies or reads the rotated q before that
 place. Not timed: the fused launch reads and writes the same bytes minus the rotated k's round trip, in one launch
 where the unfused ops take three or four.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from kernel_pytorch.ops.decode_rope_cache import decode_rope_cache
 from kernel_pytorch.ops.rope import apply_rope
 from kernel_pytorch.passes.base import PassContext, PassResult
 from kernel_pytorch.passes.decode_base import DecodeStepPass
-from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of, set_example_value
+from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of, nodes_between, set_example_value
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import example_value, static_int
 
@@ -70,14 +71,13 @@ def _match(rope: Node) -> _Match | None:
     if found is None or found[2] is not parts[1]:
         return None
     keys, positions, _ = found
-    writes_v = [user for user in positions.users if user is not write_k and _cache_write(user) is not None
-                and _cache_write(user)[0] is not keys]
-    if not writes_v:
+    writes_v = {user for user in positions.users
+                if user is not write_k and (write := _cache_write(user)) is not None and write[0] is not keys}
+    # the first after the k write: a positions tensor shared by every layer (transformers passing cache_position
+    # down) has each layer's writes as users
+    write_v = next((node for node in _after(write_k) if node in writes_v), None)
+    if write_v is None:
         return None
-    # the nearest: a positions tensor shared by every layer (transformers passing cache_position down) has each
-    # layer's writes as users
-    order = {node: index for index, node in enumerate(rope.graph.nodes)}
-    write_v = min(writes_v, key=lambda user: abs(order[user] - order[write_k]))
     q_value = example_value(args.arguments["q"])
     tokens = static_int(q_value.shape[2]) if isinstance(q_value, torch.Tensor) and q_value.dim() == 4 else None
     if tokens is None or tokens > MAX_TOKENS:
@@ -85,15 +85,19 @@ def _match(rope: Node) -> _Match | None:
     return _Match(rope, parts[0], parts[1], write_k, write_v)
 
 
-def _safe_to_move(match: _Match, order: dict[Node, int]) -> bool:
-    """Whether the k write may move to the later copy's place: nothing touches a cache in between, and the rotated
-    q is first read after it."""
-    first, last = sorted((match.write_k, match.write_v), key=order.__getitem__)
+def _after(node: Node) -> Iterator[Node]:
+    while node.next.op != "root":
+        node = node.next
+        yield node
+
+
+def _safe_to_move(match: _Match) -> bool:
+    """Whether the k write may move to the v write's place: nothing touches a cache in between, and the rotated q
+    is first read after it."""
     caches = {match.write_k.args[0], match.write_v.args[0]}
-    between = [node for node in order if order[first] < order[node] < order[last]]
-    if any(cache in node.all_input_nodes for node in between for cache in caches):
+    if any(cache in node.all_input_nodes for node in nodes_between(match.write_k, match.write_v) for cache in caches):
         return False
-    return all(order[user] > order[last] for user in match.q_rot.users)
+    return not set(match.q_rot.users) & {match.write_k, *nodes_between(match.rope, match.write_v)}
 
 
 @register_pass
@@ -110,7 +114,7 @@ class DecodeRopeCachePass(DecodeStepPass):
             if match is None:
                 continue
             location = module_path_of(rope, "(model)")
-            if not _safe_to_move(match, {node: index for index, node in enumerate(gm.graph.nodes)}):
+            if not _safe_to_move(match):
                 result.skip(location, "a cache is read or written between the k and v copies, or the rotated q "
                                       "is read before them")
                 continue
@@ -124,9 +128,7 @@ def _rewrite(gm: torch.fx.GraphModule, match: _Match) -> None:
     args = inspect.signature(apply_rope).bind(*match.rope.args, **match.rope.kwargs).arguments
     keys, positions, _ = _cache_write(match.write_k)
     values, _, v = _cache_write(match.write_v)
-    order = {node: index for index, node in enumerate(graph.nodes)}
-    last = max(match.write_k, match.write_v, key=order.__getitem__)
-    with graph.inserting_after(last):
+    with graph.inserting_after(match.write_v):
         fused = graph.call_function(decode_rope_cache, (args["q"], args["k"], v, args["cos"], args["sin"], keys,
                                                         values, positions))
     fused.meta["nn_module_stack"] = dict(match.rope.meta.get("nn_module_stack", {}))

@@ -26,6 +26,7 @@ __all__ = [
     "clone_graph_module",
     "count_calls",
     "erase_unused",
+    "nodes_between",
     "evaluate_fake",
     "fake_mode_of",
     "FUSED_LINEARS",
@@ -156,6 +157,18 @@ def erase_unused(graph: torch.fx.Graph, candidates) -> int:
             graph.erase_node(node)
             erased += 1
     return erased
+
+
+def nodes_between(first: Node, last: Node) -> list[Node] | None:
+    """The nodes strictly between ``first`` and ``last`` in graph order, walked from ``first``: the cost of the
+    distance, not of the graph. None when ``last`` does not come after ``first``."""
+    between, node = [], first.next
+    while node is not last:
+        if node.op == "root":  # past the end: the graph's nodes are a ring through its root
+            return None
+        between.append(node)
+        node = node.next
+    return between
 
 
 def gemm_rows(x: Node, static_only: bool = False) -> int | None:

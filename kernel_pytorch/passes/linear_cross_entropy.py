@@ -52,7 +52,7 @@ from kernel_pytorch.errors import first_line
 from kernel_pytorch.ops.linear_cross_entropy import (linear_cross_entropy, linear_logits_cross_entropy,
                                                      logits_cross_entropy)
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, candidates
-from kernel_pytorch.passes.graph_utils import erase_unused, set_example_value
+from kernel_pytorch.passes.graph_utils import erase_unused, nodes_between, set_example_value
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import example_value
@@ -149,9 +149,9 @@ def _head(node: Node, vocab: int) -> Optional[Node]:
 
 def _read_before(match: _Loss) -> bool:
     """Whether something besides the loss reads the logits before the loss node (where the fused op goes)."""
-    order = {node: index for index, node in enumerate(match.loss.graph.nodes)}
+    before_loss = set(nodes_between(match.logits, match.loss))
     way = set(match.steps) | set(match.cap_nodes) | {match.loss}
-    return any(order[user] < order[match.loss] for user in match.logits.users if user not in way)
+    return any(user in before_loss for user in match.logits.users if user not in way)
 
 
 def _match(node: Node) -> _Loss | str | None:

@@ -59,9 +59,8 @@ def referee_device(tensors: Sequence[torch.Tensor], gradients: bool,
     if on_gpu is None:
         return None, ""
     needed, available = float32_bytes_needed(tensors, gradients, outputs), available_host_bytes()
-    if available is None or available < needed:
-        host = "unknown" if available is None else f"{available / GIB:.1f} GiB"
-        return None, f"{on_gpu}; host memory available: {host}"
+    if available < needed:
+        return None, f"{on_gpu}; host memory available: {available / GIB:.1f} GiB"
     return torch.device("cpu"), on_gpu
 
 
