@@ -39,6 +39,17 @@ def interpreted_tests(request, tmp_path_factory) -> InterpretedRun:
 
 
 @pytest.fixture
+def gemv_on_cpu(monkeypatch):
+    """The decode GEMV's launcher (ops/decode_linear.grouped_gemv) serving CPU tensors under Triton's interpreter;
+    its launch counts (tests of the plain and the fused GEMV)."""
+    from kernel_pytorch.ops import decode_linear
+
+    from .triton_interpreter import route_to_triton
+
+    return route_to_triton(monkeypatch, decode_linear, ("grouped_gemv",), ())
+
+
+@pytest.fixture
 def tiny_lm():
     torch.manual_seed(0)
     return LlamaStyleLM(LlamaStyleConfig.tiny())

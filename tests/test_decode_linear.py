@@ -25,7 +25,7 @@ from kernel_pytorch.passes.graph_utils import clone_graph_module
 
 from .conftest import capture_graph
 from .generation_models import causal_lm
-from .triton_interpreter import INTERPRETED, cuda_device, interp, route_to_triton, run_interpreted_tests
+from .triton_interpreter import INTERPRETED, cuda_device, interp, run_interpreted_tests
 
 DL = importlib.import_module("kernel_pytorch.ops.decode_linear")
 tu = importlib.import_module("kernel_pytorch.ops.triton_utils")
@@ -53,17 +53,12 @@ def check(case: str, dtype: torch.dtype, device="cpu") -> None:
     assert rel(out, expected) < TOL[dtype]
 
 
-@pytest.fixture
-def triton_on_cpu(monkeypatch):
-    return route_to_triton(monkeypatch, DL, ("grouped_gemv",), ())
-
-
 @interp
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_interp_kernel_matches_float64(triton_on_cpu, dtype, case):
+def test_interp_kernel_matches_float64(gemv_on_cpu, dtype, case):
     check(case, dtype)
-    assert triton_on_cpu == {"grouped_gemv": 1}
+    assert gemv_on_cpu == {"grouped_gemv": 1}
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_* tests itself")
