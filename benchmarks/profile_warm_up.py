@@ -8,11 +8,13 @@ benchmarks/decode.py on a fresh process. A diagnosis tool for issue 27's warm-up
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -23,8 +25,9 @@ from benchmarks.profile_decode_step import llama  # noqa: E402
 from kernel_pytorch.capture import GraphOptimizer  # noqa: E402
 
 
-def timed_compiles(records: list[str]):
-    """Wrap GraphOptimizer._compile to record each graph's compile seconds and size."""
+@contextlib.contextmanager
+def timed_compiles(records: list[str]) -> Iterator[list[str]]:
+    """Within the block, each graph's compile seconds and size are appended to ``records``."""
     original = GraphOptimizer._compile
 
     def compile_and_time(self, gm, example_inputs, name, training):
@@ -38,6 +41,10 @@ def timed_compiles(records: list[str]):
                            f"{symbolic} symbolic size inputs")
 
     GraphOptimizer._compile = compile_and_time
+    try:
+        yield records
+    finally:
+        GraphOptimizer._compile = original
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,13 +54,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     records: list[str] = []
-    timed_compiles(records)
-    model = kernel_pytorch.optimize(llama(args.layers))
-    profiler = cProfile.Profile()
-    started = time.perf_counter()
-    profiler.enable()
-    model.generate.warm_up(progress=False)
-    profiler.disable()
+    with timed_compiles(records):
+        model = kernel_pytorch.optimize(llama(args.layers))
+        profiler = cProfile.Profile()
+        started = time.perf_counter()
+        profiler.enable()
+        model.generate.warm_up(progress=False)
+        profiler.disable()
     seconds = time.perf_counter() - started
     stream = io.StringIO()
     pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(args.top)

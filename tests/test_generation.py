@@ -118,6 +118,12 @@ def test_limits_give_errors_naming_the_option():
         decoder.step(torch.zeros(1, dtype=torch.long))
 
 
+def test_warm_up_fits_a_cache_shorter_than_the_lengths_asked():
+    decoder = Decoder(causal_lm("gpt2"), max_length=64)
+    decoder.warm_up(batch_sizes=(1,), cache_lengths=(256, 512), progress=False)  # both above max_length
+    assert [key[:2] for key in decoder.lanes] == [(1, 64)]
+
+
 def test_a_full_cache_is_an_error_not_a_wrong_token():
     decoder = Decoder(causal_lm("gpt2"), max_length=256)
     logits = decoder.prefill(torch.randint(6, 128, (1, 250)), max_new_tokens=6)

@@ -143,7 +143,8 @@ class Decoder:
         length). Batch 1 and one larger batch compile every graph the decoder needs (its prefill and step take any
         length and any larger batch); other lanes then only allocate their cache and capture. Returns seconds."""
         started = time.perf_counter()
-        pairs = [(b, n) for b in batch_sizes for n in cache_lengths]
+        # A model whose max_length is under a length asked for warms up its longest lane instead.
+        pairs = list(dict.fromkeys((b, min(n, self.max_length)) for b in batch_sizes for n in cache_lengths))
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), disable=not progress,
                       transient=True) as bar:
             task = bar.add_task("generation warm-up", total=len(pairs))
@@ -219,8 +220,16 @@ class Decoder:
 
 
 def _tensor_addresses(model: nn.Module) -> tuple[tuple[int, torch.dtype], ...]:
-    """Where each parameter and buffer lives, and its dtype: what a captured graph read."""
-    return tuple((t.data_ptr(), t.dtype) for t in itertools.chain(model.parameters(), model.buffers()))
+    """Where each parameter and buffer lives, and its dtype: what a captured graph read. Checked at every request,
+    so the module tree is walked directly, without the qualified name ``model.parameters()`` builds per tensor (a
+    shared tensor is listed once per owner, which compares the same)."""
+    addresses, modules = [], [model]
+    while modules:
+        module = modules.pop()
+        addresses += [(t.data_ptr(), t.dtype) for t in itertools.chain(module._parameters.values(),
+                                                                       module._buffers.values()) if t is not None]
+        modules += [child for child in module._modules.values() if child is not None]
+    return tuple(addresses)
 
 
 def _rounded(length: int) -> int:
