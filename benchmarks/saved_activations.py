@@ -164,7 +164,8 @@ def _loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets)
 
 
-def trace_llama_style(layers: int, batch: int, seq: int, dtype: torch.dtype, simulate_h100: bool) -> tuple:
+def trace_llama_style(layers: int, batch: int, seq: int, dtype: torch.dtype, simulate_h100: bool,
+                      checkpointing: str = "off") -> tuple:
     import kernel_pytorch
     from kernel_pytorch import api
     from kernel_pytorch.capture import CompilerChoice
@@ -182,8 +183,7 @@ def trace_llama_style(layers: int, batch: int, seq: int, dtype: torch.dtype, sim
         # kernel) answers for any device once the custom op's device check lets a CPU tensor through.
         attention_ops = importlib.import_module("kernel_pytorch.ops.attention")  # the package re-exports a function
 
-        patches.append((attention_ops, "_DEVICE", {**attention_ops._DEVICE, "cudnn": "cpu", "flash": "cpu",
-                                                    "efficient": "cpu"}))
+        patches.append((attention_ops, "_refuse_device", lambda kernel, q: None))
         # The norm / RoPE / activation triton_ops take their Triton path on CPU tensors, as on the GPU: the
         # graph then holds the Triton kernels (opaque to the partitioner) rather than their aten fallback.
         triton_utils = importlib.import_module("kernel_pytorch.ops.triton_utils")
@@ -191,8 +191,9 @@ def trace_llama_style(layers: int, batch: int, seq: int, dtype: torch.dtype, sim
             patches.append((triton_utils, "TRITON_DEVICE_TYPES", frozenset({"cuda", "cpu"})))
             patches += _sm90_triton_target()
     with _patched(patches):
+        memory = {"memory": {"checkpointing": checkpointing}} if checkpointing != "off" else {}
         model = kernel_pytorch.optimize(model, example_inputs=(tokens,), mode="training", verify=False,
-                                        compile=True, strict=True)
+                                        compile=True, strict=True, **memory)
         model.zero_grad(set_to_none=True)
         _loss(model(tokens), tokens).backward()  # the step's own call: records forward and backward
     report = kernel_pytorch.report_of(model)
@@ -566,6 +567,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also estimate each graph's transient peak (its own buffers alive at once, by a liveness "
                              "walk in node order) and list what is alive then")
     parser.add_argument("--graphs", action="store_true", help="print the recorded forward graphs")
+    parser.add_argument("--checkpointing", choices=("off", "full", "selective"), default="off",
+                        help="llama-style: optimize's memory={'checkpointing': ...} on every block")
     parser.add_argument("--no-marginal", action="store_true",
                         help="scale with the mean per-layer bytes instead of tracing once more with one more layer "
                              "(the marginal layer's bytes are exact whatever layer a tensor is attributed to)")
@@ -584,7 +587,8 @@ def main(argv: list[str] | None = None) -> None:
         started = time.perf_counter()
         torch._dynamo.reset()
         if name == "llama-style":
-            recorder, info = trace_llama_style(args.layers, args.batch, args.tokens, dtype, not args.no_simulate_h100)
+            recorder, info = trace_llama_style(args.layers, args.batch, args.tokens, dtype, not args.no_simulate_h100,
+                                               args.checkpointing)
         else:
             recorder, info = trace_hf_llama(args.layers, args.batch, args.tokens, dtype)
         seconds = time.perf_counter() - started
@@ -609,7 +613,8 @@ def main(argv: list[str] | None = None) -> None:
                     table.setdefault("transients", {})[kind] = t
         if not args.no_marginal:
             torch._dynamo.reset()
-            more = (trace_llama_style(args.layers + 1, args.batch, args.tokens, dtype, not args.no_simulate_h100)
+            more = (trace_llama_style(args.layers + 1, args.batch, args.tokens, dtype, not args.no_simulate_h100,
+                                      args.checkpointing)
                     if name == "llama-style" else trace_hf_llama(args.layers + 1, args.batch, args.tokens, dtype))[0]
             total = lambda rec: sum(x.bytes for g in rec.graphs if not g.backward
                                     for x in saved_tensors(g, args.tokens) if not x.is_input)
