@@ -78,6 +78,7 @@ import cProfile
 import gc
 import io
 import inspect
+import json
 import pstats
 import statistics
 import sys
@@ -137,6 +138,7 @@ class Setup:
     sweep_new_tokens: int
     sweep_budget_s: float  # the recompile sweep stops here: a provider that recompiles every shape is slow
     host_profile: Path | None = None  # where optimize's host profile of a batch-1 TTFT call is written
+    generation: dict | None = None  # optimize(model, generation=...) for the optimize provider
 
 
 def make_setup(quick: bool, device: str) -> Setup:
@@ -304,8 +306,10 @@ def make_runner(provider: str, model: nn.Module, s: Setup, result: dict):
     import kernel_pytorch
     from benchmarks.profile_warm_up import timed_compiles
 
+    if s.generation:
+        result["generation_config"] = s.generation
     with timed_compiles(result.setdefault("graph_compiles", [])):
-        optimized = kernel_pytorch.optimize(model)
+        optimized = kernel_pytorch.optimize(model, **({"generation": s.generation} if s.generation else {}))
         # The documented bounded warm-up: batch 1 and one larger batch compile every graph later requests use.
         if callable(getattr(optimized.generate, "warm_up", None)):
             optimized.generate.warm_up(progress=False)
@@ -773,6 +777,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
     parser.add_argument("--batches", nargs="+", type=int, default=None, help="default: 1 8 32; --quick 1")
     parser.add_argument("--fresh", action="store_true", help="do not merge into the existing result file")
+    parser.add_argument("--generation", type=json.loads, default=None, metavar="JSON",
+                        help="optimize(model, generation=...), e.g. '{\"compile_prefill\": false}'")
     parser.add_argument("--host-profile", action="store_true",
                         help="write optimize's host profile (cProfile) of TTFT calls to OUT/decode_ttft_profile.txt")
     args = scaled_run_args(parser, argv)
@@ -826,6 +832,8 @@ def main(argv: list[str] | None = None) -> None:
         s = replace(s, batches=tuple(args.batches))
     if args.host_profile:
         s = replace(s, host_profile=args.out / "decode_ttft_profile.txt")
+    if args.generation:
+        s = replace(s, generation=args.generation)
     threads = torch.get_num_threads()
     if s.device == "cpu":
         # The tiny model's ops are too small to share out; a second thread waiting on a busy core stalls each.

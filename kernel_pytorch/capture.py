@@ -140,6 +140,13 @@ class GraphOptimizer:
         twin.report, twin.draws_random_numbers = report, False
         return twin
 
+    def with_compiler(self, compiler: CompilerChoice) -> GraphOptimizer:
+        """The same passes and report, the graphs it captures compiled by ``compiler`` (a decoder's uncompiled
+        prefill)."""
+        twin = copy.copy(self)
+        twin.compiler = compiler
+        return twin
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         # The checks and kernel measurements below run forwards and backwards of their own, inside the model's
         # call that triggered the capture: saved-tensor hooks around that call are not theirs. Identity hooks

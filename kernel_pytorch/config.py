@@ -226,6 +226,11 @@ class GenerationConfig(ConfigModel):
     cuda_graphs: bool | Literal["auto"] = Field(
         "auto", description="Replay each decode step from a CUDA graph ('auto': on CUDA devices)."
     )
+    compile_prefill: bool = Field(
+        True, description="Compile the prefill (and an encoder-decoder's encoder) with the model's compiler. False: "
+        "their graphs get the same passes, verified, and run uncompiled, which halves the compiling of a warm-up "
+        "(the decode steps stay compiled)."
+    )
 
     @field_validator("batch_buckets")
     @classmethod

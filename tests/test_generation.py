@@ -14,6 +14,7 @@ import transformers
 
 import kernel_pytorch
 from kernel_pytorch import Decoder, GenerationLimitError, report_of
+from kernel_pytorch.capture import CompilerChoice
 from kernel_pytorch.compiled_call import RecompileLimitWarning
 from kernel_pytorch.features.generation import FastGenerate
 from kernel_pytorch.features.generation.sampling import draw, warped_scores
@@ -116,6 +117,26 @@ def test_limits_give_errors_naming_the_option():
     decoder = Decoder(causal_lm("llama"))
     with pytest.raises(RuntimeError, match="before prefill"):
         decoder.step(torch.zeros(1, dtype=torch.long))
+
+
+def test_an_uncompiled_prefill_keeps_the_tokens_and_compiles_only_the_steps(monkeypatch):
+    compilers = []
+    compile_graph = CompilerChoice.compile
+
+    def recording(self, gm, example_inputs):
+        compilers.append(self.name)
+        return compile_graph(self, gm, example_inputs)
+
+    monkeypatch.setattr(CompilerChoice, "compile", recording)
+    model = causal_lm("llama")
+    reference = copy.deepcopy(model)
+    optimized = kernel_pytorch.optimize(model, compile=True, generation={"compile_prefill": False})
+    input_ids, attention_mask = left_padded_prompts(2, 9)
+    tokens = optimized.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(tokens, reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6,
+                                                  do_sample=False))
+    assert compilers == ["eager", "inductor"]  # the prefill's graph, then the step's
+    assert any("compile_prefill=False" in note for note in _generation_notes(optimized))
 
 
 def test_warm_up_fits_a_cache_shorter_than_the_lengths_asked():

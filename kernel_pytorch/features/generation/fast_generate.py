@@ -56,7 +56,10 @@ class FastGenerate:
     def _decoder(self) -> Decoder:
         if self.decoder is None:
             self.decoder = Decoder(self.model, self.config.max_length, self.config.batch_buckets,
-                                   self.config.cuda_graphs)
+                                   self.config.cuda_graphs, self.config.compile_prefill)
+            if not self.config.compile_prefill:
+                self._note("generation: prefills run their rewritten graphs uncompiled (generation.compile_prefill="
+                           "False); decode steps are compiled")
         return self.decoder
 
     def _note(self, text: str) -> None:

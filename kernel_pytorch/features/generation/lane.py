@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -21,6 +21,9 @@ from kernel_pytorch.errors import first_line
 from kernel_pytorch.features.generation.sampling import SamplingSettings, draw, warped_scores
 from kernel_pytorch.features.generation.model_calls import (cache_keyword, is_encoder_decoder, new_static_cache,
                                                              takes_logits_to_keep)
+
+if TYPE_CHECKING:  # capture imports the features, this module among them
+    from kernel_pytorch.capture import GraphOptimizer
 
 __all__ = ["DecodeLane", "TokenLoop", "ModelCalls"]
 
@@ -37,14 +40,20 @@ class ModelCalls:
     encode: Callable[..., Any]  # an encoder-decoder's encoder: ``encode(encoder, **kwargs)``
 
     @classmethod
-    def of(cls, model: nn.Module, backend: Callable[..., Any] | str | None) -> ModelCalls:
-        """Compiled through ``backend`` (an optimized model's own: its passes and verification), each call with a
-        dynamo cache of its own; without a backend the model runs as it is, still from a static cache."""
+    def of(cls, model: nn.Module, backend: GraphOptimizer | None, compile_prefill: bool = True) -> ModelCalls:
+        """Captured through ``backend`` (an optimized model's own: its passes and verification), each call with a
+        dynamo cache of its own; without a backend the model runs as it is, still from a static cache. Without
+        ``compile_prefill`` the prefill and the encoder run their rewritten graphs uncompiled."""
         if backend is None:
             return cls(call_module, call_module, call_module)
+        from kernel_pytorch.capture import CompilerChoice  # capture imports the features, this module among them
+
+        once_per_request = backend if compile_prefill else backend.with_compiler(CompilerChoice("eager"))
         encoder = model.get_encoder() if is_encoder_decoder(model) else None
-        return cls(*(_with_constant_floats(compiled_entry(module, backend, dynamic=True)) if module is not None
-                     else call_module for module in (model, model, encoder)))
+        return cls(*(_with_constant_floats(compiled_entry(module, module_backend, dynamic=True))
+                     if module is not None else call_module
+                     for module, module_backend in ((model, once_per_request), (model, backend),
+                                                    (encoder, once_per_request))))
 
 
 def _with_constant_floats(compiled: Callable[..., Any]) -> Callable[..., Any]:
