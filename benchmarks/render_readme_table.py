@@ -4,8 +4,9 @@ full, and the README's short table of headline results.
     python benchmarks/render_readme_table.py [--results DIR] [--readme PATH] [--docs PATH] [--headline] [--write]
 
 docs/results.md has one section per suite file found (e2e.json, attention.json, kernels.json, fp8.json,
-block_fusion.json, memory*.json, sparse_attention*.json, ring_attention.json; quick and CPU runs of the
-same suites are left out, except memory_quick.json), then the tuning sweeps (tune_*.json). Each section
+block_fusion.json, memory*.json, sparse_attention*.json, ring_attention.json, decode*.json; quick and CPU runs
+of the same suites are left out, except memory_quick.json and decode_quick.json), then the tuning sweeps
+(tune_*.json). Each section
 names the device, date, torch, Triton and cuDNN versions and command of the run it holds, from the file's
 ``environment`` (and the environments of parts re-measured or run as separate commands), and links the
 PNG plot beside the JSON. A missing file is listed as such; a missing key leaves a ``-`` in its cell; a
@@ -511,8 +512,8 @@ def _setting(setting: Any) -> str:
     return ", ".join(f"{k} {v}" for k, v in setting.items()) or "defaults"
 
 
-# One (title, renderer) per file name, in the order of docs/results.md. Memory files that are absent are not
-# listed as missing (memory_quick.json is optional).
+# One (title, renderer) per file name, in the order of docs/results.md. The quick files that are absent are not
+# listed as missing (memory_quick.json and decode_quick.json are optional).
 SUITES: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "e2e.json": ("End to end", render_e2e),
     "e2e_default_attention.json": ("End to end, default attention (issue 28)", render_e2e),
@@ -526,7 +527,9 @@ SUITES: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "sparse_attention_topk.json": ("Top-k sparse attention", render_topk),
     "ring_attention.json": ("Ring attention", render_ring),
     "decode.json": ("Generation (decode)", render_decode),
+    "decode_quick.json": ("Generation (decode, --quick: 64 new tokens)", render_decode),
 }
+OPTIONAL_SUITES = ("memory.json", "memory_quick.json", "decode_quick.json")
 TUNING: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "tune_row_kernels.json": ("Row kernels (norms, activations, RoPE)", render_tune_row_kernels),
     "tune_float8_amax.json": ("FP8 amax kernel", render_tune_float8_amax),
@@ -537,9 +540,8 @@ TUNING: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
 
 
 def suite_files(results: Path) -> list[tuple[str, Path]]:
-    """(file name, path) of the suites, in docs/results.md order; memory*.json only where present."""
-    return [(name, results / name) for name in SUITES
-            if not name.startswith("memory") or (results / name).exists()]
+    """(file name, path) of the suites, in docs/results.md order; the optional ones only where present."""
+    return [(name, results / name) for name in SUITES if name not in OPTIONAL_SUITES or (results / name).exists()]
 
 
 def environments(data: dict) -> list[dict]:
@@ -777,16 +779,20 @@ def _checkpointing_row(results: Path) -> list[str]:
             measured_on(data.get("environments", {}).get("checkpointing"))]
 
 
-def _decode_row(results: Path) -> list[str]:
-    data = _load(results, "decode.json")
+def _decode_row(results: Path) -> tuple[list[str], str]:
+    """From the newer of the full and the quick run (64 new tokens instead of 256), with its section."""
+    names = [name for name in ("decode.json", "decode_quick.json") if (results / name).exists()] or ["decode.json"]
+    runs = [(name, _load(results, name)) for name in names]  # none: decode.json's own "missing" line
+    name, data = max(runs, key=lambda run: run[1]["models"]["1b"]["environment"].get("date", ""))
     entry = data["models"]["1b"]
     ours = entry["providers"]["optimize"]["batches"]["1"]
     loop = entry["providers"]["static loop (reduce-overhead)"]["batches"]["1"]
-    return ["generate(), 1B-class Llama (16 layers, d 2048), batch 1, bf16",
+    tokens = "" if name == "decode.json" else f", {data['new_tokens']} new tokens"
+    return [f"generate(), 1B-class Llama (16 layers, d 2048), batch 1{tokens}, bf16",
             f"{ours['decode_tokens_per_s_per_seq']:.0f} tokens/s ({ours['hbm_share']:.0%} of the HBM limit)",
             "a hand-written static-cache loop under torch.compile(mode='reduce-overhead')",
             f"{ours['decode_tokens_per_s_per_seq'] / loop['decode_tokens_per_s_per_seq']:.2f}x",
-            measured_on(entry["environment"])]
+            measured_on(entry["environment"])], SUITES[name][0]
 
 
 # (section of docs/results.md the row comes from, how to build it); a row whose file or key is missing is named.
@@ -814,6 +820,8 @@ def render_headline(results: Path, doc: str = "docs/results.md") -> str:
                 ZeroDivisionError) as error:
             missing.append(f"{name} ({type(error).__name__}: {error})")
             continue
+        if isinstance(row, tuple):  # a row that names the section it came from
+            row, section = row
         rows.append([*row[:-1], f"{row[-1]} ([all]({doc}#{anchor(section)}))"])
     parts = [table(["what", "kernel_pytorch.optimize", "against", "speedup", "measured on"], rows) if rows else
              "No headline results: none of their files is in benchmarks/results/."]
