@@ -22,6 +22,7 @@ import torch
 import torch.fx
 import torch.utils.checkpoint
 
+from kernel_pytorch.block_compile import compile_per_block
 from kernel_pytorch.compile_skip import attention_only
 from kernel_pytorch.compiled_call import GraphRun
 from kernel_pytorch.config import OptimizeConfig
@@ -42,10 +43,13 @@ __all__ = ["GraphOptimizer", "GuardedGraph", "CompilerChoice"]
 
 @dataclass(frozen=True)
 class CompilerChoice:
-    """The compiler graphs go to after the passes: ``"inductor"``, ``"openxla"`` or ``"eager"``."""
+    """The compiler graphs go to after the passes: ``"inductor"``, ``"openxla"`` or ``"eager"``. ``per_block``:
+    Inductor compiles an inference graph one repeated block at a time, each distinct block once
+    (:mod:`kernel_pytorch.block_compile`)."""
 
     name: str
     mode: str = "default"
+    per_block: bool = False
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -64,7 +68,11 @@ class CompilerChoice:
             from torch._inductor import list_mode_options
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(gm, list(example_inputs), config_patches=list_mode_options(self.mode))
+            patches = list_mode_options(self.mode)
+            if self.per_block and not torch.is_grad_enabled():
+                return compile_per_block(gm, example_inputs,
+                                         lambda graph, inputs: compile_fx(graph, inputs, config_patches=patches))
+            return compile_fx(gm, list(example_inputs), config_patches=patches)
         from torch._dynamo.backends.registry import lookup_backend
 
         return lookup_backend(self.name)(gm, list(example_inputs))
@@ -328,7 +336,10 @@ class GraphOptimizer:
                                      "which Inductor would call as it is (this saves its wrapper's host time)")
             return gm.forward
         try:
-            return self.compiler.compile(gm, example_inputs)
+            compiled = self.compiler.compile(gm, example_inputs)
+            if getattr(compiled, "block_compile_note", None):
+                self.report.notes.append(f"{name}: {compiled.block_compile_note}")
+            return compiled
         except Exception as error:
             if self.config.strict:
                 raise

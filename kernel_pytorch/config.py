@@ -231,6 +231,12 @@ class GenerationConfig(ConfigModel):
         "their graphs get the same passes, verified, and run uncompiled, which halves the compiling of a warm-up "
         "(the decode steps stay compiled)."
     )
+    compile_layers_once: bool = Field(
+        False, description="Experimental: compile the prefill's and the step's graphs one decoder layer at a time, "
+        "each distinct layer once (the first and last layers and the embedding and head apart; the weights and "
+        "caches are inputs), so that the warm-up's compile time does not grow with depth. Fusions across layer "
+        "boundaries are left to the passes."
+    )
 
     @field_validator("batch_buckets")
     @classmethod

@@ -22,8 +22,11 @@ FAMILIES = {
 }
 
 
-def causal_lm(family: str, seed: int = 0) -> torch.nn.Module:
+def causal_lm(family: str, seed: int = 0, layers: int | None = None) -> torch.nn.Module:
+    """``layers``: that many decoder layers instead of the config's 2."""
     config_class, model_class, fields = FAMILIES[family]
+    if layers is not None:
+        fields = {**fields, "n_layer" if "n_layer" in fields else "num_hidden_layers": layers}
     torch.manual_seed(seed)
     return model_class(config_class(**fields)).eval()
 

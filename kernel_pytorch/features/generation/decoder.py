@@ -44,11 +44,12 @@ class GenerationLimitError(ValueError):
 class Decoder:
     """Static-cache decoding for ``model``; see the module docstring. ``max_length``: tokens the largest cache
     holds (None: :func:`default_max_length`); ``batch_buckets``: the batch sizes steps are captured for;
-    ``compile_prefill``: whether an optimized model's prefill is compiled (else its rewritten graph runs as is)."""
+    ``compile_prefill``: whether an optimized model's prefill is compiled (else its rewritten graph runs as is);
+    ``compile_layers_once``: Inductor compiles each distinct layer of the prefill and step graphs once."""
 
     def __init__(self, model: nn.Module, max_length: int | None = None,
                  batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32), cuda_graphs: bool | str = "auto",
-                 compile_prefill: bool = True):
+                 compile_prefill: bool = True, compile_layers_once: bool = False):
         reason = why_not_generative(model)
         if reason:
             raise TypeError(f"kernel_pytorch.Decoder: {reason}")
@@ -56,7 +57,7 @@ class Decoder:
         self.max_length = max_length or default_max_length(model)
         self.batch_buckets = tuple(batch_buckets)
         self.cuda_graphs = cuda_graphs is True or cuda_graphs == "auto"
-        self.calls = ModelCalls.of(model, _backend_of(model), compile_prefill)
+        self.calls = ModelCalls.of(model, _backend_of(model), compile_prefill, compile_layers_once)
         self.encoder_decoder = is_encoder_decoder(model)
         # (batch bucket, cache length, encoder length or 0) -> lane, in order of use, the most recent last
         self.lanes: dict[tuple[int, int, int], DecodeLane] = {}

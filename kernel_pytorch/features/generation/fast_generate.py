@@ -56,7 +56,8 @@ class FastGenerate:
     def _decoder(self) -> Decoder:
         if self.decoder is None:
             self.decoder = Decoder(self.model, self.config.max_length, self.config.batch_buckets,
-                                   self.config.cuda_graphs, self.config.compile_prefill)
+                                   self.config.cuda_graphs, self.config.compile_prefill,
+                                   self.config.compile_layers_once)
             if not self.config.compile_prefill:
                 self._note("generation: prefills run their rewritten graphs uncompiled (generation.compile_prefill="
                            "False); decode steps are compiled")

@@ -10,7 +10,7 @@ the token buffer, so a token loop is one replay per token with no host work betw
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,14 +40,18 @@ class ModelCalls:
     encode: Callable[..., Any]  # an encoder-decoder's encoder: ``encode(encoder, **kwargs)``
 
     @classmethod
-    def of(cls, model: nn.Module, backend: GraphOptimizer | None, compile_prefill: bool = True) -> ModelCalls:
+    def of(cls, model: nn.Module, backend: GraphOptimizer | None, compile_prefill: bool = True,
+           compile_layers_once: bool = False) -> ModelCalls:
         """Captured through ``backend`` (an optimized model's own: its passes and verification), each call with a
         dynamo cache of its own; without a backend the model runs as it is, still from a static cache. Without
-        ``compile_prefill`` the prefill and the encoder run their rewritten graphs uncompiled."""
+        ``compile_prefill`` the prefill and the encoder run their rewritten graphs uncompiled; with
+        ``compile_layers_once`` Inductor compiles each distinct layer once (:mod:`kernel_pytorch.block_compile`)."""
         if backend is None:
             return cls(call_module, call_module, call_module)
         from kernel_pytorch.capture import CompilerChoice  # capture imports the features, this module among them
 
+        if compile_layers_once and backend.compiler.name == "inductor":
+            backend = backend.with_compiler(replace(backend.compiler, per_block=True))
         once_per_request = backend if compile_prefill else backend.with_compiler(CompilerChoice("eager"))
         encoder = model.get_encoder() if is_encoder_decoder(model) else None
         return cls(*(_with_constant_floats(compiled_entry(module, module_backend, dynamic=True))

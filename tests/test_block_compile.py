@@ -1,0 +1,104 @@
+"""Compiling a captured graph one repeated block at a time (kernel_pytorch.block_compile): outputs equal to the whole
+graph's, identical blocks share one compilation, partitions that differ do not, and a graph it cannot split is
+compiled whole with a note saying why. The generation path's option on transformers models is tested against the
+unoptimized model's greedy tokens."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import kernel_pytorch
+from kernel_pytorch import report_of
+from kernel_pytorch.block_compile import compile_per_block
+
+from .generation_models import causal_lm, left_padded_prompts
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: int, width: int = 16):
+        super().__init__()
+        self.embed = nn.Linear(width, width)
+        self.layers = nn.ModuleList(Block(width) for _ in range(blocks))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).softmax(-1)
+
+
+def _compiled_per_block(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list, list[str]]:
+    """``model(x)`` through a dynamo backend that compiles per block; each partition "compiled" runs as it is."""
+    compiled_graphs: list[torch.fx.GraphModule] = []
+    notes: list[str] = []
+
+    def record(graph: torch.fx.GraphModule, inputs: list):
+        compiled_graphs.append(graph)
+        return graph.forward
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list):
+        compiled = compile_per_block(gm, example_inputs, record)
+        notes.append(compiled.block_compile_note)
+        return compiled
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, dynamic=True)(x)
+    return out, compiled_graphs, notes
+
+
+@pytest.mark.parametrize("blocks", [3, 6])
+def test_identical_blocks_share_one_compilation_and_outputs_are_unchanged(blocks):
+    torch.manual_seed(0)
+    model, x = Stack(blocks), torch.randn(3, 5, 16)
+    out, compiled, notes = _compiled_per_block(model, x)
+    torch.testing.assert_close(out, model(x), rtol=1e-6, atol=1e-6)
+    # the embedding, the blocks, the head: every block after the first runs the first one's compilation
+    assert len(compiled) == 3, notes
+    assert f"{blocks + 2} partitions, 3 compiled, {blocks - 1} sharing" in notes[0]
+
+
+def test_blocks_of_other_shapes_are_not_shared():
+    torch.manual_seed(0)
+    model, x = Stack(4), torch.randn(2, 3, 16)
+    model.layers[2].up, model.layers[2].down = nn.Linear(16, 8), nn.Linear(8, 16)  # a narrower block
+    out, compiled, notes = _compiled_per_block(model, x)
+    torch.testing.assert_close(out, model(x), rtol=1e-6, atol=1e-6)
+    assert len(compiled) == 4, notes  # embedding, blocks 0/1/3 (one), block 2, head
+
+
+def test_a_graph_without_repeated_blocks_is_compiled_whole_with_the_reason():
+    torch.manual_seed(0)
+    model, x = Stack(1), torch.randn(2, 3, 16)
+    out, compiled, notes = _compiled_per_block(model, x)
+    torch.testing.assert_close(out, model(x), rtol=1e-6, atol=1e-6)
+    assert len(compiled) == 1 and notes[0].startswith("compiled whole, not one block at a time (ValueError: 1 ")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_generation_compiling_each_layer_once_keeps_the_tokens(family):
+    model = causal_lm(family, layers=4)
+    reference = copy.deepcopy(model)
+    optimized = kernel_pytorch.optimize(model, compile=True, generation={"compile_layers_once": True})
+    for batch, length in [(2, 9), (1, 30)]:
+        input_ids, attention_mask = left_padded_prompts(batch, length)
+        expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=False)
+        tokens = optimized.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=False)
+        assert torch.equal(tokens, expected), (family, batch, length)
+    notes = [note for note in report_of(optimized).notes if "one repeated block at a time" in note]
+    assert notes and all("sharing an identical one's compilation" in note and ", 0 sharing" not in note
+                         for note in notes), notes
