@@ -228,8 +228,9 @@ class GenerationConfig(ConfigModel):
     )
     compile_prefill: bool = Field(
         True, description="Compile the prefill (and an encoder-decoder's encoder) with the model's compiler. False: "
-        "their graphs get the same passes, verified, and run uncompiled, which halves the compiling of a warm-up "
-        "(the decode steps stay compiled)."
+        "their graphs get the same passes, verified, and run uncompiled: a shorter warm-up (only the decode steps "
+        "are compiled), a slower first token (the uncompiled graph's launches are host-bound); docs/usage.md has "
+        "the figures."
     )
     compile_layers_once: bool = Field(
         False, description="Experimental: compile the prefill's and the step's graphs one decoder layer at a time, "
