@@ -5,10 +5,11 @@ a 16-layer model spent most of its time compiling four whole-model graphs, and a
 440 s (docs/kernels.md, "Generation warm-up"). The layers are the same code on other weights, so this module:
 
 1. propagates fake values through the rewritten graph (the shapes, symbolic ones included, of every node);
-2. splits it into partitions: the nodes before the first block, one partition per block (``layers.N`` in the
-   nodes' module path, :func:`~kernel_pytorch.passes.graph_utils.block_of`), and the nodes after the last block.
-   Partition numbers never decrease in graph order, so a node that joins two blocks (a fused residual add and the
-   next layer's norm) lands in the later one and the partitions form a chain;
+2. splits it into partitions: one per block (``layers.N`` in the nodes' module path,
+   :func:`~kernel_pytorch.passes.graph_utils.block_of`), the nodes outside the blocks with the latest partition of
+   their inputs (those of none before the first: the embedding, the mask, the rotary table), and the nodes after
+   the last block's in a partition of their own (the head). No node is numbered below its inputs, so the
+   partitions form a chain;
 3. compiles each partition whose structure (ops, constant arguments, and the shapes, strides, dtypes, devices and
    aliasing of its inputs) was not compiled before, and calls the first compilation for the others: the weights and
    caches are the partitions' inputs, so one compiled layer serves every layer.
@@ -87,24 +88,24 @@ class _WholeGraph(torch.nn.Module):
 
 
 def _partition_numbers(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int]:
-    """0 before the first block, then one number per block in order of first appearance, then one for the nodes
-    after the last block; never decreasing in graph order (a node after a later block's first node joins it)."""
+    """1, 2, ... per block in order of first appearance; a node outside the blocks joins the latest partition of its
+    inputs (0 for none: the embedding, the mask, the rotary table), and after the last block's nodes a partition of
+    its own (the head). No node is numbered below its inputs, so the partitions form a chain."""
     nodes = list(gm.graph.nodes)
     blocks = [block_of(module_path_of(node)) if node.op in _CALLS else "" for node in nodes]
     last = max((i for i, block in enumerate(blocks) if block), default=-1)
     numbers: dict[torch.fx.Node, int] = {}
     order: dict[str, int] = {}
-    current = 0
     for position, (node, block) in enumerate(zip(nodes, blocks)):
         if node.op not in _CALLS:
             continue
-        if block:
-            current = max(current, order.setdefault(block, len(order) + 1))
-        elif position > last:
-            current = len(order) + 1
-        numbers[node] = current
+        after_inputs = max((numbers[i] for i in node.all_input_nodes if i in numbers), default=0)
         if _takes_from_a_tuple(node) and node.args[0] in numbers:
             numbers[node] = numbers[node.args[0]]  # a tuple never crosses partitions: compiled graphs return flat
+        elif block:
+            numbers[node] = max(order.setdefault(block, len(order) + 1), after_inputs)
+        else:
+            numbers[node] = len(order) + 1 if position > last else after_inputs
     return numbers
 
 
