@@ -2,7 +2,7 @@
 count), TorchDynamo's own phase times, and the host profile's heaviest functions, for the 1B-class Llama of
 benchmarks/decode.py on a fresh process. A diagnosis tool for issue 27's warm-up target.
 
-    python benchmarks/profile_warm_up.py [--layers 16] [--top 45] [--out DIR]
+    python benchmarks/profile_warm_up.py [--layers 16] [--top 45] [--out DIR] [--generation JSON] [--no-host-profile]
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import cProfile
 import io
+import json
 import pstats
 import sys
 import time
@@ -52,18 +53,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--top", type=int, default=45)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--generation", type=json.loads, default={}, metavar="JSON",
+                        help="optimize(model, generation=...), e.g. '{\"compile_layers_once\": true}'")
+    parser.add_argument("--no-host-profile", action="store_true", help="no cProfile (it slows the host's work)")
     args = parser.parse_args(argv)
     records: list[str] = []
+    profiler = cProfile.Profile()
     with timed_compiles(records):
-        model = kernel_pytorch.optimize(llama(args.layers))
-        profiler = cProfile.Profile()
+        model = kernel_pytorch.optimize(llama(args.layers), generation={"enabled": True, **args.generation})
         started = time.perf_counter()
-        profiler.enable()
-        model.generate.warm_up(progress=False)
-        profiler.disable()
+        with contextlib.nullcontext() if args.no_host_profile else profiler:
+            model.generate.warm_up(progress=False)
     seconds = time.perf_counter() - started
     stream = io.StringIO()
-    pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(args.top)
+    if not args.no_host_profile:
+        pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(args.top)
     phases = kernel_pytorch.report_of(model).timings_s
     text = "\n".join([f"== warm-up {seconds:.1f} s; report phases: " + ", ".join(
         f"{k} {v:.1f}" for k, v in phases.items() if v >= 0.5), *records,
