@@ -430,8 +430,8 @@ def time_point(runner, ids: torch.Tensor, s: Setup) -> tuple[float, float, str]:
         splits = [runner.run(ids, s.new_tokens)[1:] for _ in range(s.runs)]
         return (statistics.median(t for t, _ in splits), statistics.median(d for _, d in splits),
                 "prefill and decode loop timed apart")
-    # Interleaved pairs: a slow spell of the host hits both calls of a pair, not one median alone (measured on
-    # the H100: medians of separate runs gave a one-token call of 43.8 ms against 19.2 ms minutes later).
+    # Interleaved pairs: a slow spell of the host hits both calls of a pair, not one of two medians taken apart
+    # (which once read 994 tokens/s as 1274: CHANGELOG, "Fixed").
     pairs = [(_once_s(lambda: runner.generate(ids, 1), s), _once_s(lambda: runner.generate(ids, s.new_tokens), s))
              for _ in range(s.runs)]
     return (statistics.median(first for first, _ in pairs), statistics.median(total - first for first, total in pairs),
