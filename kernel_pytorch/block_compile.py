@@ -74,17 +74,9 @@ def compile_per_block(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     try:
         return compile_blocks_once(gm, example_inputs, compile_graph)
     except Exception as error:  # the whole graph compiled instead, and the note says why
-        return _WholeGraph(compile_graph(gm, list(example_inputs)),
-                           f"compiled whole, not one block at a time ({type(error).__name__}: {error})")
-
-
-class _WholeGraph(torch.nn.Module):
-    def __init__(self, compiled: Callable[..., Any], note: str):
-        super().__init__()
-        self.compiled, self.block_compile_note = compiled, note
-
-    def forward(self, *args: Any) -> Any:
-        return self.compiled(*args)
+        whole = _CompiledPartition(compile_graph(gm, list(example_inputs)), single_output=False)
+        whole.block_compile_note = f"compiled whole, not one block at a time ({type(error).__name__}: {error})"
+        return whole
 
 
 def _partition_numbers(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int]:

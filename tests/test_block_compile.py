@@ -107,14 +107,14 @@ def test_generation_compiling_each_layer_once_keeps_the_tokens(family):
 def test_a_decode_step_rewritten_by_the_decode_passes_shares_its_layers():
     """The step graph after decode_linear and decode_fusion: each layer's input norm runs in a launch fused with the
     previous layer's residual add, across the layer boundary; the middle layers still share one compilation."""
-    from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls
     from kernel_pytorch.passes.graph_utils import clone_graph_module
 
     from .test_decode_fusion import _copied, _fused_launches, _run_passes
+    from .test_decode_linear import _step_graph
 
-    model, checked = causal_lm("llama", layers=6), []
+    checked = []
 
-    def backend(gm: torch.fx.GraphModule, example_inputs: list):
+    def passes_then_per_block(gm: torch.fx.GraphModule, example_inputs: list):
         example = [int(e.node.hint) if isinstance(e, torch.SymInt) else e for e in example_inputs]
         original = clone_graph_module(gm)
         with torch.no_grad():
@@ -122,12 +122,7 @@ def test_a_decode_step_rewritten_by_the_decode_passes_shares_its_layers():
         split = compile_per_block(gm, example_inputs, lambda graph, inputs: graph.forward)
         torch.testing.assert_close(split(*_copied(example))[0], original(*_copied(example))[0], rtol=1e-5, atol=1e-5)
         checked.append((len(_fused_launches(gm)), split.block_compile_note))
-        return gm.forward
 
-    lane = DecodeLane(model, ModelCalls.of(model, backend), 1, 256, cuda_graphs=False)
-    prompt = torch.randint(6, 128, (1, 9))
-    with torch.no_grad():
-        lane.prefill(prompt, torch.ones_like(prompt))
-        lane.step(torch.tensor([7]))
+    _step_graph(causal_lm("llama", layers=6), within_capture=passes_then_per_block)
     launches, note = checked[-1]  # the step's graph
     assert launches == 12 and "8 partitions, 5 compiled, 3 sharing" in note, checked

@@ -143,12 +143,16 @@ def test_gpu_kernel_matches_float64(dtype, case):
 
 # ------------------------------------------------------------------------------- transformers decode steps
 
-def _step_graph(model: nn.Module):
-    """The graph of ``model``'s decode step as a generation lane compiles it (batch 1, one token), with its inputs."""
+def _step_graph(model: nn.Module, within_capture=None):
+    """The graph of ``model``'s decode step as a generation lane compiles it (batch 1, one token), with its inputs.
+    ``within_capture(gm, example_inputs)`` runs inside the backend, where TorchDynamo's tracing context is, on the
+    prefill's graph and then on the step's."""
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append((gm, list(example_inputs)))
+        if within_capture is not None:
+            within_capture(gm, example_inputs)
         return gm.forward
 
     lane = DecodeLane(model, ModelCalls.of(model, backend), 1, 256, cuda_graphs=False)

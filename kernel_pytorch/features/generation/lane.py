@@ -48,11 +48,10 @@ class ModelCalls:
         ``compile_layers_once`` Inductor compiles each distinct layer once (:mod:`kernel_pytorch.block_compile`)."""
         if backend is None:
             return cls(call_module, call_module, call_module)
-        from kernel_pytorch.capture import CompilerChoice  # capture imports the features, this module among them
-
         if compile_layers_once and backend.compiler.name == "inductor":
             backend = backend.with_compiler(replace(backend.compiler, per_block=True))
-        once_per_request = backend if compile_prefill else backend.with_compiler(CompilerChoice("eager"))
+        once_per_request = backend if compile_prefill else backend.with_compiler(replace(backend.compiler,
+                                                                                         name="eager"))
         encoder = model.get_encoder() if is_encoder_decoder(model) else None
         return cls(*(_with_constant_floats(compiled_entry(module, module_backend, dynamic=True))
                      if module is not None else call_module
