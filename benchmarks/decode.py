@@ -83,6 +83,7 @@ import pstats
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -587,6 +588,7 @@ def run_provider(name: str, provider: str, s: Setup, hbm: dict, info_out: dict) 
             result["setup_phases_s"] = _setup_phases(runner.model)
         result.update(_peak_gib(s))
     except Exception as error:  # a provider that raises (out of memory, compile failure) must not end the run
+        traceback.print_exc()  # the cause, on stderr: the result keeps the error's first line
         result["error"] = first_line(error)
         if provider == OURS and model is not None:
             result["report_generation_lines"] = _report_lines(model)

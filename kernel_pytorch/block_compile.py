@@ -7,9 +7,9 @@ a 16-layer model spent most of its time compiling four whole-model graphs, and a
 1. propagates fake values through the rewritten graph (the shapes, symbolic ones included, of every node);
 2. splits it into partitions: one per block (``layers.N`` in the nodes' module path,
    :func:`~kernel_pytorch.passes.graph_utils.block_of`), the nodes outside the blocks with the latest partition of
-   their inputs (those of none before the first: the embedding, the mask, the rotary table), and the nodes after
-   the last block's in a partition of their own (the head). No node is numbered below its inputs, so the
-   partitions form a chain;
+   their inputs (those of none, before the first block: the embedding, the mask, the rotary table, with the first
+   block), and the nodes after the last block's in a partition of their own (the head). No node is numbered below
+   its inputs, so the partitions form a chain;
 3. compiles each partition whose structure (ops, constant arguments, and the shapes, strides, dtypes, devices and
    aliasing of its inputs) was not compiled before, and calls the first compilation for the others: the weights and
    caches are the partitions' inputs, so one compiled layer serves every layer.
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_symbols
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.split_module import split_module
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -52,6 +53,7 @@ def compile_blocks_once(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     partitions = _partition_numbers(gm)
     split = split_module(gm, None, partitions.__getitem__, keep_original_order=True)
     values = {node.name: node.meta.get("val") for node in gm.graph.nodes}
+    _check_sizes_are_bound(partitions, split, values)
     compiled: dict[tuple, _CompiledPartition] = {}
     reused = 0
     for name, partition in list(split.named_children()):
@@ -81,8 +83,9 @@ def compile_per_block(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
 
 def _partition_numbers(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int]:
     """1, 2, ... per block in order of first appearance; a node outside the blocks joins the latest partition of its
-    inputs (0 for none: the embedding, the mask, the rotary table), and after the last block's nodes a partition of
-    its own (the head). No node is numbered below its inputs, so the partitions form a chain."""
+    inputs (the first block's for none: the embedding, the mask, the rotary table, whose sizes often come from
+    ``SymInt`` inputs alone while the first block's cache tensors carry them), and after the last block's nodes a
+    partition of its own (the head). No node is numbered below its inputs, so the partitions form a chain."""
     nodes = list(gm.graph.nodes)
     blocks = [block_of(module_path_of(node)) if node.op in _CALLS else "" for node in nodes]
     last = max((i for i, block in enumerate(blocks) if block), default=-1)
@@ -91,7 +94,7 @@ def _partition_numbers(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int]:
     for position, (node, block) in enumerate(zip(nodes, blocks)):
         if node.op not in _CALLS:
             continue
-        after_inputs = max((numbers[i] for i in node.all_input_nodes if i in numbers), default=0)
+        after_inputs = max((numbers[i] for i in node.all_input_nodes if i in numbers), default=1)
         if _takes_from_a_tuple(node) and node.args[0] in numbers:
             numbers[node] = numbers[node.args[0]]  # a tuple never crosses partitions: compiled graphs return flat
         elif block:
@@ -99,6 +102,24 @@ def _partition_numbers(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int]:
         else:
             numbers[node] = len(order) + 1 if position > last else after_inputs
     return numbers
+
+
+def _check_sizes_are_bound(partitions: dict[torch.fx.Node, int], split: torch.fx.GraphModule,
+                           values: dict[str, Any]) -> None:
+    """Raises ``ValueError`` where a partition computes with a symbolic size that none of its tensor inputs has as a
+    dimension: Inductor binds sizes from tensor inputs, and such a partition fails when called (on an H100, a prefill
+    mask of (1, 1, 512, s18) sized by the cache length, a ``SymInt`` input, raised ``NameError: s18``)."""
+    needed: dict[int, set] = {}
+    for node, number in partitions.items():
+        needed.setdefault(number, set()).update(free_symbols(node.meta.get("val")))
+    for number, symbols in needed.items():
+        partition = getattr(split, f"submod_{number}")
+        inputs = [values[node.name] for node in partition.graph.nodes if node.op == "placeholder"]
+        bound = {size.node.expr for value in inputs if isinstance(value, torch.Tensor)
+                 for size in value.shape if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol}
+        if symbols - bound:
+            missing = ", ".join(sorted(map(str, symbols - bound)))
+            raise ValueError(f"partition {number} computes with size(s) {missing} that no tensor input of it carries")
 
 
 def _takes_from_a_tuple(node: torch.fx.Node) -> bool:
