@@ -1,8 +1,12 @@
 """Where ``optimize``'s generation warm-up spends its time: each captured graph's passes and compile (seconds, node
 count), TorchDynamo's own phase times, and the host profile's heaviest functions, for the 1B-class Llama of
-benchmarks/decode.py on a fresh process. A diagnosis tool for issue 27's warm-up target.
+benchmarks/decode.py on a fresh process. ``--first-generate 1 8`` then times the first two ``generate`` calls at
+each batch size (prompt 512, 64 new tokens, as decode.py's quick run), so the warm-up that issue 27 counts (setup
+plus the first generate) and what later first calls at a new size still cost are both seen. A diagnosis tool for
+issue 27's warm-up target.
 
     python benchmarks/profile_warm_up.py [--layers 16] [--top 45] [--out DIR] [--generation JSON] [--no-host-profile]
+                                         [--first-generate BATCH ...]
 """
 
 from __future__ import annotations
@@ -48,6 +52,21 @@ def timed_compiles(records: list[str]) -> Iterator[list[str]]:
         GraphOptimizer._compile = original
 
 
+def time_generate_calls(model: torch.nn.Module, batch: int, prompt: int = 512, new_tokens: int = 64) -> str:
+    """Seconds of two greedy ``generate`` calls in a row at ``batch``: the first pays what the warm-up left."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device="cuda")
+    seconds = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+    return f"generate at batch {batch} (prompt {prompt}, {new_tokens} new tokens): first {seconds[0]:.2f} s, " \
+           f"second {seconds[1]:.3f} s"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=16)
@@ -56,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--generation", type=json.loads, default={}, metavar="JSON",
                         help="optimize(model, generation=...), e.g. '{\"compile_layers_once\": true}'")
     parser.add_argument("--no-host-profile", action="store_true", help="no cProfile (it slows the host's work)")
+    parser.add_argument("--first-generate", type=int, nargs="*", default=[], metavar="BATCH",
+                        help="after the warm-up, time the first two generate calls at each batch size")
     args = parser.parse_args(argv)
     records: list[str] = []
     profiler = cProfile.Profile()
@@ -65,12 +86,13 @@ def main(argv: list[str] | None = None) -> None:
         with contextlib.nullcontext() if args.no_host_profile else profiler:
             model.generate.warm_up(progress=False)
     seconds = time.perf_counter() - started
+    first_calls = [time_generate_calls(model, batch) for batch in args.first_generate]
     stream = io.StringIO()
     if not args.no_host_profile:
         pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(args.top)
     phases = kernel_pytorch.report_of(model).timings_s
     text = "\n".join([f"== warm-up {seconds:.1f} s; report phases: " + ", ".join(
-        f"{k} {v:.1f}" for k, v in phases.items() if v >= 0.5), *records,
+        f"{k} {v:.1f}" for k, v in phases.items() if v >= 0.5), *records, *first_calls,
         "== TorchDynamo compile_times:", str(torch._dynamo.utils.compile_times(repr="str")),
         "== host profile (cumulative):", stream.getvalue()])
     print(text)
