@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 import warnings
 
 import pytest
@@ -361,7 +362,7 @@ def test_more_buckets_than_the_recompile_limit_stay_optimized(dynamic, graphs):
 def test_variable_shapes_benchmark_smoke(tmp_path):
     from benchmarks import variable_shapes
 
-    variable_shapes.main(["--device", "cpu", "--out", str(tmp_path)])
+    variable_shapes.main(["--device", "cpu", "--serve-all", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "variable_shapes_cpu.json").read_text())
     providers = result["providers"]
     assert set(providers) == {"eager", "torch.compile", "torch.compile (dynamic=True)", "optimize (shape_buckets)",
@@ -373,3 +374,23 @@ def test_variable_shapes_benchmark_smoke(tmp_path):
     assert ours["padding_waste"] >= 0
     assert result["targets"][0]["target"] == 1.5
     assert (tmp_path / "variable_shapes_cpu.png").exists()
+
+
+def test_variable_shapes_stops_a_provider_once_it_cannot_be_the_fastest():
+    from benchmarks import variable_shapes
+
+    s = variable_shapes.make_setup(variable_shapes.parse_args(["--device", "cpu"]))
+    requests = variable_shapes.make_requests(s)
+    calls = []
+
+    def slow_model(**request):
+        calls.append(request["input_ids"].shape)
+        time.sleep(0.02)
+
+    seconds, served = variable_shapes.serve(slow_model, requests, s, limit_s=0.05)
+    assert 1 <= served < len(requests) and len(calls) == served and seconds >= 0.05
+    assert variable_shapes.serve(slow_model, requests[:3], s)[1] == 3
+    providers = {"a": {"total_s": 2.0}, "b": {"total_s": 1.0, "stopped": "..."}, "c": {"total_s": 3.0},
+                 "d": {"error": "OutOfMemoryError"}}
+    assert variable_shapes.fastest_finished(providers) == ("a", 2.0)
+    assert variable_shapes.fastest_finished({"d": {"error": "x"}}) is None
