@@ -52,19 +52,28 @@ def timed_compiles(records: list[str]) -> Iterator[list[str]]:
         GraphOptimizer._compile = original
 
 
-def time_generate_calls(model: torch.nn.Module, batch: int, prompt: int = 512, new_tokens: int = 64) -> str:
-    """Seconds of two greedy ``generate`` calls in a row at ``batch``: the first pays what the warm-up left."""
-    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device="cuda")
+def time_generate_calls(model: torch.nn.Module, batch: int, profiler: cProfile.Profile | None,
+                        prompt: int = 512, new_tokens: int = 64) -> str:
+    """Seconds of two greedy ``generate`` calls in a row at ``batch``: the first pays what the warm-up left (and runs
+    under ``profiler`` when one is given)."""
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device=device)
     seconds = []
-    for _ in range(2):
-        torch.cuda.synchronize()
+    for call in range(2):
+        _sync(device)
         started = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False)
-        torch.cuda.synchronize()
+        with profiler if profiler is not None and call == 0 else contextlib.nullcontext():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False)
+        _sync(device)
         seconds.append(time.perf_counter() - started)
     return f"generate at batch {batch} (prompt {prompt}, {new_tokens} new tokens): first {seconds[0]:.2f} s, " \
            f"second {seconds[1]:.3f} s"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,10 +95,14 @@ def main(argv: list[str] | None = None) -> None:
         with contextlib.nullcontext() if args.no_host_profile else profiler:
             model.generate.warm_up(progress=False)
     seconds = time.perf_counter() - started
-    first_calls = [time_generate_calls(model, batch) for batch in args.first_generate]
+    first_profiler = None if args.no_host_profile else cProfile.Profile()
+    first_calls = [time_generate_calls(model, batch, first_profiler) for batch in args.first_generate]
     stream = io.StringIO()
     if not args.no_host_profile:
         pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(args.top)
+    if first_profiler is not None and args.first_generate:
+        stream.write("== host profile of the first generate calls (cumulative):\n")
+        pstats.Stats(first_profiler, stream=stream).sort_stats("cumulative").print_stats(args.top)
     phases = kernel_pytorch.report_of(model).timings_s
     text = "\n".join([f"== warm-up {seconds:.1f} s; report phases: " + ", ".join(
         f"{k} {v:.1f}" for k, v in phases.items() if v >= 0.5), *records, *first_calls,

@@ -156,3 +156,20 @@ def test_decode_kernel_lines_count_each_decision_once():
     assert decode.decode_kernel_lines(report) == [
         "2 x decode_linear rewrite: q_proj + k_proj + v_proj (1 rows) -> grouped_linear",
         "1 x decode_attention skip: SDPA kept, faster here"]
+
+
+def test_profile_warm_up_times_the_first_two_generate_calls_and_profiles_the_first():
+    import cProfile
+    import pstats
+
+    from benchmarks.profile_warm_up import time_generate_calls
+
+    from .generation_models import causal_lm
+
+    import kernel_pytorch
+
+    model = kernel_pytorch.optimize(causal_lm("llama"), generation=True)
+    profiler = cProfile.Profile()
+    line = time_generate_calls(model, 2, profiler, prompt=12, new_tokens=3)
+    assert line.startswith("generate at batch 2 (prompt 12, 3 new tokens): first ") and ", second " in line
+    assert any(name == "generate" for (_, _, name) in pstats.Stats(profiler).stats)
