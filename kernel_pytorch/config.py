@@ -239,6 +239,14 @@ class GenerationConfig(ConfigModel):
         "boundaries are left to the passes."
     )
 
+    prefill_graphs: bool = Field(
+        False, description="Experimental, not yet measured on a GPU: left-pad a causal LM's prompt (masked) to a "
+        "power-of-two bucket of at least 16 tokens and replay its prefill from a CUDA graph captured per lane and "
+        "bucket, so that the first token does not wait for the host to issue the prefill's launches. The cache then "
+        "holds the bucket rather than the prompt. Models whose cache counts tokens on the host (static "
+        "sliding-window layers) keep uncaptured prefills, with a report line."
+    )
+
     @field_validator("batch_buckets")
     @classmethod
     def _ascending(cls, value: tuple[int, ...]) -> tuple[int, ...]:

@@ -106,3 +106,22 @@ def test_t5_float32_tokens_equal_the_unoptimized_model_with_graphs():
     expected = reference.generate(input_ids, max_new_tokens=16, do_sample=False)
     assert torch.equal(optimized.generate(input_ids, max_new_tokens=16, do_sample=False), expected)
     assert all("greedy" in lane.graphs for lane in optimized.generate.decoder.lanes.values())
+
+
+@torch.no_grad()
+def test_prefill_graph_replays_equal_the_padded_prefill_run_without_graphs():
+    """Prompts of 9-12 tokens padded to the 16-token bucket: the replayed prefill's logits (two prompts through one
+    captured graph) equal the same padded prefill run as it is, and the tokens after it equal too."""
+    model = kernel_pytorch.optimize(causal_lm("llama").to("cuda", torch.bfloat16))
+    outputs = []
+    for graphs in (False, True):
+        decoder = Decoder(model, cuda_graphs=graphs, prefill_graphs=True)
+        run = []
+        for length in (9, 12):
+            input_ids, attention_mask = (t.cuda() for t in left_padded_prompts(2, length))
+            run.append(decoder.prefill(input_ids, attention_mask, max_new_tokens=8).clone())
+            run.append(decoder.step(run[-1].argmax(-1)).clone())
+        outputs.append(torch.stack(run))
+        prefills = decoder.lane.prefill_graphs
+        assert prefills.captured_lengths() == ([16] if graphs else []) and (prefills.cuda_graphs == graphs)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)

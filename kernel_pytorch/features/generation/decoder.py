@@ -28,6 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls
 from kernel_pytorch.features.generation.model_calls import (cache_bytes, decoder_start_token, default_max_length,
                                                              is_encoder_decoder, why_not_generative)
+from kernel_pytorch.features.generation.prefill_graphs import left_padded, padded_prompt_length
 from kernel_pytorch.features.generation.sampling import SamplingSettings
 
 __all__ = ["Decoder", "GenerationLimitError"]
@@ -45,11 +46,13 @@ class Decoder:
     """Static-cache decoding for ``model``; see the module docstring. ``max_length``: tokens the largest cache
     holds (None: :func:`default_max_length`); ``batch_buckets``: the batch sizes steps are captured for;
     ``compile_prefill``: whether an optimized model's prefill is compiled (else its rewritten graph runs as is);
-    ``compile_layers_once``: Inductor compiles each distinct layer of the prefill and step graphs once."""
+    ``compile_layers_once``: Inductor compiles each distinct layer of the prefill and step graphs once;
+    ``prefill_graphs``: a causal LM's prompts are left-padded to power-of-two buckets and their prefills replayed from
+    CUDA graphs (:mod:`~kernel_pytorch.features.generation.prefill_graphs`)."""
 
     def __init__(self, model: nn.Module, max_length: int | None = None,
                  batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32), cuda_graphs: bool | str = "auto",
-                 compile_prefill: bool = True, compile_layers_once: bool = False):
+                 compile_prefill: bool = True, compile_layers_once: bool = False, prefill_graphs: bool = False):
         reason = why_not_generative(model)
         if reason:
             raise TypeError(f"kernel_pytorch.Decoder: {reason}")
@@ -59,6 +62,7 @@ class Decoder:
         self.cuda_graphs = cuda_graphs is True or cuda_graphs == "auto"
         self.calls = ModelCalls.of(model, _backend_of(model), compile_prefill, compile_layers_once)
         self.encoder_decoder = is_encoder_decoder(model)
+        self.prefill_graphs = prefill_graphs and not self.encoder_decoder  # its decoder's prompt is one start token
         # (batch bucket, cache length, encoder length or 0) -> lane, in order of use, the most recent last
         self.lanes: dict[tuple[int, int, int], DecodeLane] = {}
         self.lane: DecodeLane | None = None  # the lane of the request in progress
@@ -82,6 +86,10 @@ class Decoder:
             self.lane.encode(*(_pad_rows(t, self.lane.batch) for t in (input_ids, attention_mask)))
             start = self.start_tokens(self.lane.batch, input_ids.device)
             return self.lane.prefill(start, torch.ones_like(start))[:self.batch]
+        if self.prefill_graphs:  # the prompt's bucket where the cache leaves room for it and one new token at least
+            room = self.max_length - max(1, max_new_tokens or 0)
+            input_ids, attention_mask = left_padded(input_ids, attention_mask,
+                                                    padded_prompt_length(input_ids.shape[1], room))
         total = input_ids.shape[1] + (max_new_tokens if max_new_tokens is not None else 0)
         self.lane = self._lane(self.batch, total if max_new_tokens is not None else self.max_length)
         padded_ids, padded_mask = (_pad_rows(t, self.lane.batch) for t in (input_ids, attention_mask))
@@ -134,10 +142,15 @@ class Decoder:
         return loop.steps_taken(done) if eos else done
 
     def _note_graph_failure(self, lane: DecodeLane) -> None:
-        note = (f"generation: the decode step of the {lane.batch} x {lane.length} lane could not be captured as a "
-                f"CUDA graph and runs compiled without one: {lane.graph_failure}")
-        if lane.graph_failure and note not in self.notes:
-            self.notes.append(note)
+        name = f"the {lane.batch} x {lane.length} lane"
+        notes = [f"generation: the decode step of {name} could not be captured as a CUDA graph and runs compiled "
+                 f"without one: {lane.graph_failure}" if lane.graph_failure else ""]
+        prefills = lane.prefill_graphs
+        if prefills is not None and not prefills.cuda_graphs:
+            why = prefills.failure or f"no CUDA graphs on {lane.device.type} (prompts are padded to their buckets all " \
+                                      "the same)"
+            notes.append(f"generation: the prefills of {name} run without CUDA graphs: {why}")
+        self.notes += [note for note in notes if note and note not in self.notes]
 
     @torch.no_grad()
     def warm_up(self, batch_sizes: Sequence[int] = (1, 2), cache_lengths: Sequence[int] = (_CACHE_STEP,),
@@ -206,7 +219,8 @@ class Decoder:
 
     def _new_lane(self, batch: int, length: int, encoder_length: int) -> DecodeLane:
         started = time.perf_counter()
-        lane = DecodeLane(self.model, self.calls, batch, length, self.cuda_graphs, encoder_length or None)
+        lane = DecodeLane(self.model, self.calls, batch, length, self.cuda_graphs, encoder_length or None,
+                          self.prefill_graphs)
         size = _lane_bytes(self.model, (batch, length, encoder_length), lane.dtype) / 2**20
         self.notes.append(f"generation: lane of {_lane_name((batch, length, encoder_length))} (KV cache "
                           f"{size:.1f} MiB, made in {time.perf_counter() - started:.1f} s)")
@@ -217,7 +231,7 @@ class Decoder:
         if not self.lanes:
             return "generation: no request served yet"
         total = sum(_lane_bytes(self.model, key, lane.dtype) for key, lane in self.lanes.items()) / 2**20
-        lanes = ", ".join(f"{_lane_name(key)} ({lane.hits} request{'s' * (lane.hits != 1)})"
+        lanes = ", ".join(f"{_lane_name(key)} ({lane.hits} request{'s' * (lane.hits != 1)}{_prefill_buckets(lane)})"
                           for key, lane in self.lanes.items())
         return f"generation lanes: {lanes}; KV caches {total:.1f} MiB"
 
@@ -249,6 +263,12 @@ def _lane_name(key: tuple[int, int, int]) -> str:
 def _lane_bytes(model: nn.Module, key: tuple[int, int, int], dtype: torch.dtype) -> int:
     batch, length, encoder_length = key
     return cache_bytes(model, batch, length + encoder_length, dtype)
+
+
+def _prefill_buckets(lane: DecodeLane) -> str:
+    """``, prefills replayed at 16, 512 tokens`` for a lane whose prefill graphs were captured, else ``""``."""
+    lengths = lane.prefill_graphs.captured_lengths() if lane.prefill_graphs is not None else []
+    return f", prefills replayed at {', '.join(map(str, lengths))} tokens" if lengths else ""
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:

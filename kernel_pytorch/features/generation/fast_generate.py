@@ -57,7 +57,7 @@ class FastGenerate:
         if self.decoder is None:
             self.decoder = Decoder(self.model, self.config.max_length, self.config.batch_buckets,
                                    self.config.cuda_graphs, self.config.compile_prefill,
-                                   self.config.compile_layers_once)
+                                   self.config.compile_layers_once, self.config.prefill_graphs)
             if not self.config.compile_prefill:
                 self._note("generation: prefills run their rewritten graphs uncompiled (generation.compile_prefill="
                            "False); decode steps are compiled")

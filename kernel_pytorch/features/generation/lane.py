@@ -21,6 +21,7 @@ from kernel_pytorch.errors import first_line
 from kernel_pytorch.features.generation.sampling import SamplingSettings, draw, warped_scores
 from kernel_pytorch.features.generation.model_calls import (cache_keyword, is_encoder_decoder, new_static_cache,
                                                              takes_logits_to_keep)
+from kernel_pytorch.features.generation.prefill_graphs import PrefillGraphs, host_counted_cache
 
 if TYPE_CHECKING:  # capture imports the features, this module among them
     from kernel_pytorch.capture import GraphOptimizer
@@ -138,7 +139,7 @@ class DecodeLane:
     """Decoding for one (batch, cache length) pair; see the module docstring."""
 
     def __init__(self, model: nn.Module, calls: ModelCalls, batch: int, length: int, cuda_graphs: bool,
-                 encoder_length: int | None = None):
+                 encoder_length: int | None = None, prefill_graphs: bool = False):
         parameter = next(model.parameters())
         self.model, self.batch, self.length, self.encoder_length = model, batch, length, encoder_length
         self.device, self.dtype = parameter.device, parameter.dtype
@@ -161,6 +162,9 @@ class DecodeLane:
         self.loop = TokenLoop(batch, length, self.device)
         self.hits = 0
         self.graph_failure = ""  # why capturing a step failed (its steps then run without CUDA graphs)
+        # prefills of bucket lengths replayed from CUDA graphs (the decoder pads prompts to the buckets)
+        self.prefill_graphs = PrefillGraphs(self.cuda_graphs, host_counted_cache(self._cache_layers())) \
+            if prefill_graphs else None
 
     # -- prefill ---------------------------------------------------------------------------------------------
 
@@ -177,7 +181,8 @@ class DecodeLane:
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Start a request: reset the cache, run the prompt (``batch`` x P, left padding in ``attention_mask``) and
-        return the last position's logits (``batch`` x vocab); the next step is position P."""
+        return the last position's logits (``batch`` x vocab; a buffer the next prefill reuses when replayed from a
+        CUDA graph); the next step is position P."""
         if input_ids.shape[1] == 1:  # one masked pad token on the left: length 1 would be a graph of its own
             input_ids = torch.cat([torch.zeros_like(input_ids), input_ids], dim=1)
             attention_mask = torch.cat([torch.zeros_like(attention_mask), attention_mask], dim=1)
@@ -189,11 +194,19 @@ class DecodeLane:
         self.mask.zero_()
         self.mask[:, :prompt_length] = attention_mask
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        out = self._forward(self.prefill_call, input_ids, positions, prefill=True)
+        logits = self._prefill_logits(input_ids, positions)
         self.positions.copy_(positions[:, -1:] + 1)
         self.write_index.fill_(prompt_length)
         self.next_slot = prompt_length
-        return out.logits[:, -1]
+        return logits
+
+    def _prefill_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        def body(ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+            return self._forward(self.prefill_call, ids, where, prefill=True).logits[:, -1]
+
+        if self.prefill_graphs is None:
+            return body(input_ids, positions)
+        return self.prefill_graphs.run(body, input_ids, positions, self.cache.reset, self._graph_pool())
 
     # -- decode steps ----------------------------------------------------------------------------------------
 
@@ -264,10 +277,16 @@ class DecodeLane:
         torch.cuda.current_stream().wait_stream(stream)
         self._restore_state(saved)
         graph = torch.cuda.CUDAGraph()
-        pool = next(iter(self.graphs.values())).pool() if self.graphs else None
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=self._graph_pool()):
             self.outputs[kind] = self._step_body(kind)
         self.graphs[kind] = graph
+
+    def _graph_pool(self) -> tuple | None:
+        """The memory pool the lane's graphs share (None before the first capture): steps and prefills replay one at
+        a time, and each graph's output stays allocated, so they can."""
+        if self.graphs:
+            return next(iter(self.graphs.values())).pool()
+        return self.prefill_graphs.pool() if self.prefill_graphs is not None else None
 
     def _saved_state(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         g = self.loop
@@ -281,10 +300,12 @@ class DecodeLane:
             tensor.copy_(value)
 
     def _cache_counters(self) -> list[torch.Tensor]:
-        """The cache layers' write counters (tensors transformers' static layers advance in place), of both caches
-        of an encoder-decoder."""
-        caches = [getattr(self.cache, name, None) for name in ("self_attention_cache", "cross_attention_cache")]
-        layers = [layer for cache in caches if cache is not None for layer in cache.layers] or \
-            list(getattr(self.cache, "layers", ()))
-        counters = (getattr(layer, "cumulative_length", None) for layer in layers)
+        """The cache layers' write counters (tensors transformers' static layers advance in place)."""
+        counters = (getattr(layer, "cumulative_length", None) for layer in self._cache_layers())
         return [c for c in counters if isinstance(c, torch.Tensor)]
+
+    def _cache_layers(self) -> list:
+        """The cache's layers, of both caches of an encoder-decoder."""
+        caches = [getattr(self.cache, name, None) for name in ("self_attention_cache", "cross_attention_cache")]
+        return [layer for cache in caches if cache is not None for layer in cache.layers] or \
+            list(getattr(self.cache, "layers", ()))

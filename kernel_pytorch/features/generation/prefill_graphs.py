@@ -1,0 +1,114 @@
+"""Prefills replayed from CUDA graphs, one per prompt-length bucket of a lane (``generation.prefill_graphs``).
+
+The compiled prefill takes any prompt length (dynamic shapes), but Python issues its launches: on the H100 the
+1B-class prefill of 512 tokens made 151 Triton launches and 113 GEMM calls from the host per call, and the time to
+first token (13-19 ms) was mostly that host work (benchmarks/results/decode_quick.json, the TTFT host profile). Here a
+prompt is left-padded up to its bucket, a power of two of at least ``MIN_BUCKET`` tokens, with the padding masked as a
+left-padded batch row's is, and the bucket's captured graph replays the whole prefill. The decoder pads
+(:func:`padded_prompt_length`, :func:`left_padded`) and sizes the lane's cache for the bucket plus the new tokens.
+
+Not captured, with the reason kept: caches whose layers count written tokens in a host integer (transformers' static
+sliding-window layers), which a replay would not advance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kernel_pytorch.errors import first_line
+
+__all__ = ["PrefillGraphs", "MIN_BUCKET", "prompt_bucket", "padded_prompt_length", "left_padded", "host_counted_cache"]
+
+MIN_BUCKET = 16  # shorter prompts share one graph: a few padded tokens cost less than a graph each
+_WARMUP_RUNS = 2  # before capture: compiles and lets lazily made kernels and workspaces exist
+
+PrefillBody = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input ids, positions) -> last logits
+
+
+def prompt_bucket(prompt_length: int) -> int:
+    """The bucket a prompt is padded up to: the next power of two, at least ``MIN_BUCKET``."""
+    return max(MIN_BUCKET, 1 << (prompt_length - 1).bit_length())
+
+
+def padded_prompt_length(prompt_length: int, room: int) -> int:
+    """The prompt's bucket where it fits the ``room`` the cache leaves the prompt, else the prompt's own length."""
+    bucket = prompt_bucket(prompt_length)
+    return bucket if bucket <= room else prompt_length
+
+
+def left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt left-padded (id 0, masked out) to ``length`` tokens."""
+    missing = length - input_ids.shape[1]
+    if missing <= 0:
+        return input_ids, attention_mask
+    return (torch.nn.functional.pad(input_ids, (missing, 0)), torch.nn.functional.pad(attention_mask, (missing, 0)))
+
+
+def host_counted_cache(layers: list) -> str:
+    """Why a cache's prefill cannot be replayed (a layer counting tokens in a host integer), or ``""``."""
+    counted = sorted({type(layer).__name__ for layer in layers if hasattr(layer, "cumulative_length_int")})
+    return f"{', '.join(counted)} count cached tokens on the host, which a replay would not advance" if counted else ""
+
+
+class PrefillGraphs:
+    """One lane's prefill graphs: ``run`` replays the graph of a prompt whose length is a bucket, capturing it at its
+    first use. Other lengths, and every prompt without CUDA graphs (another device, or a capture that failed), run as
+    they are; ``failure`` then says why."""
+
+    def __init__(self, cuda_graphs: bool, refusal: str = ""):
+        self.cuda_graphs = cuda_graphs and not refusal
+        self.failure = refusal
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def run(self, body: PrefillBody, input_ids: torch.Tensor, positions: torch.Tensor, reset: Callable[[], None],
+            pool: tuple | None) -> torch.Tensor:
+        """The prompt's last logits: ``body`` replayed from the bucket's graph. ``reset`` puts the cache back as the
+        prefill expects it (the capture's warm-up runs write it); ``pool``: the lane's graph memory pool."""
+        length = input_ids.shape[1]
+        if not self.cuda_graphs or length != prompt_bucket(length):
+            return body(input_ids, positions)
+        if length not in self.graphs:
+            try:
+                self._capture(body, input_ids, positions, reset, pool)
+            except RuntimeError as error:  # an op the capture refuses (a host sync): prefills run as they are
+                self.cuda_graphs, self.failure = False, first_line(error)
+                reset()
+                return body(input_ids, positions)
+            reset()
+        ids, where = self.inputs[length]
+        ids.copy_(input_ids)
+        where.copy_(positions)
+        self.graphs[length].replay()
+        return self.outputs[length]
+
+    def captured_lengths(self) -> list[int]:
+        """The bucket lengths captured so far."""
+        return sorted(self.graphs)
+
+    def pool(self) -> tuple | None:
+        """The memory pool of the graphs captured so far (None before any)."""
+        return next(iter(self.graphs.values())).pool() if self.graphs else None
+
+    def _capture(self, body: PrefillBody, input_ids: torch.Tensor, positions: torch.Tensor,
+                 reset: Callable[[], None], pool: tuple | None) -> None:
+        """Warm up on a side stream, each run from a reset cache (a run writes the bucket's slots and advances the
+        cache's counters), then capture."""
+        length = input_ids.shape[1]
+        ids, where = self.inputs.setdefault(length, (input_ids.clone(), positions.clone()))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(_WARMUP_RUNS):
+                reset()
+                body(ids, where)
+        torch.cuda.current_stream().wait_stream(stream)
+        reset()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.outputs[length] = body(ids, where)
+        self.graphs[length] = graph

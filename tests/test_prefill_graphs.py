@@ -1,0 +1,65 @@
+"""Prefills in prompt-length buckets (generation.prefill_graphs) on the CPU: prompts left-padded to their bucket keep
+the unoptimized model's greedy tokens for several families, the cache is sized for the bucket (or the prompt where
+the bucket does not fit), and what cannot be replayed says why. The replays themselves are tested on a GPU
+(tests/test_generation_gpu.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers.cache_utils import StaticSlidingWindowLayer
+
+import kernel_pytorch
+from kernel_pytorch import Decoder, report_of
+from kernel_pytorch.features.generation.model_calls import new_static_cache
+from kernel_pytorch.features.generation.prefill_graphs import (PrefillGraphs, host_counted_cache, left_padded,
+                                                                padded_prompt_length, prompt_bucket)
+
+from .generation_models import causal_lm, left_padded_prompts
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "gemma2", "mistral_sliding"])
+def test_prompts_padded_to_their_buckets_keep_the_tokens(family):
+    model = causal_lm(family)
+    reference = copy.deepcopy(model)
+    optimized = kernel_pytorch.optimize(model, generation={"prefill_graphs": True})
+    for batch, length in [(1, 1), (1, 5), (3, 9), (2, 17)]:
+        input_ids, attention_mask = left_padded_prompts(batch, length)
+        expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=14, do_sample=False)
+        tokens = optimized.generate(input_ids, attention_mask=attention_mask, max_new_tokens=14, do_sample=False)
+        assert torch.equal(tokens, expected), (family, batch, length)
+        assert optimized.generate.decoder.lane.next_slot == prompt_bucket(length) + 13  # the padded prompt, then steps
+    notes = [note for note in report_of(optimized).notes if "prefills of" in note]
+    assert notes and all("run without CUDA graphs: no CUDA graphs on cpu" in note for note in notes), notes
+
+
+def test_the_cache_holds_the_bucket_where_it_fits_and_the_prompt_where_it_does_not():
+    prompt = torch.randint(6, 128, (1, 300))
+    roomy, tight = (Decoder(causal_lm("llama"), max_length=length, prefill_graphs=True) for length in (1024, 512))
+    roomy.prefill(prompt, max_new_tokens=100)
+    tight.prefill(prompt, max_new_tokens=100)  # 512 + 100 tokens would not fit 512
+    assert (roomy.lane.length, roomy.lane.next_slot) == (768, 512)
+    assert (tight.lane.length, tight.lane.next_slot) == (512, 300)
+
+
+def test_buckets_and_left_padding():
+    assert [prompt_bucket(n) for n in (1, 15, 16, 17, 512, 513)] == [16, 16, 16, 32, 512, 1024]
+    assert padded_prompt_length(300, 512) == 512 and padded_prompt_length(300, 511) == 300
+    ids, mask = left_padded(torch.tensor([[7, 8, 9]]), torch.tensor([[0, 1, 1]]), 5)
+    assert ids.tolist() == [[0, 0, 7, 8, 9]] and mask.tolist() == [[0, 0, 0, 1, 1]]
+
+
+def test_caches_counting_tokens_on_the_host_are_not_replayed_and_say_why():
+    # the lanes' caches have full-length layers (the window is in the mask): a window layer counts on the host
+    plain = new_static_cache(causal_lm("gemma2"), 1, 64, torch.device("cpu"), torch.float32)
+    reason = host_counted_cache([*plain.layers, StaticSlidingWindowLayer(max_cache_len=64, sliding_window=8)])
+    assert reason.startswith("StaticSlidingWindowLayer count cached tokens on the host")
+    assert host_counted_cache(list(plain.layers)) == ""
+    graphs = PrefillGraphs(cuda_graphs=True, refusal=reason)
+    assert not graphs.cuda_graphs and graphs.failure == reason
+    ran = []
+    logits = graphs.run(lambda ids, where: ran.append(ids.shape) or ids.float(), torch.ones(1, 16, dtype=torch.long),
+                        torch.zeros(1, 16, dtype=torch.long), reset=lambda: None, pool=None)
+    assert ran == [(1, 16)] and logits.shape == (1, 16) and graphs.captured_lengths() == []
