@@ -2,7 +2,12 @@
 side in one process, bf16.
 
     python benchmarks/decode.py [--quick | --device cpu] [--models 1b 7b] [--providers ...]
-                                [--batches 1 8 32] [--out DIR] [--fresh]
+                                [--batches 1 8 32] [--out DIR] [--fresh] [--generation JSON] [--host-profile]
+                                [--prefill-graphs-ab]
+
+``--prefill-graphs-ab``: after optimize's measurements, the same compiled model with ``generation.prefill_graphs``
+turned on (lanes rebuilt, nothing recompiled) measures its TTFTs and first batch point again
+(``with_prefill_graphs``): an A/B of the prefill's CUDA graphs within one process.
 
 Models: transformers ``LlamaForCausalLM`` built from a ``LlamaConfig`` (random weights, no downloads, the
 default attention implementation, SDPA; no end-of-sequence token, so that every call generates exactly the
@@ -140,6 +145,7 @@ class Setup:
     sweep_budget_s: float  # the recompile sweep stops here: a provider that recompiles every shape is slow
     host_profile: Path | None = None  # where optimize's host profile of a batch-1 TTFT call is written
     generation: dict | None = None  # optimize(model, generation=...) for the optimize provider
+    prefill_graphs_ab: bool = False  # optimize's TTFTs and first batch point again with prefill graphs on
 
 
 def make_setup(quick: bool, device: str) -> Setup:
@@ -468,6 +474,20 @@ def measure_ttft(runner, info: dict, prompt: int, s: Setup) -> float:
     return _median_s(lambda: runner.generate(ids, 1), s)
 
 
+def measure_with_prefill_graphs(runner, info: dict, hbm: dict, s: Setup) -> dict:
+    """The same compiled model with ``generation.prefill_graphs`` turned on: TTFTs and the first batch point again,
+    in this process (new lanes and their captures, no new compile)."""
+    decoder = runner.model.generate.decoder
+    decoder.set_prefill_graphs(True)
+    try:
+        return {"ttft_ms": {str(p): _guarded(lambda: round(measure_ttft(runner, info, p, s) * 1e3, 2), s)
+                            for p in s.ttft_prompts},
+                "batches": {str(s.batches[0]): _guarded(lambda: measure_point(runner, info, hbm, s.batches[0], s), s)},
+                "lanes": decoder.summary()}
+    finally:
+        decoder.set_prefill_graphs(False)
+
+
 def write_host_profile(fn: Callable[[], Any], path: Path) -> None:
     """The host's cumulative profile of ``fn()`` (where a call's time goes besides the GPU's), written to ``path``."""
     profiler = cProfile.Profile()
@@ -584,6 +604,8 @@ def run_provider(name: str, provider: str, s: Setup, hbm: dict, info_out: dict) 
             write_host_profile(lambda: measure_ttft(runner, info, s.ttft_prompts[0], s), s.host_profile)
         if provider == OURS:
             result["recompiles"] = recompile_sweep(runner, info, s)
+            if s.prefill_graphs_ab:
+                result["with_prefill_graphs"] = measure_with_prefill_graphs(runner, info, hbm, s)
             result["report_generation_lines"] = _report_lines(runner.model)
             result["setup_phases_s"] = _setup_phases(runner.model)
         result.update(_peak_gib(s))
@@ -781,6 +803,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fresh", action="store_true", help="do not merge into the existing result file")
     parser.add_argument("--generation", type=json.loads, default=None, metavar="JSON",
                         help="optimize(model, generation=...), e.g. '{\"compile_prefill\": false}'")
+    parser.add_argument("--prefill-graphs-ab", action="store_true",
+                        help="after optimize's measurements, its TTFTs and first batch point again with "
+                             "generation.prefill_graphs turned on in the same process (result: with_prefill_graphs)")
     parser.add_argument("--host-profile", action="store_true",
                         help="write optimize's host profile (cProfile) of TTFT calls to OUT/decode_ttft_profile.txt")
     args = scaled_run_args(parser, argv)
@@ -836,6 +861,7 @@ def main(argv: list[str] | None = None) -> None:
         s = replace(s, host_profile=args.out / "decode_ttft_profile.txt")
     if args.generation:
         s = replace(s, generation=args.generation)
+    s = replace(s, prefill_graphs_ab=args.prefill_graphs_ab)
     threads = torch.get_num_threads()
     if s.device == "cpu":
         # The tiny model's ops are too small to share out; a second thread waiting on a busy core stalls each.

@@ -14,7 +14,7 @@ from benchmarks import decode
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory) -> tuple[dict, object]:
     out = tmp_path_factory.mktemp("decode")
-    decode.main(["--device", "cpu", "--out", str(out)])
+    decode.main(["--device", "cpu", "--prefill-graphs-ab", "--out", str(out)])
     return json.loads((out / "decode_cpu.json").read_text()), out
 
 
@@ -66,6 +66,9 @@ def test_cpu_run_records_what_each_provider_did(cpu_run):
     if "error" not in ours:
         sweep = ours["recompiles"]
         assert len(sweep["batch_x_prompt"]) + len(sweep["errors"]) == 4 and sweep["graphs_compiled"] >= 0
+        with_graphs = ours["with_prefill_graphs"]  # the same model, lanes rebuilt with prompt buckets
+        assert set(with_graphs["ttft_ms"]) == {"8", "32"} and set(with_graphs["batches"]) == {"1"}
+        assert with_graphs["lanes"].startswith("generation lanes: 1 sequences x")
 
 
 def _info() -> dict:

@@ -95,6 +95,14 @@ class Decoder:
         padded_ids, padded_mask = (_pad_rows(t, self.lane.batch) for t in (input_ids, attention_mask))
         return self.lane.prefill(padded_ids, padded_mask)[:self.batch]
 
+    def set_prefill_graphs(self, enabled: bool) -> None:
+        """Turn the prefill graphs on or off for later requests; the lanes are dropped, to be rebuilt with or without
+        them (the compiled prefill and step are kept)."""
+        self.prefill_graphs = enabled and not self.encoder_decoder
+        self.lanes.clear()
+        self.lane = None
+        self.notes.append(f"generation: prefill graphs turned {'on' if self.prefill_graphs else 'off'}; lanes rebuilt")
+
     def start_tokens(self, batch: int, device: torch.device) -> torch.Tensor:
         """An encoder-decoder's first decoder input: its start token per row."""
         return torch.full((batch, 1), decoder_start_token(self.model), dtype=torch.long, device=device)
