@@ -1,9 +1,8 @@
 """Prefills replayed from CUDA graphs, one per prompt-length bucket of a lane (``generation.prefill_graphs``).
 
-The compiled prefill takes any prompt length (dynamic shapes), but Python issues its launches: on the H100 the
-1B-class prefill of 512 tokens made 151 Triton launches and 113 GEMM calls from the host per call, and the time to
-first token (13-19 ms) was mostly that host work (benchmarks/results/decode_quick.json, the TTFT host profile). Here a
-prompt is left-padded up to its bucket, a power of two of at least ``MIN_BUCKET`` tokens, with the padding masked as a
+The compiled prefill takes any prompt length (dynamic shapes), but Python issues each of its launches, and on a GPU
+the time to first token is mostly that host work (docs/usage.md has the host profile's figures). Here a prompt is
+left-padded up to its bucket, a power of two of at least ``MIN_BUCKET`` tokens, with the padding masked as a
 left-padded batch row's is, and the bucket's captured graph replays the whole prefill. The decoder pads
 (:func:`padded_prompt_length`, :func:`left_padded`) and sizes the lane's cache for the bucket plus the new tokens.
 
