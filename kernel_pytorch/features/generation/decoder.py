@@ -76,7 +76,8 @@ class Decoder:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 max_new_tokens: int | None = None) -> torch.Tensor:
         """Start a request: the prompt's last logits (batch x vocab). Left padding goes in ``attention_mask``;
-        ``max_new_tokens`` picks the cache (None: the largest)."""
+        ``max_new_tokens`` picks the cache (None: the largest). With ``prefill_graphs`` the prompt is left-padded to
+        its bucket first, so the cache holds the bucket."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         self.batch = input_ids.shape[0]
