@@ -24,7 +24,8 @@ def test_issue28_selection_keeps_issue9_cases_and_runs_apart():
     assert e2e.cases(args) == [("hf_gemma2", "train_long", p) for p in ("eager", "torch.compile", "optimize")] + \
         [("hf_gemma2", "train", p) for p in ("eager", "torch.compile", "optimize")] + \
         [("hf_llama_vocab128k", "train", p)
-         for p in ("torch.compile", "optimize", e2e.OURS_DROP_LOGITS, e2e.OURS_DROP_SELECTIVE, LIGER)]
+         for p in ("torch.compile", "optimize", e2e.OURS_DROP_LOGITS, e2e.OURS_DROP_SELECTIVE, e2e.OURS_DROP_FULL,
+                   LIGER)]
     with pytest.raises(SystemExit):  # two result files: two commands
         e2e.parse_args(["--models", "hf_qwen3", "gpt2"])
     s = e2e.make_setup(quick=False, device="cuda")
