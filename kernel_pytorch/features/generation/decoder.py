@@ -156,8 +156,9 @@ class Decoder:
                  f"without one: {lane.graph_failure}" if lane.graph_failure else ""]
         prefills = lane.prefill_graphs
         if prefills is not None and not prefills.cuda_graphs:
-            why = prefills.failure or f"no CUDA graphs on {lane.device.type} (prompts are padded to their buckets all " \
-                                      "the same)"
+            device = lane.device.type
+            off = "generation.cuda_graphs is off" if device == "cuda" else f"no CUDA graphs on {device}"
+            why = prefills.failure or f"{off} (prompts are padded to their buckets all the same)"
             notes.append(f"generation: the prefills of {name} run without CUDA graphs: {why}")
         self.notes += [note for note in notes if note and note not in self.notes]
 
