@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install what its image lacks, run the GPU tests, then each step
 # named: "info" (kernel-pytorch info), "cpu-suite" (the CPU tests on this torch, GPU hidden), "demos",
-# or a benchmark script's name ("attention", "kernels", "tune_row_kernels"). Everything lands in $OUT.
+# or a benchmark script's name ("attention", "kernels", "tune_row_kernels"), with its arguments after it in the same
+# word, shell-quoted ("decode --quick --providers 'static loop (reduce-overhead)' optimize"). Everything lands in $OUT.
 #   run(command="GPU_TESTS=none bash benchmarks/gpu_session.sh info attention", carry=[".whl"])
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -19,6 +20,8 @@ for step in "$@"; do
     info) python3 -m kernel_pytorch.cli info | tee "$OUT/info.txt"; python3 -m kernel_pytorch.cli info --json >"$OUT/info.json" ;;
     cpu-suite) CUDA_VISIBLE_DEVICES="" python3 -m pytest -q tests 2>&1 | tee "$OUT/pytest_cpu.txt" | tail -15 ;;
     demos) python3 demos/run_all_demos.py 2>&1 | tee "$OUT/demos.txt" | tail -25 ;;
-    *) timeout ${BENCH_TIMEOUT:-420} python3 "benchmarks/$step.py" --out "$OUT" 2>&1 | tee "$OUT/$step.log" | tail -40 ;;
+    *) name=${step%% *}; arguments=${step#"$name"}
+       eval "timeout ${BENCH_TIMEOUT:-420} python3 benchmarks/$name.py $arguments --out \"\$OUT\"" 2>&1 \
+         | tee "$OUT/$name.log" | tail -40 ;;
   esac
 done
