@@ -126,3 +126,12 @@ def test_prefill_graph_replays_equal_the_padded_prefill_run_without_graphs():
         assert prefills.captured_lengths() == ([16] if graphs else []) and (prefills.cuda_graphs == graphs)
     # Two decoders compile twice: Inductor may pick other kernel configs, so equal within bf16 rounding.
     assert rel_err(outputs[1].float(), outputs[0].float()) < 1e-2
+
+
+@torch.no_grad()
+def test_warm_up_captures_the_prefill_buckets_of_each_lane():
+    model = kernel_pytorch.optimize(causal_lm("llama").to("cuda", torch.bfloat16))
+    decoder = Decoder(model, prefill_graphs=True)
+    decoder.warm_up(batch_sizes=(1,), cache_lengths=(256,), progress=False)
+    assert decoder.lanes[(1, 256, 0)].prefill_graphs.captured_lengths() == [16, 32, 64, 128]
+    assert "prefills replayed at 16, 32, 64, 128 tokens" in decoder.summary()

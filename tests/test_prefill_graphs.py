@@ -44,6 +44,13 @@ def test_the_cache_holds_the_bucket_where_it_fits_and_the_prompt_where_it_does_n
     assert (tight.lane.length, tight.lane.next_slot) == (512, 300)
 
 
+def test_warm_up_runs_a_prefill_at_every_bucket_of_each_lane():
+    decoder = Decoder(causal_lm("llama"), prefill_graphs=True)
+    decoder.warm_up(batch_sizes=(1,), cache_lengths=(256,), progress=False)
+    (key, lane), = decoder.lanes.items()
+    assert key == (1, 256, 0) and lane.hits == 1 + 3  # the warm-up request (padded to 16), then buckets 32, 64, 128
+
+
 def test_buckets_and_left_padding():
     assert [prompt_bucket(n) for n in (1, 15, 16, 17, 512, 513)] == [16, 16, 16, 32, 512, 1024]
     assert padded_prompt_length(300, 512) == 512 and padded_prompt_length(300, 511) == 300

@@ -28,7 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls
 from kernel_pytorch.features.generation.model_calls import (cache_bytes, decoder_start_token, default_max_length,
                                                              is_encoder_decoder, why_not_generative)
-from kernel_pytorch.features.generation.prefill_graphs import left_padded, padded_prompt_length
+from kernel_pytorch.features.generation.prefill_graphs import MIN_BUCKET, left_padded, padded_prompt_length
 from kernel_pytorch.features.generation.sampling import SamplingSettings
 
 __all__ = ["Decoder", "GenerationLimitError"]
@@ -167,7 +167,8 @@ class Decoder:
                 progress: bool = True) -> float:
         """Compile and capture ahead of requests, with a progress bar: a short greedy request per (batch size, cache
         length). Batch 1 and one larger batch compile every graph the decoder needs (its prefill and step take any
-        length and any larger batch); other lanes then only allocate their cache and capture. Returns seconds."""
+        length and any larger batch); other lanes then only allocate their cache and capture. With prefill graphs,
+        each lane's prefill buckets are captured too. Returns seconds."""
         started = time.perf_counter()
         # A model whose max_length is under a length asked for warms up its longest lane instead.
         pairs = list(dict.fromkeys((b, min(n, self.max_length)) for b in batch_sizes for n in cache_lengths))
@@ -177,11 +178,24 @@ class Decoder:
             for batch, length in pairs:
                 bar.update(task, description=f"generation warm-up: {batch} sequences x {length} tokens")
                 prompt = torch.ones(batch, 8, dtype=torch.long, device=self._device())
-                self._loop(self.prefill(prompt, torch.ones_like(prompt), max_new_tokens=length - 8), max_new_tokens=3)
+                slots = MIN_BUCKET if self.prefill_graphs else 8  # the prompt padded to its bucket takes these
+                self._loop(self.prefill(prompt, torch.ones_like(prompt), max_new_tokens=length - slots),
+                           max_new_tokens=3)
+                if self.prefill_graphs:
+                    self._capture_prefill_buckets(batch, length)
                 bar.advance(task)
         seconds = time.perf_counter() - started
         self.notes.append(f"generation: warmed up {len(pairs)} lanes in {seconds:.1f} s")
         return seconds
+
+    def _capture_prefill_buckets(self, batch: int, length: int) -> None:
+        """A prefill at each bucket above the first that the lane's cache holds with a slot to spare: each captures its
+        bucket's graph (the warm-up request captured the first)."""
+        bucket = 2 * MIN_BUCKET
+        while bucket < length:
+            prompt = torch.ones(batch, bucket, dtype=torch.long, device=self._device())
+            self.prefill(prompt, torch.ones_like(prompt), max_new_tokens=length - bucket)  # the same lane
+            bucket *= 2
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
