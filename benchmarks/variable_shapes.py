@@ -22,8 +22,8 @@ them; a bucket compiles once). Then all the requests in order, synchronized once
 ``requests_per_s``, ``tokens_per_s`` (real tokens: batch x length, padding not counted). A provider whose timed
 pass is still running when the fastest finished provider had served every request cannot be the fastest: it stops
 there (``stopped``, ``requests_served``; its rates are over the requests it served), which keeps a full run within
-one call of the GPU machine (eager and static ``torch.compile`` took over 115 s each for 2,000 requests where
-``torch.compile(dynamic=True)`` took 11 s). ``setup_s`` is
+one call of the GPU machine (in the run of results/variable_shapes.json the slow baselines used the call up).
+``setup_s`` is
 ``optimize``'s own time (its padding check, first capture and verification). For the optimize providers: the
 buckets the timed pass hit (calls, real and padded elements) and its padding waste (padding / real elements).
 
