@@ -2,7 +2,8 @@
 count), TorchDynamo's own phase times, and the host profile's heaviest functions, for the 1B-class Llama of
 benchmarks/decode.py on a fresh process. ``--first-generate 1 8`` then times the first two ``generate`` calls at
 each batch size (prompt 512, 64 new tokens, as decode.py's quick run), so the warm-up that issue 27 counts (setup
-plus the first generate) and what later first calls at a new size still cost are both seen. A diagnosis tool for
+plus the first generate) and what later first calls at a new size still cost are both seen, with what TorchDynamo
+compiled meanwhile (its counters and recompile reasons) and a host profile of the first calls. A diagnosis tool for
 issue 27's warm-up target.
 
     python benchmarks/profile_warm_up.py [--layers 16] [--top 45] [--out DIR] [--generation JSON] [--no-host-profile]
@@ -26,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernel_pytorch  # noqa: E402
+from benchmarks.decode import _compilation_metrics, _compile_counts  # noqa: E402
 from benchmarks.profile_decode_step import llama  # noqa: E402
 from kernel_pytorch.capture import GraphOptimizer  # noqa: E402
 
@@ -71,6 +73,23 @@ def time_generate_calls(model: torch.nn.Module, batch: int, profiler: cProfile.P
            f"second {seconds[1]:.3f} s"
 
 
+def dynamo_snapshot() -> dict[str, int]:
+    """TorchDynamo's compile counters now, its record of recompile reasons emptied: what :func:`dynamo_changes`
+    compares with."""
+    _compilation_metrics(clear=True)
+    return _compile_counts()
+
+
+def dynamo_changes(before: dict[str, int]) -> str:
+    """What TorchDynamo compiled since ``before`` (:func:`dynamo_snapshot`): the counters that moved and the recompile
+    reasons it recorded, so that a slow first call can be told apart from a silent recompile."""
+    after = _compile_counts()
+    moved = {key: after[key] - before.get(key, 0) for key in after if after[key] != before.get(key, 0)}
+    reasons = [str(m.recompile_reason)[:300] for m in _compilation_metrics() if getattr(m, "recompile_reason", None)]
+    return f"== TorchDynamo during the first generate calls: counters moved {moved or 'none'}; recompile reasons: " \
+           f"{reasons or 'none'}"
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -96,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
             model.generate.warm_up(progress=False)
     seconds = time.perf_counter() - started
     first_profiler = None if args.no_host_profile else cProfile.Profile()
+    before = dynamo_snapshot()
     first_calls = [time_generate_calls(model, batch, first_profiler) for batch in args.first_generate]
+    first_calls += [dynamo_changes(before)] if args.first_generate else []
     stream = io.StringIO()
     if not args.no_host_profile:
         pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(args.top)

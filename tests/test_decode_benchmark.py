@@ -1,14 +1,21 @@
 """benchmarks/decode.py: the whole flow on the CPU (a tiny fp32 Llama, every provider: rows or errors, tokens
 equal to transformers eager's, no HBM limit), and its HBM-limit arithmetic, targets, merge and arguments on
-made-up numbers."""
+made-up numbers; benchmarks/profile_warm_up.py's timing of first calls and its report of what Dynamo compiled."""
 
 from __future__ import annotations
 
+import cProfile
 import json
+import pstats
 
 import pytest
+import torch
 
+import kernel_pytorch
 from benchmarks import decode
+from benchmarks.profile_warm_up import dynamo_changes, dynamo_snapshot, time_generate_calls
+
+from .generation_models import causal_lm
 
 
 @pytest.fixture(scope="module")
@@ -161,18 +168,15 @@ def test_decode_kernel_lines_count_each_decision_once():
         "1 x decode_attention skip: SDPA kept, faster here"]
 
 
-def test_profile_warm_up_times_the_first_two_generate_calls_and_profiles_the_first():
-    import cProfile
-    import pstats
-
-    from benchmarks.profile_warm_up import time_generate_calls
-
-    from .generation_models import causal_lm
-
-    import kernel_pytorch
-
+def test_profile_warm_up_times_and_profiles_the_first_calls_and_tells_recompiles_apart():
     model = kernel_pytorch.optimize(causal_lm("llama"), generation=True)
     profiler = cProfile.Profile()
     line = time_generate_calls(model, 2, profiler, prompt=12, new_tokens=3)
     assert line.startswith("generate at batch 2 (prompt 12, 3 new tokens): first ") and ", second " in line
     assert any(name == "generate" for (_, _, name) in pstats.Stats(profiler).stats)
+    before = dynamo_snapshot()
+    model.generate(torch.ones(3, 7, dtype=torch.long), max_new_tokens=2)  # batch 4's lane: the graphs go dynamic
+    assert "size mismatch at index 0. expected 2, actual 4" in dynamo_changes(before)
+    before = dynamo_snapshot()
+    model.generate(torch.ones(5, 7, dtype=torch.long), max_new_tokens=2)  # batch 8's lane: nothing compiled
+    assert dynamo_changes(before).endswith("counters moved none; recompile reasons: none")
