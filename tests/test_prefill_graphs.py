@@ -68,5 +68,5 @@ def test_caches_counting_tokens_on_the_host_are_not_replayed_and_say_why():
     assert not graphs.cuda_graphs and graphs.failure == reason
     ran = []
     logits = graphs.run(lambda ids, where: ran.append(ids.shape) or ids.float(), torch.ones(1, 16, dtype=torch.long),
-                        torch.zeros(1, 16, dtype=torch.long), reset=lambda: None, pool=None)
+                        torch.zeros(1, 16, dtype=torch.long), reset=lambda: None)
     assert ran == [(1, 16)] and logits.shape == (1, 16) and graphs.captured_lengths() == []

@@ -206,7 +206,7 @@ class DecodeLane:
 
         if self.prefill_graphs is None:
             return body(input_ids, positions)
-        return self.prefill_graphs.run(body, input_ids, positions, self.cache.reset, self._graph_pool())
+        return self.prefill_graphs.run(body, input_ids, positions, self.cache.reset)
 
     # -- decode steps ----------------------------------------------------------------------------------------
 
@@ -277,16 +277,10 @@ class DecodeLane:
         torch.cuda.current_stream().wait_stream(stream)
         self._restore_state(saved)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool()):
+        pool = next(iter(self.graphs.values())).pool() if self.graphs else None
+        with torch.cuda.graph(graph, pool=pool):
             self.outputs[kind] = self._step_body(kind)
         self.graphs[kind] = graph
-
-    def _graph_pool(self) -> tuple | None:
-        """The memory pool the lane's graphs share (None before the first capture): steps and prefills replay one at
-        a time, and each graph's output stays allocated, so they can."""
-        if self.graphs:
-            return next(iter(self.graphs.values())).pool()
-        return self.prefill_graphs.pool() if self.prefill_graphs is not None else None
 
     def _saved_state(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         g = self.loop

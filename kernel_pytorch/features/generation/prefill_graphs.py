@@ -64,16 +64,16 @@ class PrefillGraphs:
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
-    def run(self, body: PrefillBody, input_ids: torch.Tensor, positions: torch.Tensor, reset: Callable[[], None],
-            pool: tuple | None) -> torch.Tensor:
+    def run(self, body: PrefillBody, input_ids: torch.Tensor, positions: torch.Tensor, reset: Callable[[], None]
+            ) -> torch.Tensor:
         """The prompt's last logits: ``body`` replayed from the bucket's graph. ``reset`` puts the cache back as the
-        prefill expects it (the capture's warm-up runs write it); ``pool``: the lane's graph memory pool."""
+        prefill expects it (the capture's warm-up runs write it)."""
         length = input_ids.shape[1]
         if not self.cuda_graphs or length != prompt_bucket(length):
             return body(input_ids, positions)
         if length not in self.graphs:
             try:
-                self._capture(body, input_ids, positions, reset, pool)
+                self._capture(body, input_ids, positions, reset)
             except RuntimeError as error:  # an op the capture refuses (a host sync): prefills run as they are
                 self.cuda_graphs, self.failure = False, first_line(error)
                 reset()
@@ -89,12 +89,8 @@ class PrefillGraphs:
         """The bucket lengths captured so far."""
         return sorted(self.graphs)
 
-    def pool(self) -> tuple | None:
-        """The memory pool of the graphs captured so far (None before any)."""
-        return next(iter(self.graphs.values())).pool() if self.graphs else None
-
     def _capture(self, body: PrefillBody, input_ids: torch.Tensor, positions: torch.Tensor,
-                 reset: Callable[[], None], pool: tuple | None) -> None:
+                 reset: Callable[[], None]) -> None:
         """Warm up on a side stream, each run from a reset cache (a run writes the bucket's slots and advances the
         cache's counters), then capture."""
         length = input_ids.shape[1]
@@ -108,6 +104,9 @@ class PrefillGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         reset()
         graph = torch.cuda.CUDAGraph()
+        # The buckets share one memory pool, apart from the decode steps': a step replay could otherwise overwrite
+        # the prefill's logits in a block the prefill's capture took after the step's capture had freed it.
+        pool = next(iter(self.graphs.values())).pool() if self.graphs else None
         with torch.cuda.graph(graph, pool=pool):
             self.outputs[length] = body(ids, where)
         self.graphs[length] = graph
