@@ -98,8 +98,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import (environment, measure, same_device_models, save_figure,  # noqa: E402
-                                scaled_run_args, scaled_run_parser, write_final_result, write_result)
+from benchmarks.harness import (dynamo_changes, dynamo_compile_counts, dynamo_snapshot, environment,  # noqa: E402
+                                measure, same_device_models, save_figure, scaled_run_args, scaled_run_parser,
+                                write_final_result, write_result)
 from kernel_pytorch.errors import first_line  # noqa: E402
 
 EAGER = "transformers eager"
@@ -500,31 +501,9 @@ def write_host_profile(fn: Callable[[], Any], path: Path) -> None:
     path.write_text(stream.getvalue())
 
 
-def _compile_counts() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    counts = {"unique_graphs": counters["stats"]["unique_graphs"], "frames": counters["frames"]["total"]}
-    for group, counter in counters.items():  # the "recompiles" keys some torch versions keep
-        if "recompil" in group:
-            counts.update({f"{group}.{k}": v for k, v in counter.items()})
-        counts.update({f"{group}.{k}": v for k, v in counter.items() if "recompil" in str(k)})
-    return counts
-
-
-def _compilation_metrics(clear: bool = False) -> list:
-    """Dynamo's record of each compile (its recompile reason among them); ``clear`` empties it first (it
-    keeps the last 64)."""
-    from torch._dynamo import utils
-
-    if clear and hasattr(utils, "clear_compilation_metrics"):
-        utils.clear_compilation_metrics()
-    return list(getattr(utils, "get_compilation_metrics", lambda: [])())
-
-
 def recompile_sweep(runner, info: dict, s: Setup) -> dict:
     """Graphs Dynamo compiles over a sweep of prompt lengths and batch sizes after warm-up (issue: none)."""
-    before = _compile_counts()
-    _compilation_metrics(clear=True)
+    before = dynamo_snapshot()
     started = time.perf_counter()
     done, errors, stopped = [], {}, None
     for batch in s.sweep_batches:
@@ -538,15 +517,11 @@ def recompile_sweep(runner, info: dict, s: Setup) -> dict:
             except Exception as error:  # an out-of-memory or a refused shape: recorded, the sweep goes on
                 errors[f"{batch}x{prompt}"] = first_line(error)
                 free_memory(s)
-    after = _compile_counts()
-    reasons = [str(m.recompile_reason)[:300] for m in _compilation_metrics()
-               if getattr(m, "recompile_reason", None)]
+    moved, reasons = dynamo_changes(before)
     return {"batch_x_prompt": done, "new_tokens": s.sweep_new_tokens,
             "seconds": round(time.perf_counter() - started, 1),
-            "graphs_compiled": after["unique_graphs"] - before["unique_graphs"],
-            "frames_compiled": after["frames"] - before["frames"],
-            "recompiles_counted": {k: v - before.get(k, 0) for k, v in after.items()
-                                   if k not in ("unique_graphs", "frames")},
+            "graphs_compiled": moved["unique_graphs"], "frames_compiled": moved["frames"],
+            "recompiles_counted": {k: v for k, v in moved.items() if k not in ("unique_graphs", "frames")},
             "recompile_reasons": sorted(set(reasons))[:10], "errors": errors, "stopped": stopped}
 
 
@@ -584,7 +559,7 @@ def run_provider(name: str, provider: str, s: Setup, hbm: dict, info_out: dict) 
         model = build_model(name, s)
         info_out.update(model_info(name, model, s))
         info = dict(info_out)
-        graphs_before = _compile_counts()["unique_graphs"]
+        graphs_before = dynamo_compile_counts()["unique_graphs"]
         started = time.perf_counter()
         runner = make_runner(provider, model, s, result)
         result["setup_s"] = round(time.perf_counter() - started, 2)
@@ -599,7 +574,7 @@ def run_provider(name: str, provider: str, s: Setup, hbm: dict, info_out: dict) 
             result["batches"][str(batch)] = _guarded(lambda: measure_point(runner, info, hbm, batch, s), s)
         result["ttft_ms"] = {str(p): _guarded(lambda: round(measure_ttft(runner, info, p, s) * 1e3, 2), s)
                              for p in s.ttft_prompts}
-        result["graphs_compiled"] = _compile_counts()["unique_graphs"] - graphs_before
+        result["graphs_compiled"] = dynamo_compile_counts()["unique_graphs"] - graphs_before
         if provider == OURS and s.host_profile:
             write_host_profile(lambda: measure_ttft(runner, info, s.ttft_prompts[0], s), s.host_profile)
         if provider == OURS:

@@ -24,7 +24,7 @@ from kernel_pytorch.timing import captured_calls
 
 __all__ = ["Timing", "measure", "measure_gpu_time", "host_us_per_call", "environment", "write_result", "timing_dict",
            "same_device_models", "save_figure", "write_final_result", "scaled_run_parser", "scaled_run_args",
-           "RESULTS_DIR"]
+           "dynamo_compile_counts", "dynamo_snapshot", "dynamo_changes", "RESULTS_DIR"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _L2_FLUSH_BYTES = 256 * 2**20
@@ -198,6 +198,39 @@ def write_result(name: str, payload: dict[str, Any], directory: Path = RESULTS_D
     path = directory / f"{name}.json"
     path.write_text(json.dumps({"environment": environment(), **payload}, indent=2, default=str) + "\n")
     return path
+
+
+def dynamo_compile_counts() -> dict[str, int]:
+    """TorchDynamo's counters of graphs and frames compiled, and the recompile counters some torch versions keep."""
+    from torch._dynamo.utils import counters
+
+    counts = {"unique_graphs": counters["stats"]["unique_graphs"], "frames": counters["frames"]["total"]}
+    for group, counter in counters.items():
+        if "recompil" in group:
+            counts.update({f"{group}.{k}": v for k, v in counter.items()})
+        counts.update({f"{group}.{k}": v for k, v in counter.items() if "recompil" in str(k)})
+    return counts
+
+
+def dynamo_snapshot() -> dict[str, int]:
+    """:func:`dynamo_compile_counts` now, with TorchDynamo's record of compiles (the recompile reasons; it keeps the
+    last 64) emptied: what :func:`dynamo_changes` compares with."""
+    from torch._dynamo import utils
+
+    if hasattr(utils, "clear_compilation_metrics"):
+        utils.clear_compilation_metrics()
+    return dynamo_compile_counts()
+
+
+def dynamo_changes(before: dict[str, int]) -> tuple[dict[str, int], list[str]]:
+    """What TorchDynamo compiled since ``before`` (:func:`dynamo_snapshot`): each counter's increase (every counter,
+    zeros included), and the recompile reasons it recorded (300 characters each)."""
+    from torch._dynamo import utils
+
+    after = dynamo_compile_counts()
+    metrics = getattr(utils, "get_compilation_metrics", lambda: [])()
+    reasons = [str(m.recompile_reason)[:300] for m in metrics if getattr(m, "recompile_reason", None)]
+    return {key: value - before.get(key, 0) for key, value in after.items()}, reasons
 
 
 def timing_dict(timing: Timing) -> dict[str, float]:

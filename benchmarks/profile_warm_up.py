@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernel_pytorch  # noqa: E402
-from benchmarks.decode import _compilation_metrics, _compile_counts  # noqa: E402
+from benchmarks.harness import dynamo_changes, dynamo_snapshot  # noqa: E402
 from benchmarks.profile_decode_step import llama  # noqa: E402
 from kernel_pytorch.capture import GraphOptimizer  # noqa: E402
 
@@ -73,19 +73,11 @@ def time_generate_calls(model: torch.nn.Module, batch: int, profiler: cProfile.P
            f"second {seconds[1]:.3f} s"
 
 
-def dynamo_snapshot() -> dict[str, int]:
-    """TorchDynamo's compile counters now, its record of recompile reasons emptied: what :func:`dynamo_changes`
-    compares with."""
-    _compilation_metrics(clear=True)
-    return _compile_counts()
-
-
-def dynamo_changes(before: dict[str, int]) -> str:
-    """What TorchDynamo compiled since ``before`` (:func:`dynamo_snapshot`): the counters that moved and the recompile
-    reasons it recorded, so that a slow first call can be told apart from a silent recompile."""
-    after = _compile_counts()
-    moved = {key: after[key] - before.get(key, 0) for key in after if after[key] != before.get(key, 0)}
-    reasons = [str(m.recompile_reason)[:300] for m in _compilation_metrics() if getattr(m, "recompile_reason", None)]
+def dynamo_line(before: dict[str, int]) -> str:
+    """What TorchDynamo compiled since ``before`` (:func:`~benchmarks.harness.dynamo_snapshot`), so that a slow first
+    call can be told apart from a silent recompile."""
+    changes, reasons = dynamo_changes(before)
+    moved = {key: value for key, value in changes.items() if value}
     return f"== TorchDynamo during the first generate calls: counters moved {moved or 'none'}; recompile reasons: " \
            f"{reasons or 'none'}"
 
@@ -117,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     first_profiler = None if args.no_host_profile else cProfile.Profile()
     before = dynamo_snapshot()
     first_calls = [time_generate_calls(model, batch, first_profiler) for batch in args.first_generate]
-    first_calls += [dynamo_changes(before)] if args.first_generate else []
+    first_calls += [dynamo_line(before)] if args.first_generate else []
     stream = io.StringIO()
     if not args.no_host_profile:
         pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(args.top)

@@ -13,7 +13,8 @@ import torch
 
 import kernel_pytorch
 from benchmarks import decode
-from benchmarks.profile_warm_up import dynamo_changes, dynamo_snapshot, time_generate_calls
+from benchmarks.harness import dynamo_snapshot
+from benchmarks.profile_warm_up import dynamo_line, time_generate_calls
 
 from .generation_models import causal_lm
 
@@ -176,7 +177,7 @@ def test_profile_warm_up_times_and_profiles_the_first_calls_and_tells_recompiles
     assert any(name == "generate" for (_, _, name) in pstats.Stats(profiler).stats)
     before = dynamo_snapshot()
     model.generate(torch.ones(3, 7, dtype=torch.long), max_new_tokens=2)  # batch 4's lane: the graphs go dynamic
-    assert "size mismatch at index 0. expected 2, actual 4" in dynamo_changes(before)
+    assert "size mismatch at index 0. expected 2, actual 4" in dynamo_line(before)
     before = dynamo_snapshot()
     model.generate(torch.ones(5, 7, dtype=torch.long), max_new_tokens=2)  # batch 8's lane: nothing compiled
-    assert dynamo_changes(before).endswith("counters moved none; recompile reasons: none")
+    assert dynamo_line(before).endswith("counters moved none; recompile reasons: none")

@@ -14,8 +14,8 @@ from transformers.cache_utils import StaticSlidingWindowLayer
 import kernel_pytorch
 from kernel_pytorch import Decoder, report_of
 from kernel_pytorch.features.generation.model_calls import new_static_cache
-from kernel_pytorch.features.generation.prefill_graphs import (PrefillGraphs, host_counted_cache, left_padded,
-                                                                padded_prompt_length, prompt_bucket)
+from kernel_pytorch.features.generation.prefill_graphs import (PrefillGraphs, buckets_below, host_counted_cache,
+                                                                left_padded, padded_prompt_length, prompt_bucket)
 
 from .generation_models import causal_lm, left_padded_prompts
 
@@ -48,11 +48,12 @@ def test_warm_up_runs_a_prefill_at_every_bucket_of_each_lane():
     decoder = Decoder(causal_lm("llama"), prefill_graphs=True)
     decoder.warm_up(batch_sizes=(1,), cache_lengths=(256,), progress=False)
     (key, lane), = decoder.lanes.items()
-    assert key == (1, 256, 0) and lane.hits == 1 + 3  # the warm-up request (padded to 16), then buckets 32, 64, 128
+    assert key == (1, 256, 0) and lane.hits == 1 + 4  # the warm-up request (padded to 16), then buckets 16 to 128
 
 
 def test_buckets_and_left_padding():
     assert [prompt_bucket(n) for n in (1, 15, 16, 17, 512, 513)] == [16, 16, 16, 32, 512, 1024]
+    assert buckets_below(256) == [16, 32, 64, 128] and buckets_below(257)[-1] == 256 and buckets_below(16) == []
     assert padded_prompt_length(300, 512) == 512 and padded_prompt_length(300, 511) == 300
     ids, mask = left_padded(torch.tensor([[7, 8, 9]]), torch.tensor([[0, 1, 1]]), 5)
     assert ids.tolist() == [[0, 0, 7, 8, 9]] and mask.tolist() == [[0, 0, 0, 1, 1]]

@@ -28,7 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls
 from kernel_pytorch.features.generation.model_calls import (cache_bytes, decoder_start_token, default_max_length,
                                                              is_encoder_decoder, why_not_generative)
-from kernel_pytorch.features.generation.prefill_graphs import MIN_BUCKET, left_padded, padded_prompt_length
+from kernel_pytorch.features.generation.prefill_graphs import buckets_below, left_padded, padded_prompt_length
 from kernel_pytorch.features.generation.sampling import SamplingSettings
 
 __all__ = ["Decoder", "GenerationLimitError"]
@@ -87,14 +87,19 @@ class Decoder:
             self.lane.encode(*(_pad_rows(t, self.lane.batch) for t in (input_ids, attention_mask)))
             start = self.start_tokens(self.lane.batch, input_ids.device)
             return self.lane.prefill(start, torch.ones_like(start))[:self.batch]
-        if self.prefill_graphs:  # the prompt's bucket where the cache leaves room for it and one new token at least
-            room = self.max_length - max(1, max_new_tokens or 0)
-            input_ids, attention_mask = left_padded(input_ids, attention_mask,
-                                                    padded_prompt_length(input_ids.shape[1], room))
+        input_ids, attention_mask = left_padded(input_ids, attention_mask,
+                                                self._prompt_slots(input_ids.shape[1], max_new_tokens))
         total = input_ids.shape[1] + (max_new_tokens if max_new_tokens is not None else 0)
         self.lane = self._lane(self.batch, total if max_new_tokens is not None else self.max_length)
         padded_ids, padded_mask = (_pad_rows(t, self.lane.batch) for t in (input_ids, attention_mask))
         return self.lane.prefill(padded_ids, padded_mask)[:self.batch]
+
+    def _prompt_slots(self, prompt_length: int, max_new_tokens: int | None) -> int:
+        """Cache slots a prompt takes: with prefill graphs its bucket, where the cache leaves room for it and one new
+        token at least; else its own length."""
+        if not self.prefill_graphs:
+            return prompt_length
+        return padded_prompt_length(prompt_length, self.max_length - max(1, max_new_tokens or 0))
 
     def set_prefill_graphs(self, enabled: bool) -> None:
         """Turn the prefill graphs on or off for later requests; the lanes are dropped, to be rebuilt with or without
@@ -178,9 +183,8 @@ class Decoder:
             for batch, length in pairs:
                 bar.update(task, description=f"generation warm-up: {batch} sequences x {length} tokens")
                 prompt = torch.ones(batch, 8, dtype=torch.long, device=self._device())
-                slots = MIN_BUCKET if self.prefill_graphs else 8  # the prompt padded to its bucket takes these
-                self._loop(self.prefill(prompt, torch.ones_like(prompt), max_new_tokens=length - slots),
-                           max_new_tokens=3)
+                new_tokens = length - self._prompt_slots(prompt.shape[1], None)  # the request fills the lane asked for
+                self._loop(self.prefill(prompt, torch.ones_like(prompt), max_new_tokens=new_tokens), max_new_tokens=3)
                 if self.prefill_graphs:
                     self._capture_prefill_buckets(batch, length)
                 bar.advance(task)
@@ -189,13 +193,11 @@ class Decoder:
         return seconds
 
     def _capture_prefill_buckets(self, batch: int, length: int) -> None:
-        """A prefill at each bucket above the first that the lane's cache holds with a slot to spare: each captures its
-        bucket's graph (the warm-up request captured the first)."""
-        bucket = 2 * MIN_BUCKET
-        while bucket < length:
+        """A prefill at each bucket the lane's cache holds with a slot to spare: each captures its bucket's graph (the
+        first bucket's, which the warm-up request captured, replays)."""
+        for bucket in buckets_below(length):
             prompt = torch.ones(batch, bucket, dtype=torch.long, device=self._device())
             self.prefill(prompt, torch.ones_like(prompt), max_new_tokens=length - bucket)  # the same lane
-            bucket *= 2
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device

@@ -201,12 +201,12 @@ class DecodeLane:
         return logits
 
     def _prefill_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        def body(ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-            return self._forward(self.prefill_call, ids, where, prefill=True).logits[:, -1]
-
         if self.prefill_graphs is None:
-            return body(input_ids, positions)
-        return self.prefill_graphs.run(body, input_ids, positions, self.cache.reset)
+            return self._prefill_forward(input_ids, positions)
+        return self.prefill_graphs.run(self._prefill_forward, input_ids, positions, self.cache.reset)
+
+    def _prefill_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self._forward(self.prefill_call, input_ids, positions, prefill=True).logits[:, -1]
 
     # -- decode steps ----------------------------------------------------------------------------------------
 

@@ -18,7 +18,8 @@ import torch
 
 from kernel_pytorch.errors import first_line
 
-__all__ = ["PrefillGraphs", "MIN_BUCKET", "prompt_bucket", "padded_prompt_length", "left_padded", "host_counted_cache"]
+__all__ = ["PrefillGraphs", "MIN_BUCKET", "prompt_bucket", "buckets_below", "padded_prompt_length", "left_padded",
+           "host_counted_cache"]
 
 MIN_BUCKET = 16  # shorter prompts share one graph: a few padded tokens cost less than a graph each
 _WARMUP_RUNS = 2  # before capture: compiles and lets lazily made kernels and workspaces exist
@@ -29,6 +30,11 @@ PrefillBody = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input ids
 def prompt_bucket(prompt_length: int) -> int:
     """The bucket a prompt is padded up to: the next power of two, at least ``MIN_BUCKET``."""
     return max(MIN_BUCKET, 1 << (prompt_length - 1).bit_length())
+
+
+def buckets_below(length: int) -> list[int]:
+    """Every bucket shorter than ``length`` tokens, in increasing order."""
+    return [1 << power for power in range(MIN_BUCKET.bit_length() - 1, (length - 1).bit_length())]
 
 
 def padded_prompt_length(prompt_length: int, room: int) -> int:
