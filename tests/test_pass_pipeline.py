@@ -453,6 +453,27 @@ def test_the_end_to_end_referee_runs_on_the_host_when_the_gpu_lacks_the_memory(m
     assert graph_notes and report.rollbacks == [], report.notes  # the graph check judged by its referee too
 
 
+def test_an_end_to_end_referee_out_of_memory_where_the_tensors_are_runs_again_on_the_host(monkeypatch):
+    """The GPU's free memory is an estimate: the referee that ran out of memory there (injected: the first run
+    returns None as ``unless_out_of_memory`` does) is run again on the host, and the note says why."""
+    from kernel_pytorch.verify import model as end_to_end
+
+    real, devices = end_to_end._float32_copy_run, []
+
+    def out_of_memory_where_the_tensors_are(*args):
+        devices.append(args[-1])
+        return None if args[-1] is None else real(*args)
+
+    monkeypatch.setattr(end_to_end, "_float32_copy_run", out_of_memory_where_the_tensors_are)
+    model, _, x = _bf16_rope_like()
+    optimize(model, example_inputs=(x,), extra_passes=("test_fma_float32",), tolerances=_TINY_BF16)
+    report = report_of(model)
+    assert devices == [None, torch.device("cpu")]
+    assert report.verification.passed and report.verification.rule == "float32 referee", report.verification
+    assert any(n.startswith("end-to-end check: the float32 referee ran on the CPU in") and
+               n.endswith("(out of memory on the GPU)") for n in report.notes), report.notes
+
+
 def test_without_room_on_the_gpu_or_the_host_the_check_says_so_and_judges_by_tolerance(monkeypatch):
     _gpu_too_small(monkeypatch, host_bytes=0)
     model, reference, x = _bf16_rope_like()

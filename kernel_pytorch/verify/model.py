@@ -21,7 +21,7 @@ from kernel_pytorch.attention.kernels.aten_sdpa import sdpa_dispatch_without_cud
 from kernel_pytorch.report import VerificationRecord
 from kernel_pytorch.verify.numerics import (NoiseAwareCheck, Run, call_arguments, compared_counts, is_low_precision,
                                             run_reference, unless_out_of_memory)
-from kernel_pytorch.verify.referee import referee_copy, referee_device
+from kernel_pytorch.verify.referee import host_referee, referee_copy, referee_device
 
 __all__ = ["EndToEndCheck", "meta_device_reason"]
 
@@ -155,24 +155,35 @@ def _float32_run(original: nn.Module | str | None, args: tuple, kwargs: dict, gr
         return original or "no copy of the original model was kept"
     tensors = [*original.parameters(), *original.buffers(), *(a for a in (*args, *kwargs.values())
                                                               if isinstance(a, torch.Tensor))]
-    device, why = referee_device(tensors, gradients, reference)
+    device, why = referee_device(tensors, gradients, reference, nothing_compiles_after=True)
     if why and device is None:
         return why
     started = time.perf_counter()
-    memo = {id(t): referee_copy(t, device) for t in (*original.parameters(), *original.buffers())}
     try:
-        fp32 = copy.deepcopy(original, memo=memo)
-        args32 = tuple(referee_copy(a, device) for a in args)
-        kwargs32 = {k: referee_copy(v, device) for k, v in kwargs.items()}
-        wrt = _gradient_targets(fp32, args32, kwargs32) if gradients else None
-        run = unless_out_of_memory(lambda: run_reference(fp32, args32, kwargs32, wrt, skip=skip))
+        run = _float32_copy_run(original, args, kwargs, gradients, skip, device)
+        if run is None and device is None:  # the estimate fell short on the GPU: the host, if it has the memory
+            device, why = host_referee(tensors, gradients, reference, "out of memory on the GPU")
+            started = time.perf_counter()
+            run = why if device is None else _float32_copy_run(original, args, kwargs, gradients, skip, device)
     except Exception as error:  # the referee is optional: its failure leaves the plain verdict
         return f"it failed: {type(error).__name__}: {error}"
     if run is None:
         return "out of memory"
-    if device is not None:
+    if isinstance(run, Run) and device is not None:
         run.where = f"on the CPU in {time.perf_counter() - started:.0f} s ({why})"
     return run
+
+
+def _float32_copy_run(original: nn.Module, args: tuple, kwargs: dict, gradients: bool, skip: frozenset[str],
+                      device: torch.device | None) -> Run | None:
+    """A float32 copy of ``original`` run on float32 copies of the inputs, on ``device`` (None: where they are);
+    None when out of memory."""
+    memo = {id(t): referee_copy(t, device) for t in (*original.parameters(), *original.buffers())}
+    fp32 = copy.deepcopy(original, memo=memo)
+    args32 = tuple(referee_copy(a, device) for a in args)
+    kwargs32 = {k: referee_copy(v, device) for k, v in kwargs.items()}
+    wrt = _gradient_targets(fp32, args32, kwargs32) if gradients else None
+    return unless_out_of_memory(lambda: run_reference(fp32, args32, kwargs32, wrt, skip=skip))
 
 
 def _judge(model: nn.Module, optimized: Run, check: NoiseAwareCheck, no_gradients: str) -> None:

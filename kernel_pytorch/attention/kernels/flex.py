@@ -4,7 +4,8 @@
 AOTAutograd trace (and differentiate) natively, and that Inductor lowers to its fused Triton template
 (forward and backward) when the graph is compiled, which is how ``optimize()`` runs graphs on GPUs. Run
 eagerly, ``flex_attention`` is PyTorch's unfused reference: correct, but it materializes the (Lq, Lk)
-scores, so it is slow and memory-hungry; the dispatcher measures it compiled, and never picks it unmeasured.
+scores, so it is slow and memory-hungry; the dispatcher measures it compiled, and never picks it unmeasured,
+and a call outside torch.compile on a GPU (a verification run of a rewritten graph) runs it compiled on its own.
 
 What it computes here is exactly SDPA's (the dispatcher keeps everything else away):
 
@@ -51,6 +52,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, crea
 
 from kernel_pytorch.attention.kernels.softcap import softcap_score_mod, softcapped_attention_math
 from kernel_pytorch.attention.kernels.topk_sparse import TOPK_PATTERN_KIND, topk_attention, topk_options
+from kernel_pytorch.timing import measurement_compiles
 
 __all__ = ["flex_attention_forward", "causal_mask_mod", "pattern_mask_mod", "pattern_block_mask",
            "PATTERN_KINDS", "FLEX_MIN_HEAD_DIM", "FLEX_MAX_HEAD_DIM", "FLEX_BLOCK_SIZE"]
@@ -63,6 +65,7 @@ FLEX_BLOCK_SIZE = 128
 # lengths at once, and each entry holds O((L/128)^2) ints.
 _BLOCK_MASK_CACHE_ENTRIES = 64
 _BLOCK_MASKS: "OrderedDict[tuple, BlockMask]" = OrderedDict()
+_FUSED_FLEX: Optional[Callable[..., Tensor]] = None  # made on first use (_fused_flex_attention)
 
 # Inductor's flex template raises NotImplementedError below 16 (tl.dot's minimum K); above 256 it falls
 # back to small untuned blocks that may not fit shared memory (not measured), so the dispatcher stops there.
@@ -190,5 +193,19 @@ def flex_attention_forward(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, 
                                    *_mask_batch_heads(pattern, pattern_tensor), scale, softcap)
         block_mask = pattern_block_mask(pattern, pattern_tensor, q.shape[-2], k.shape[-2], q.device)
     score_mod = None if softcap is None else softcap_score_mod(softcap)
-    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                          enable_gqa=q.shape[-3] != k.shape[-3])
+    options = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])
+    if q.device.type == "cpu" or _tracing(q, k, v):
+        return flex_attention(q, k, v, **options)
+    with measurement_compiles():  # compiled inside optimize's capture: its lock and recompile limits
+        return _fused_flex_attention()(q, k, v, **options)
+
+
+def _fused_flex_attention() -> Callable[..., Tensor]:
+    """``flex_attention`` compiled on its own, for calls outside ``torch.compile`` on a GPU (the verification's runs
+    of a rewritten graph, ``optimize(compile=False)``): eagerly it is PyTorch's unfused reference, which
+    materializes the (B, H, Lq, Lk) scores (17 GiB of float32 per layer for 16 heads at 16384 tokens) and is
+    another kernel than the compiled graphs run; compiled it is the fused Triton kernel, forward and backward."""
+    global _FUSED_FLEX
+    if _FUSED_FLEX is None:
+        _FUSED_FLEX = torch.compile(flex_attention)
+    return _FUSED_FLEX

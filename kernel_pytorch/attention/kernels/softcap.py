@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional
 
@@ -24,8 +25,11 @@ from torch import Tensor
 __all__ = ["softcap_score_mod", "softcapped_attention_math"]
 
 
+@functools.lru_cache(maxsize=None)
 def softcap_score_mod(softcap: float) -> Callable[..., Tensor]:
-    """FlexAttention's ``score_mod`` for a soft cap: the score (already scaled) -> ``cap * tanh(score / cap)``."""
+    """FlexAttention's ``score_mod`` for a soft cap: the score (already scaled) -> ``cap * tanh(score / cap)``.
+    One function per cap, so that a compiled ``flex_attention``, which guards on the function it is given, is not
+    compiled again for each call's new closure."""
     def capped(score: Tensor, batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return softcap * torch.tanh(score / softcap)
     return capped
