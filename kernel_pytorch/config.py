@@ -247,6 +247,13 @@ class GenerationConfig(ConfigModel):
         "sliding-window layers) keep uncaptured prefills, with a report line."
     )
 
+    prefill_any_batch: bool = Field(
+        False, description="Experimental, not yet measured on a GPU: trace the prefill (and an encoder-decoder's "
+        "encoder) without TorchDynamo's specialization of sizes of 1, so that one graph serves batch 1 and larger "
+        "batches: one capture, rewrite and compile fewer in the warm-up. The decode steps keep a graph of their own "
+        "at batch 1, where the decode passes pick kernels for one token row."
+    )
+
     @field_validator("batch_buckets")
     @classmethod
     def _ascending(cls, value: tuple[int, ...]) -> tuple[int, ...]:

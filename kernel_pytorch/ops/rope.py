@@ -386,6 +386,15 @@ def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: b
     return q_out, k_out
 
 
+def _known_mismatch(table_size: int, size: int) -> bool:
+    """Whether a cos/sin leading size is known not to broadcast to q's or k's: neither 1 nor equal. Symbolic sizes
+    are decided only where already known, never guarded on: a guard ``batch == 1`` gave a generation prefill traced
+    at batch 1 a graph of its own for batch 2+ (the op's own broadcasting still checks the values)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(table_size != 1) and statically_known_true(table_size != size)
+
+
 def _check_arguments(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         if t.dim() == 0 or not t.is_floating_point():
@@ -407,6 +416,6 @@ def _check_arguments(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
         raise ValueError(f"rotary dim (cos/sin last dim) {rotary_dim} exceeds the head dim {head_dim}")
     for name, x in (("q", q), ("k", k)):
         lead, table = tuple(x.shape[:-1]), tuple(cos.shape[:-1])
-        if len(table) > len(lead) or any(t != 1 and t != n for t, n in zip(reversed(table), reversed(lead))):
+        if len(table) > len(lead) or any(_known_mismatch(t, n) for t, n in zip(reversed(table), reversed(lead))):
             raise ValueError(f"cos/sin of shape {tuple(cos.shape)} do not broadcast to {name}'s "
                              f"{tuple(x.shape)} (cos/sin leading dims must be 1 or {name}'s)")

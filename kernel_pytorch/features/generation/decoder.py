@@ -48,11 +48,13 @@ class Decoder:
     ``compile_prefill``: whether an optimized model's prefill is compiled (else its rewritten graph runs as is);
     ``compile_layers_once``: Inductor compiles each distinct layer of the prefill and step graphs once;
     ``prefill_graphs``: a causal LM's prompts are left-padded to power-of-two buckets and their prefills replayed from
-    CUDA graphs (:mod:`~kernel_pytorch.features.generation.prefill_graphs`)."""
+    CUDA graphs (:mod:`~kernel_pytorch.features.generation.prefill_graphs`); ``prefill_any_batch``: one prefill graph
+    serves every batch size, batch 1 included."""
 
     def __init__(self, model: nn.Module, max_length: int | None = None,
                  batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32), cuda_graphs: bool | str = "auto",
-                 compile_prefill: bool = True, compile_layers_once: bool = False, prefill_graphs: bool = False):
+                 compile_prefill: bool = True, compile_layers_once: bool = False, prefill_graphs: bool = False,
+                 prefill_any_batch: bool = False):
         reason = why_not_generative(model)
         if reason:
             raise TypeError(f"kernel_pytorch.Decoder: {reason}")
@@ -60,7 +62,7 @@ class Decoder:
         self.max_length = max_length or default_max_length(model)
         self.batch_buckets = tuple(batch_buckets)
         self.cuda_graphs = cuda_graphs is True or cuda_graphs == "auto"
-        self.calls = ModelCalls.of(model, _backend_of(model), compile_prefill, compile_layers_once)
+        self.calls = ModelCalls.of(model, _backend_of(model), compile_prefill, compile_layers_once, prefill_any_batch)
         self.encoder_decoder = is_encoder_decoder(model)
         self.prefill_graphs = prefill_graphs and not self.encoder_decoder  # its decoder's prompt is one start token
         # (batch bucket, cache length, encoder length or 0) -> lane, in order of use, the most recent last

@@ -55,9 +55,11 @@ class FastGenerate:
 
     def _decoder(self) -> Decoder:
         if self.decoder is None:
-            self.decoder = Decoder(self.model, self.config.max_length, self.config.batch_buckets,
-                                   self.config.cuda_graphs, self.config.compile_prefill,
-                                   self.config.compile_layers_once, self.config.prefill_graphs)
+            config = self.config
+            self.decoder = Decoder(self.model, config.max_length, config.batch_buckets, config.cuda_graphs,
+                                   compile_prefill=config.compile_prefill,
+                                   compile_layers_once=config.compile_layers_once,
+                                   prefill_graphs=config.prefill_graphs, prefill_any_batch=config.prefill_any_batch)
             if not self.config.compile_prefill:
                 self._note("generation: prefills run their rewritten graphs uncompiled (generation.compile_prefill="
                            "False); decode steps are compiled")

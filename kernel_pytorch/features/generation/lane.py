@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+from torch.fx.experimental import _config as shape_config
 
 from kernel_pytorch.compiled_call import call_module, compiled_entry
 from kernel_pytorch.errors import first_line
@@ -42,11 +43,12 @@ class ModelCalls:
 
     @classmethod
     def of(cls, model: nn.Module, backend: GraphOptimizer | None, compile_prefill: bool = True,
-           compile_layers_once: bool = False) -> ModelCalls:
+           compile_layers_once: bool = False, prefill_any_batch: bool = False) -> ModelCalls:
         """Captured through ``backend`` (an optimized model's own: its passes and verification), each call with a
         dynamo cache of its own; without a backend the model runs as it is, still from a static cache. Without
         ``compile_prefill`` the prefill and the encoder run their rewritten graphs uncompiled; with
-        ``compile_layers_once`` Inductor compiles each distinct layer once (:mod:`kernel_pytorch.block_compile`)."""
+        ``compile_layers_once`` Inductor compiles each distinct layer once (:mod:`kernel_pytorch.block_compile`);
+        with ``prefill_any_batch`` one prefill (and encoder) graph serves batch 1 too (:func:`_any_batch`)."""
         if backend is None:
             return cls(call_module, call_module, call_module)
         if compile_layers_once and backend.compiler.name == "inductor":
@@ -54,10 +56,15 @@ class ModelCalls:
         once_per_request = backend if compile_prefill else backend.with_compiler(replace(backend.compiler,
                                                                                          name="eager"))
         encoder = model.get_encoder() if is_encoder_decoder(model) else None
-        return cls(*(_with_constant_floats(compiled_entry(module, module_backend, dynamic=True))
-                     if module is not None else call_module
-                     for module, module_backend in ((model, once_per_request), (model, backend),
-                                                    (encoder, once_per_request))))
+
+        def entry(module: nn.Module | None, module_backend: GraphOptimizer, per_request: bool) -> Callable[..., Any]:
+            if module is None:
+                return call_module
+            call = _with_constant_floats(compiled_entry(module, module_backend, dynamic=True))
+            return _any_batch(call) if per_request and prefill_any_batch else call
+
+        return cls(entry(model, once_per_request, True), entry(model, backend, False),
+                   entry(encoder, once_per_request, True))
 
 
 def _with_constant_floats(compiled: Callable[..., Any]) -> Callable[..., Any]:
@@ -68,6 +75,18 @@ def _with_constant_floats(compiled: Callable[..., Any]) -> Callable[..., Any]:
 
     def call(*args: Any, **kwargs: Any) -> Any:
         with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+def _any_batch(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` traced without specializing sizes of 1 (``backed_size_oblivious``): Dynamo otherwise compiles a
+    call at batch 1 for batch 1 alone (its 0/1 specialization), and the prefill got two graphs, each traced, rewritten
+    and compiled. The decode steps keep theirs: at batch 1 the decode passes pick kernels for one token row."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with shape_config.patch(backed_size_oblivious=True):
             return compiled(*args, **kwargs)
 
     return call
