@@ -1,5 +1,5 @@
-"""Causal LMs of several transformers families from tiny configs (default attention, no downloads), and prompts
-with left padding, for the generation tests."""
+"""Causal LMs of several transformers families and a T5 from tiny configs (default attention, no downloads), and
+prompts with left padding, for the generation tests."""
 
 from __future__ import annotations
 
@@ -29,6 +29,14 @@ def causal_lm(family: str, seed: int = 0, layers: int | None = None) -> torch.nn
         fields = {**fields, "n_layer" if "n_layer" in fields else "num_hidden_layers": layers}
     torch.manual_seed(seed)
     return model_class(config_class(**fields)).eval()
+
+
+def t5_model(vocab_size: int = 64, seed: int = 0) -> transformers.T5ForConditionalGeneration:
+    """A two-layer T5 (encoder-decoder with a cross-attention cache), eval mode, on the CPU."""
+    config = transformers.T5Config(vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(seed)
+    return transformers.T5ForConditionalGeneration(config).eval()
 
 
 def left_padded_prompts(batch: int, length: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

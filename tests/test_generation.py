@@ -19,7 +19,7 @@ from kernel_pytorch.compiled_call import RecompileLimitWarning
 from kernel_pytorch.features.generation import FastGenerate
 from kernel_pytorch.features.generation.sampling import draw, warped_scores
 
-from .generation_models import FAMILIES, causal_lm, left_padded_prompts
+from .generation_models import FAMILIES, causal_lm, left_padded_prompts, t5_model
 
 
 def _pair(family: str):
@@ -192,10 +192,7 @@ def test_models_that_cannot_take_the_loop_say_why_when_asked(monkeypatch):
 
 
 def test_t5_tokens_equal_the_unoptimized_model():
-    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                   decoder_start_token_id=0, eos_token_id=1, pad_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(config).eval()
+    model = t5_model()
     reference = copy.deepcopy(model)
     optimized = kernel_pytorch.optimize(model)
     generator = torch.Generator().manual_seed(2)

@@ -13,7 +13,7 @@ import kernel_pytorch
 from kernel_pytorch import Decoder, report_of
 
 from .conftest import rel_err
-from .generation_models import causal_lm, left_padded_prompts
+from .generation_models import causal_lm, left_padded_prompts, t5_model
 
 pytestmark = pytest.mark.gpu
 
@@ -93,13 +93,8 @@ def test_sampling_steps_replay_from_cuda_graphs_with_fresh_random_numbers():
 
 @torch.no_grad()
 def test_t5_float32_tokens_equal_the_unoptimized_model_with_graphs():
-    import transformers
-
     torch.backends.cuda.matmul.allow_tf32 = False
-    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                   decoder_start_token_id=0, eos_token_id=1, pad_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(config).cuda().eval()
+    model = t5_model().cuda()
     reference = copy.deepcopy(model)
     optimized = kernel_pytorch.optimize(model)
     input_ids = torch.randint(2, 64, (3, 11), device="cuda")

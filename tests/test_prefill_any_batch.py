@@ -8,11 +8,9 @@ import copy
 
 import pytest
 import torch
-import transformers
-
 import kernel_pytorch
 
-from .generation_models import FAMILIES, causal_lm, left_padded_prompts
+from .generation_models import FAMILIES, causal_lm, left_padded_prompts, t5_model
 
 REQUESTS = [(1, 5), (3, 9), (1, 12), (2, 17)]
 
@@ -33,36 +31,31 @@ def _tokens_and_graphs(model, reference, requests, **extra) -> int:
     return _graphs() - before
 
 
+def _optimized(model, **generation):
+    """``model`` optimized with these generation options, and an untouched twin to compare with."""
+    reference = copy.deepcopy(model)
+    return kernel_pytorch.optimize(model, generation=generation), reference
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_one_prefill_graph_serves_every_batch_with_the_same_tokens(family):
-    model = causal_lm(family)
-    reference = copy.deepcopy(model)
-    kernel_pytorch.optimize(model, generation={"prefill_any_batch": True})
+    model, reference = _optimized(causal_lm(family), prefill_any_batch=True)
     # the prefill once; the decode step at batch 1 and at 2+ (its batch-1 graph keeps one-row kernels)
     assert _tokens_and_graphs(model, reference, REQUESTS) == 3
 
 
 def test_without_the_option_batch_one_gets_a_prefill_graph_of_its_own():
-    model = causal_lm("llama")
-    reference = copy.deepcopy(model)
-    kernel_pytorch.optimize(model)
+    model, reference = _optimized(causal_lm("llama"))
     assert _tokens_and_graphs(model, reference, REQUESTS) == 4
 
 
 def test_t5_encoder_and_prefill_serve_every_batch():
-    config = transformers.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                   decoder_start_token_id=0, eos_token_id=1, pad_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(config).eval()
-    reference = copy.deepcopy(model)
-    kernel_pytorch.optimize(model, generation={"prefill_any_batch": True})
+    model, reference = _optimized(t5_model(vocab_size=128), prefill_any_batch=True)
     # the encoder and the decoder's prefill once each; the decode step at batch 1 and at 2+
     assert _tokens_and_graphs(model, reference, REQUESTS) == 4
 
 
 def test_the_warm_up_still_compiles_every_graph_later_requests_need():
-    model = causal_lm("llama")
-    reference = copy.deepcopy(model)
-    kernel_pytorch.optimize(model, generation={"prefill_any_batch": True})
+    model, reference = _optimized(causal_lm("llama"), prefill_any_batch=True)
     model.generate.warm_up(batch_sizes=(1, 2), progress=False)
     assert _tokens_and_graphs(model, reference, [(1, 1), (1, 30), (2, 7), (4, 12), (3, 200)]) == 0
