@@ -177,13 +177,17 @@ def _float32_run(original: nn.Module | str | None, args: tuple, kwargs: dict, gr
 def _float32_copy_run(original: nn.Module, args: tuple, kwargs: dict, gradients: bool, skip: frozenset[str],
                       device: torch.device | None) -> Run | None:
     """A float32 copy of ``original`` run on float32 copies of the inputs, on ``device`` (None: where they are);
-    None when out of memory."""
-    memo = {id(t): referee_copy(t, device) for t in (*original.parameters(), *original.buffers())}
-    fp32 = copy.deepcopy(original, memo=memo)
-    args32 = tuple(referee_copy(a, device) for a in args)
-    kwargs32 = {k: referee_copy(v, device) for k, v in kwargs.items()}
-    wrt = _gradient_targets(fp32, args32, kwargs32) if gradients else None
-    return unless_out_of_memory(lambda: run_reference(fp32, args32, kwargs32, wrt, skip=skip))
+    None when out of memory, the copies included."""
+
+    def run() -> Run:
+        memo = {id(t): referee_copy(t, device) for t in (*original.parameters(), *original.buffers())}
+        fp32 = copy.deepcopy(original, memo=memo)
+        args32 = tuple(referee_copy(a, device) for a in args)
+        kwargs32 = {k: referee_copy(v, device) for k, v in kwargs.items()}
+        wrt = _gradient_targets(fp32, args32, kwargs32) if gradients else None
+        return run_reference(fp32, args32, kwargs32, wrt, skip=skip)
+
+    return unless_out_of_memory(run)
 
 
 def _judge(model: nn.Module, optimized: Run, check: NoiseAwareCheck, no_gradients: str) -> None:
