@@ -231,6 +231,25 @@ def test_interp_cast_before_weight_rounds_like_the_model():
 
 
 @interp
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_interp_weight_offset_equals_the_offset_weight(residual):
+    """Gemma's ``(1 + w.float())``: the kernels add the offset to the weight they load, in fp32, and compute what
+    they compute given the summed fp32 weight, bit for bit; the weight's gradient is the sum's, rounded to w's dtype
+    (float16: the interpreter rounds it to nearest even, as PyTorch does)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(48, 96, dtype=torch.float16), (torch.randn(96) * 0.1).to(torch.float16)
+    r = torch.randn_like(x) if residual else None
+    summed = 1.0 + w.float()
+    y, h, rstd, _ = R.rms_norm_fwd(x, w, r, 1e-6, weight_offset=1.0)
+    y_ref, _, rstd_ref, _ = R.rms_norm_fwd(x, summed, r, 1e-6)
+    assert torch.equal(y, y_ref) and torch.equal(rstd, rstd_ref)
+    dy = torch.randn_like(x)
+    dx, dw = R.rms_norm_bwd(dy, h if residual else x, w, rstd, None, weight_offset=1.0)
+    dx_ref, dw_ref = R.rms_norm_bwd(dy, h if residual else x, summed, rstd, None)
+    assert torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref.to(w.dtype))
+
+
+@interp
 @pytest.mark.parametrize("n_programs", [1, 3, 64])
 def test_interp_backward_partial_sums_over_programs(n_programs):
     # The weight gradient is reduced over per-program partial sums; 1, several, and more programs than
@@ -576,6 +595,20 @@ def test_gpu_kernels_match_float64(cuda, dtype, hidden):
 def test_gpu_non_contiguous_inputs(cuda, dtype, layout):
     torch.manual_seed(0)
     check_strided(layout, dtype, 4096, cuda)
+
+
+@pytest.mark.gpu
+def test_gpu_weight_offset_equals_the_offset_weight(cuda):
+    """As the interpreted test: the offset added in the kernels equals the summed fp32 weight, bit for bit."""
+    torch.manual_seed(0)
+    x, w = torch.randn(4096, 2048, dtype=torch.bfloat16, device=cuda), torch.randn(2048, device=cuda).bfloat16()
+    summed, dy = 1.0 + w.float(), torch.randn_like(x)
+    y, _, rstd, _ = R.rms_norm_fwd(x, w, None, 1e-6, weight_offset=1.0)
+    y_ref, _, rstd_ref, _ = R.rms_norm_fwd(x, summed, None, 1e-6)
+    assert torch.equal(y, y_ref) and torch.equal(rstd, rstd_ref)
+    dx, dw = R.rms_norm_bwd(dy, x, w, rstd, None, weight_offset=1.0)
+    dx_ref, dw_ref = R.rms_norm_bwd(dy, x, summed, rstd, None)
+    assert torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref.to(w.dtype))
 
 
 @pytest.mark.gpu

@@ -99,7 +99,7 @@ ZOO = {
     LlamaRMS: ["RMSNorm", "weight"],
     SqrtDivide: ["RMSNorm", "weight"],
     NoWeight: ["RMSNorm"],
-    GemmaStyle: ["RMSNorm", "weight"],
+    GemmaStyle: ["RMSNorm", "weight + 1 in the kernel"],
     Functional: ["RMSNorm", "LayerNorm"],
     Modules: ["RMSNorm", "LayerNorm", "LayerNorm"],
     HandLayerNorm: ["LayerNorm"],
@@ -121,6 +121,20 @@ def test_zoo_rewrites_and_numerics(module_type):
     assert all(word in described for word in ZOO[module_type]), described
     assert not report_of(model).rollbacks
     assert_same_values_and_gradients(model, reference, torch.randn(2, 7, H))
+
+
+def test_bf16_gemma_norm_adds_its_one_in_the_kernel_bit_for_bit():
+    """Gemma's ``(1 + w.float())`` is the kernel's weight offset: the sum and its cast leave the graph (a kernel each
+    per norm, forward and backward, once compiled), and the result is the model's to the bit."""
+    torch.manual_seed(0)
+    model = GemmaStyle().to(torch.bfloat16).eval()
+    reference = twin(model)
+    optimize(model, example_inputs=(torch.randn(3, 5, H, dtype=torch.bfloat16),))
+    rewrites = [r.replacement for r in report_of(model).rewrites if r.pass_name == "norms"]
+    assert rewrites == ["RMSNorm(eps=1e-06, weight + 1 in the kernel)"], rewrites
+    x = torch.randn(4, 9, H, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
 
 
 def test_bf16_llama_norm_keeps_its_rounding():

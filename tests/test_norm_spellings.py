@@ -125,7 +125,7 @@ SPELLINGS = {
     T5Style: (1, ["RMSNorm", "weight"], {}),
     StatisticUpcastOnly: (1, ["RMSNorm", "weight"], {}),
     FloatOutput: (1, ["RMSNorm", "weight"], {}),
-    GemmaOnePlus: (1, ["RMSNorm", "weight"], {}),
+    GemmaOnePlus: (1, ["RMSNorm", "weight + 1 in the kernel"], {}),
     PowerMinusHalf: (1, ["RMSNorm", "weight"], {}),
     DivideBySqrtOfSquare: (1, ["RMSNorm"], {}),
     TorchRMSNorm: (1, ["RMSNorm", "weight"], {}),

@@ -1,6 +1,7 @@
 """RMSNorm, and the fused residual add + RMSNorm, as a ``torch.library`` custom op with Triton kernels.
 
     y = x * rsqrt(mean(x², -1) + eps) * weight          statistics in fp32, y in x's dtype
+    y = ... * (weight + weight_offset)                  Gemma's ``1 + w``: the offset added in fp32 in the kernel
     y, h = rms_norm(x, weight, residual=r)              h = x + r (x's dtype), y = rms_norm(h): one kernel
                                                         reads x and r once and writes h and y
 
@@ -59,6 +60,7 @@ def _rms_norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
     ACC: tl.constexpr,  # tl.float32, or tl.float64 for fp64 inputs
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, FP8_AMAX: tl.constexpr,
+    W_OFFSET: tl.constexpr = 0.0,  # added to the weight as loaded (Gemma's 1 + w)
 ):
     rows, cols, row_mask, col_mask, mask = row_indices(n_rows, n_cols, BLOCK_N, ROWS)
     x = load_rows(X, R, H, rows, cols, mask, stride_x, stride_r, stride_h, HAS_RESIDUAL, ACC)
@@ -69,6 +71,8 @@ def _rms_norm_fwd_kernel(
     y = x * rstd[:, None]
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
+        if W_OFFSET != 0.0:
+            w = w + W_OFFSET
         if CAST_BEFORE_WEIGHT:
             y = y.to(Y.dtype.element_ty).to(ACC)
         y = y * w[None, :]
@@ -93,7 +97,7 @@ def _rms_norm_bwd_kernel(
     n_rows, n_cols, rows_per_program,
     HAS_WEIGHT: tl.constexpr, HAS_DH: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-    FP8_AMAX: tl.constexpr,
+    FP8_AMAX: tl.constexpr, W_OFFSET: tl.constexpr = 0.0,
 ):
     # n = x * rstd, g = dy * w:  dx = rstd * (g - n * mean(g * n)),  dw = sum over rows of dy * n
     pid = tl.program_id(0)
@@ -103,6 +107,8 @@ def _rms_norm_bwd_kernel(
     col_mask = cols < n_cols
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
+        if W_OFFSET != 0.0:
+            w = w + W_OFFSET
     dw = tl.zeros((BLOCK_N,), ACC)
     dx_max = tl.zeros((BLOCK_N,), tl.float32)  # per column, reduced once at the end
     rows, row_mask, mask = grad_row_indices(row_start, row_end, col_mask, ROWS)
@@ -136,7 +142,8 @@ def _rms_norm_bwd_kernel(
 # -------------------------------------------------------------------------------------------- launches
 
 def rms_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, residual: Optional[Tensor] = None,
-                 eps: float = 1e-6, cast_before_weight: bool = False, fp8_amax: bool = False):
+                 eps: float = 1e-6, cast_before_weight: bool = False, fp8_amax: bool = False,
+                 weight_offset: float = 0.0):
     """Triton forward: ``(y, h, rstd, amax)``; ``h = x + residual`` or None, rstd of shape ``x.shape[:-1]``,
     ``amax`` = max |y| as a (1,) fp32 tensor with ``fp8_amax`` (else None): each program writes its tile's
     maximum and one small reduction takes theirs, so an FP8 linear fed by y need not read y to scale it.
@@ -151,13 +158,13 @@ def rms_norm_fwd(x: Tensor, weight: Optional[Tensor] = None, residual: Optional[
     w = weight.contiguous() if weight is not None else tu.unused_pointer(x)
     pointers = (w, rows.y2, rstd, partial if fp8_amax else tu.unused_pointer(x))
     row_norm.launch_forward(_rms_norm_fwd_kernel, rows, x, pointers, eps, HAS_WEIGHT=weight is not None,
-                            CAST_BEFORE_WEIGHT=cast_before_weight, FP8_AMAX=fp8_amax)
+                            CAST_BEFORE_WEIGHT=cast_before_weight, FP8_AMAX=fp8_amax, W_OFFSET=float(weight_offset))
     return rows.y, rows.h, rstd, (partial.amax().reshape(1) if fp8_amax else None)
 
 
 def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, dh: Optional[Tensor] = None,
                  cast_before_weight: bool = False, weight_grad: bool = True, n_programs: Optional[int] = None,
-                 fp8_amax: bool = False):
+                 fp8_amax: bool = False, weight_offset: float = 0.0):
     """Triton backward: ``(dx, dweight)``; ``x`` is the norm's input (``h`` when the residual was fused),
     ``dh`` the gradient of ``h``, added into ``dx``; dweight is None without a weight or ``weight_grad``.
     With ``fp8_amax``, ``(dx, dweight, max |dx|)``: the (1,) fp32 maximum an FP8 linear whose output is
@@ -184,7 +191,8 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, 
             *rows.strides(),
             rows.n_rows, hidden, rows.rows_per_program,
             HAS_WEIGHT=weight is not None, HAS_DH=dh is not None, WEIGHT_GRAD=weight_grad,
-            CAST_BEFORE_WEIGHT=cast_before_weight, FP8_AMAX=fp8_amax, **row_norm.tile_constexprs(rows.tile, x.dtype),
+            CAST_BEFORE_WEIGHT=cast_before_weight, FP8_AMAX=fp8_amax, W_OFFSET=float(weight_offset),
+            **row_norm.tile_constexprs(rows.tile, x.dtype),
         )
     dw = tu.sum_partials(partial[:, None], (weight.dtype,))[0] if weight_grad else None
     return (dx, dw, dx_amax.amax().reshape(1)) if fp8_amax else (dx, dw)
@@ -200,10 +208,10 @@ def _fused_rms_norm_available(device_type: str, backward: bool) -> bool:
 
 
 def _rms_norm_fwd_native(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], eps: float,
-                         cast_before_weight: bool, fp8_amax: bool = False):
+                         cast_before_weight: bool, fp8_amax: bool = False, weight_offset: float = 0.0):
     h, inp = row_norm.residual_sum(x, residual)
     acc = tu.acc_dtype(x.dtype)
-    fused = (not cast_before_weight and (weight is None or weight.dtype == x.dtype)
+    fused = (not cast_before_weight and not weight_offset and (weight is None or weight.dtype == x.dtype)
              and _fused_rms_norm_available(x.device.type, backward=False))
     if fused:  # the kernel F.rms_norm itself runs
         y, rstd = torch.ops.aten._fused_rms_norm(inp, [inp.shape[-1]], weight, eps)
@@ -211,7 +219,9 @@ def _rms_norm_fwd_native(x: Tensor, weight: Optional[Tensor], residual: Optional
         x32 = inp.to(acc)
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         y = x32 * rstd
-        if weight is not None:
+        if weight is not None and weight_offset:  # the kernel's arithmetic: the offset added in ACC
+            y = (y.to(x.dtype).to(acc) if cast_before_weight else y) * (weight.to(acc) + weight_offset)
+        elif weight is not None:
             y = y.to(x.dtype) * weight if cast_before_weight else y * weight.to(acc)
         y = y.to(x.dtype)
     amax = tensor_abs_max(y) if fp8_amax else None
@@ -219,9 +229,9 @@ def _rms_norm_fwd_native(x: Tensor, weight: Optional[Tensor], residual: Optional
 
 
 def _rms_norm_bwd_native(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, dh: Optional[Tensor],
-                         cast_before_weight: bool, weight_grad: bool):
+                         cast_before_weight: bool, weight_grad: bool, weight_offset: float = 0.0):
     weight_grad = weight_grad and weight is not None
-    fused = (not cast_before_weight and (weight is None or weight.dtype == x.dtype)
+    fused = (not cast_before_weight and not weight_offset and (weight is None or weight.dtype == x.dtype)
              and _fused_rms_norm_available(x.device.type, backward=True))
     if fused:
         dx, dw = torch.ops.aten._fused_rms_norm_backward(
@@ -232,7 +242,7 @@ def _rms_norm_bwd_native(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: 
     acc = tu.acc_dtype(x.dtype)
     x32, dy32, r = tu.as_rows(x).to(acc), tu.as_rows(dy).to(acc), rstd.reshape(-1, 1).to(acc)
     n = x32 * r
-    g = dy32 * weight.to(acc) if weight is not None else dy32
+    g = dy32 * (weight.to(acc) + weight_offset) if weight is not None else dy32
     dx = r * (g - n * (g * n).mean(-1, keepdim=True))
     if dh is not None:
         dx = dx + tu.as_rows(dh).to(acc)
@@ -248,35 +258,37 @@ def _rms_norm_bwd_native(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: 
 
 @torch.library.triton_op("kernel_pytorch::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], eps: float,
-                 cast_before_weight: bool, fp8_amax: bool,
-                 grad_amax_slot: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 cast_before_weight: bool, fp8_amax: bool, grad_amax_slot: Optional[Tensor],
+                 weight_offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # Returns (y, h, rstd, amax). A custom op's outputs cannot be optional: without a residual, h is an
     # empty tensor that nothing reads, and so is amax without fp8_amax. grad_amax_slot is not read: its
     # gradient carries max |dx| (see _backward).
     triton = tu.use_triton(x, TRITON_FWD_MIN_ELEMENTS)
     forward = rms_norm_fwd if triton else _rms_norm_fwd_native
-    y, h, rstd, amax = forward(x, weight, residual, eps, cast_before_weight, fp8_amax)
+    y, h, rstd, amax = forward(x, weight, residual, eps, cast_before_weight, fp8_amax, weight_offset=weight_offset)
     return (y, (h if h is not None else x.new_empty(0)), rstd,
             (amax if amax is not None else x.new_empty(0, dtype=torch.float32)))
 
 
 @torch.library.triton_op("kernel_pytorch::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, dh: Optional[Tensor],
-                          cast_before_weight: bool, weight_grad: bool, fp8_amax: bool) -> tuple[Tensor, Tensor, Tensor]:
+                          cast_before_weight: bool, weight_grad: bool, fp8_amax: bool,
+                          weight_offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     # Returns (dx, dweight, max |dx|); dweight is empty when not asked for, and so is the maximum.
     triton = tu.use_triton(x, TRITON_BWD_MIN_ELEMENTS) and x.shape[-1] >= TRITON_BWD_MIN_HIDDEN
     if triton:
-        dx, dw, *amax = rms_norm_bwd(dy, x, weight, rstd, dh, cast_before_weight, weight_grad, fp8_amax=fp8_amax)
+        dx, dw, *amax = rms_norm_bwd(dy, x, weight, rstd, dh, cast_before_weight, weight_grad, fp8_amax=fp8_amax,
+                                     weight_offset=weight_offset)
     else:
-        dx, dw = _rms_norm_bwd_native(dy, x, weight, rstd, dh, cast_before_weight, weight_grad)
+        dx, dw = _rms_norm_bwd_native(dy, x, weight, rstd, dh, cast_before_weight, weight_grad, weight_offset)
         amax = [tensor_abs_max(dx)] if fp8_amax else []
     return dx, (dw if dw is not None else x.new_empty(0)), (amax[0] if amax else x.new_empty(0, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, residual, _eps, cast_before_weight, _fp8_amax, grad_amax_slot = inputs
+    x, weight, residual, _eps, cast_before_weight, _fp8_amax, grad_amax_slot, weight_offset = inputs
     _y, h, rstd, amax = output
-    ctx.cast_before_weight = cast_before_weight
+    ctx.cast_before_weight, ctx.weight_offset = cast_before_weight, weight_offset
     ctx.grad_amax = grad_amax_slot is not None
     ctx.mark_non_differentiable(amax)
     ctx.save_for_backward(row_norm.saved_input(ctx, x, h, residual), weight, rstd)
@@ -289,9 +301,9 @@ def _backward(ctx, dy, dh, _drstd, _damax):
     x, weight, rstd = ctx.saved_tensors
     weight_grad = weight is not None and ctx.needs_input_grad[1]
     dx, dw, amax = _rms_norm_backward_op(dy, x, weight, rstd, dh if ctx.has_residual else None,
-                                         ctx.cast_before_weight, weight_grad, ctx.grad_amax)
+                                         ctx.cast_before_weight, weight_grad, ctx.grad_amax, ctx.weight_offset)
     return (dx, (dw if weight_grad else None), (dx if ctx.has_residual else None), None, None, None,
-            (amax if ctx.grad_amax else None))
+            (amax if ctx.grad_amax else None), None)
 
 
 _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -300,7 +312,8 @@ _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------------------------------- public API
 
 def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, residual: Optional[Tensor] = None,
-             *, cast_before_weight: bool = False, fp8_amax: bool = False, grad_amax_slot: Optional[Tensor] = None):
+             *, cast_before_weight: bool = False, fp8_amax: bool = False, grad_amax_slot: Optional[Tensor] = None,
+             weight_offset: float = 0.0):
     """RMSNorm over the last axis; with ``residual``, the fused add + norm returning ``(normed, x + residual)``.
 
     Statistics in fp32, output in ``x``'s dtype; ``cast_before_weight=True`` rounds the normalized value
@@ -310,7 +323,9 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, resi
     own kernel: what :func:`~kernel_pytorch.ops.float8_linear.float8_linear` takes as ``x_amax``.
     ``grad_amax_slot``: the slot ``float8_linear(..., grad_amax_slot=True)`` returned with x (or with the
     residual, whose gradient is the same); the backward computes ``max |dx|`` in its kernel and hands it to
-    that linear's backward through it.
+    that linear's backward through it. ``weight_offset`` multiplies by ``weight + weight_offset`` instead, the sum
+    in fp32 (Gemma's RMSNorm, ``(1 + w.float())``): one kernel instead of one more per norm for the sum; the
+    weight's gradient is the same.
 
     >>> x, r, w = torch.randn(2, 8, 64), torch.randn(2, 8, 64), torch.ones(64)
     >>> y = rms_norm(x, w)
@@ -319,8 +334,10 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, resi
     """
     row_norm.check_norm_arguments("rms_norm", x, residual, weight=weight)
     check_grad_amax_slot(grad_amax_slot)
+    if weight_offset and weight is None:
+        raise ValueError("rms_norm: weight_offset needs a weight")
     y, h, _, amax = _rms_norm_op(x, weight, residual, float(eps), bool(cast_before_weight), bool(fp8_amax),
-                                 grad_amax_slot)
+                                 grad_amax_slot, float(weight_offset))
     outputs = (y, h) if residual is not None else (y,)
     outputs += (amax,) if fp8_amax else ()
     return outputs if len(outputs) > 1 else y

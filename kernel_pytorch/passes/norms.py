@@ -14,6 +14,7 @@ and rewritten as (``h`` is the residual stream when ``x = a + b``)::
 
     y = rms_norm(x, weight, eps, cast_before_weight=...)         # or
     y, h = rms_norm(a, weight, eps, residual=b)                   # one kernel reads a and b once
+    y = rms_norm(x, w, eps, weight_offset=1.0)                    # a weight computed as 1 + w.float() (Gemma)
 
 Hugging Face Llama and T5 round the normalized value to the input dtype before the weight multiply, while
 ``F.rms_norm`` rounds once at the end; the op takes ``cast_before_weight`` so each model keeps its own
@@ -78,9 +79,12 @@ class NormPass(GraphPass):
 
         graph, residual = gm.graph, _residual(match)
         x, extra = (residual[0], {"residual": residual[1]}) if residual else (_kernel_input(gm, match), {})
+        offset = 0.0
         if match.kind == "rms":
-            target, args = rms_norm, (x, match.weight)
+            weight, offset = _weight_and_offset(match)
+            target, args = rms_norm, (x, weight)
             kwargs = {"eps": match.eps, **extra, "cast_before_weight": match.cast_before_weight}
+            kwargs.update({"weight_offset": offset} if offset else {})
         else:
             target, args, kwargs = layer_norm, (x, match.weight, match.bias), {"eps": match.eps, **extra}
         # After the last of its inputs, so that the residual stream it returns can serve every later user.
@@ -99,13 +103,45 @@ class NormPass(GraphPass):
             position = {n: i for i, n in enumerate(graph.nodes)}
             match.x.replace_all_uses_with(summed, delete_user_cb=lambda user: position[user] > position[summed])
         erase_unused(graph, [match.output, *match.internal, match.x if residual else None])
+        if offset:  # the weight's sum and cast, unless something else reads them
+            erase_unused(graph, [match.weight, *match.weight.all_input_nodes])
         parts = [f"{'RMSNorm' if match.kind == 'rms' else 'LayerNorm'}(eps={match.eps:g}"]
-        parts += ["weight"] if match.weight is not None else []
+        parts += [f"weight + {offset:g} in the kernel" if offset else "weight"] if match.weight is not None else []
         parts += ["bias"] if match.bias is not None else []
         parts += ["residual add fused"] if residual else []
         parts += ["cast before weight"] if match.cast_before_weight else []
         parts += [f"input upcast to {match.upcast_input}"] if match.upcast_input is not None else []
         return ", ".join(parts) + ")"
+
+
+def _weight_and_offset(match: NormMatch) -> tuple[Any, float]:
+    """``(w, c)`` for an RMSNorm weight computed as ``c + w.float()`` (either order; Gemma's ``1 + w``), which the
+    kernel computes as it loads w, in float32 as the model does, instead of a kernel of its own per norm; else
+    ``(weight, 0.0)``. Only where the sum is float32 and x is not float64 (the kernel's ACC is then float32), and
+    not with ``cast_before_weight``."""
+    weight = match.weight
+    if match.cast_before_weight or not is_call(weight, operator.add) or weight.kwargs:
+        return weight, 0.0
+    constants = [a for a in weight.args[:2] if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    nodes = [a for a in weight.args[:2] if isinstance(a, Node)]
+    if len(constants) != 1 or len(nodes) != 1:
+        return weight, 0.0
+    base = nodes[0].args[0] if _is_float32_cast(nodes[0]) else nodes[0]
+    base_value, sum_value, x_value = _value(base), _value(weight), _value(match.x)
+    if not (isinstance(base_value, torch.Tensor) and base_value.dim() == 1 and base_value.is_floating_point()
+            and base_value.dtype != torch.float64 and getattr(sum_value, "dtype", None) == torch.float32
+            and getattr(x_value, "dtype", None) != torch.float64):
+        return weight, 0.0
+    return base, float(constants[0])
+
+
+def _is_float32_cast(node: Node) -> bool:
+    """``x.float()``, ``x.to(torch.float32)`` or ``x.to(dtype=torch.float32)``."""
+    if node.op != "call_method" or not isinstance(node.args[0], Node):
+        return False
+    if node.target == "float":
+        return len(node.args) == 1 and not node.kwargs
+    return node.target == "to" and (node.args[1:], node.kwargs) in (((torch.float32,), {}), ((), {"dtype": torch.float32}))
 
 
 def _last_defined(graph: torch.fx.Graph, inputs: list[Any]) -> Node:
