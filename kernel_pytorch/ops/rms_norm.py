@@ -324,8 +324,8 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, resi
     ``grad_amax_slot``: the slot ``float8_linear(..., grad_amax_slot=True)`` returned with x (or with the
     residual, whose gradient is the same); the backward computes ``max |dx|`` in its kernel and hands it to
     that linear's backward through it. ``weight_offset`` multiplies by ``weight + weight_offset`` instead, the sum
-    in fp32 (Gemma's RMSNorm, ``(1 + w.float())``): one kernel instead of one more per norm for the sum; the
-    weight's gradient is the same.
+    made in fp32 by the kernels as they load the weight (Gemma's RMSNorm, ``(1 + w.float())``), not by a kernel
+    of its own; the weight's gradient is the same.
 
     >>> x, r, w = torch.randn(2, 8, 64), torch.randn(2, 8, 64), torch.ones(64)
     >>> y = rms_norm(x, w)
