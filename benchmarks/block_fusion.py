@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import RESULTS_DIR, measure, write_result
+from benchmarks.harness import RESULTS_DIR, measure, synchronize, write_result
 from kernel_pytorch import optimize, report_of
 from kernel_pytorch.ops.rms_norm import rms_norm
 from kernel_pytorch.passes.horizontal_gemm import MACHINE_BALANCE, weight_copy_share
@@ -164,11 +164,11 @@ def count_kernels(fn: Callable[[], Any], device: str) -> dict:
 
     for _ in range(2):
         fn()
-    _sync(device)
+    synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         fn()
-        _sync(device)
+        synchronize(device)
     events = list(prof.events())
     if device != "cuda":
         leaves = [e.name for e in events if e.name.startswith("aten::") and not e.cpu_children and
@@ -179,11 +179,6 @@ def count_kernels(fn: Callable[[], Any], device: str) -> dict:
     return {"kernels": len(kernels), "memcpy_memset": len(on_gpu) - len(kernels),
             "launch_calls": sum(e.name in _LAUNCH_CALLS for e in events),
             "top": collections.Counter(kernels).most_common(8)}
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def _time(fn: Callable[[], Any], s: Setup) -> float:

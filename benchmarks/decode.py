@@ -100,7 +100,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import (dynamo_changes, dynamo_compile_counts, dynamo_snapshot, environment,  # noqa: E402
                                 measure, same_device_models, save_figure, scaled_run_args, scaled_run_parser,
-                                write_final_result, write_result)
+                                synchronize, write_final_result, write_result)
 from kernel_pytorch.errors import first_line  # noqa: E402
 
 EAGER = "transformers eager"
@@ -213,11 +213,6 @@ def cache_keyword(model: nn.Module) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 class GenerateRunner:
     """``model.generate`` as a user calls it, with ``extra`` keyword arguments."""
 
@@ -275,10 +270,10 @@ class StaticLoop:
         batch, length = ids.shape
         cache = self._cache_for(batch, max(length + new_tokens, self.cache_length))
         with torch.no_grad():
-            _sync(self.device)
+            synchronize(self.device)
             started = time.perf_counter()
             token = self._prefill(ids, cache)
-            _sync(self.device)
+            synchronize(self.device)
             prefilled = time.perf_counter()
             position = torch.full((batch, 1), length, dtype=torch.long, device=ids.device)
             tokens = [token]
@@ -287,7 +282,7 @@ class StaticLoop:
                 token = self.decode_one_token(token, position, cache).clone()
                 position += 1
                 tokens.append(token)
-            _sync(self.device)
+            synchronize(self.device)
             finished = time.perf_counter()
         return torch.cat(tokens, dim=1), prefilled - started, finished - prefilled
 
@@ -475,14 +470,18 @@ def measure_ttft(runner, info: dict, prompt: int, s: Setup) -> float:
     return _median_s(lambda: runner.generate(ids, 1), s)
 
 
+def measure_ttfts(runner, info: dict, s: Setup) -> dict[str, Any]:
+    """TTFT in ms per prompt length of ``s.ttft_prompts`` (or why a length failed)."""
+    return {str(p): _guarded(lambda: round(measure_ttft(runner, info, p, s) * 1e3, 2), s) for p in s.ttft_prompts}
+
+
 def measure_with_prefill_graphs(runner, info: dict, hbm: dict, s: Setup) -> dict:
     """The same compiled model with ``generation.prefill_graphs`` turned on: TTFTs and the first batch point again,
     in this process (new lanes and their captures, no new compile)."""
     decoder = runner.model.generate.decoder
     decoder.set_prefill_graphs(True)
     try:
-        return {"ttft_ms": {str(p): _guarded(lambda: round(measure_ttft(runner, info, p, s) * 1e3, 2), s)
-                            for p in s.ttft_prompts},
+        return {"ttft_ms": measure_ttfts(runner, info, s),
                 "batches": {str(s.batches[0]): _guarded(lambda: measure_point(runner, info, hbm, s.batches[0], s), s)},
                 "lanes": decoder.summary()}
     finally:
@@ -564,7 +563,7 @@ def run_provider(name: str, provider: str, s: Setup, hbm: dict, info_out: dict) 
         runner = make_runner(provider, model, s, result)
         result["setup_s"] = round(time.perf_counter() - started, 2)
         tokens = runner.generate(prompt_ids(s, info["config"]["vocab_size"], 1, s.prompt), s.new_tokens)
-        _sync(s.device)
+        synchronize(s.device)
         result["warmup_s"] = round(time.perf_counter() - started, 2)
         result["tokens_batch1"] = tokens[0].tolist()
         if provider == STATIC_COMPILE:
@@ -572,8 +571,7 @@ def run_provider(name: str, provider: str, s: Setup, hbm: dict, info_out: dict) 
         result["batches"] = {}
         for batch in s.batches:
             result["batches"][str(batch)] = _guarded(lambda: measure_point(runner, info, hbm, batch, s), s)
-        result["ttft_ms"] = {str(p): _guarded(lambda: round(measure_ttft(runner, info, p, s) * 1e3, 2), s)
-                             for p in s.ttft_prompts}
+        result["ttft_ms"] = measure_ttfts(runner, info, s)
         result["graphs_compiled"] = dynamo_compile_counts()["unique_graphs"] - graphs_before
         if provider == OURS and s.host_profile:
             write_host_profile(lambda: measure_ttft(runner, info, s.ttft_prompts[0], s), s.host_profile)

@@ -99,7 +99,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import (environment, measure, same_device_models, save_figure,  # noqa: E402
-                                scaled_run_args, scaled_run_parser, write_final_result, write_result)
+                                scaled_run_args, scaled_run_parser, synchronize, write_final_result, write_result)
 from kernel_pytorch.testing import LlamaStyleConfig, LlamaStyleLM  # noqa: E402
 
 EAGER, COMPILE, OURS = "eager", "torch.compile", "optimize"
@@ -473,11 +473,6 @@ def _error(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}" + (f" (at {' <- '.join(reversed(frames[-3:]))})" if frames else "")
 
 
-def _sync(s: Setup) -> None:
-    if s.device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _peak_gib(s: Setup) -> float | None:
     return round(torch.cuda.max_memory_allocated() / GIB, 2) if s.device == "cuda" else None
 
@@ -615,7 +610,7 @@ def run_case(name: str, part: str, provider: str, s: Setup, info_out: dict) -> d
         step = make_step(model, w, training)
         started = time.perf_counter()
         step()
-        _sync(s)
+        synchronize(s.device)
         result["first_call_s"] = round(time.perf_counter() - started, 2)
         result["setup_peak_gib"] = _peak_gib(s)
         if s.device == "cuda":

@@ -24,7 +24,7 @@ from kernel_pytorch.timing import captured_calls
 
 __all__ = ["Timing", "measure", "measure_gpu_time", "host_us_per_call", "environment", "write_result", "timing_dict",
            "same_device_models", "save_figure", "write_final_result", "scaled_run_parser", "scaled_run_args",
-           "dynamo_compile_counts", "dynamo_snapshot", "dynamo_changes", "RESULTS_DIR"]
+           "dynamo_compile_counts", "dynamo_snapshot", "dynamo_changes", "synchronize", "RESULTS_DIR"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _L2_FLUSH_BYTES = 256 * 2**20
@@ -198,6 +198,12 @@ def write_result(name: str, payload: dict[str, Any], directory: Path = RESULTS_D
     path = directory / f"{name}.json"
     path.write_text(json.dumps({"environment": environment(), **payload}, indent=2, default=str) + "\n")
     return path
+
+
+def synchronize(device: str | torch.device) -> None:
+    """Wait for the GPU's queued work when ``device`` is a CUDA one (a host clock read after it covers the GPU's)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def dynamo_compile_counts() -> dict[str, int]:

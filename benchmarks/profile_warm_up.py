@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernel_pytorch  # noqa: E402
-from benchmarks.harness import dynamo_changes, dynamo_snapshot  # noqa: E402
+from benchmarks.harness import dynamo_changes, dynamo_snapshot, synchronize  # noqa: E402
 from benchmarks.profile_decode_step import llama  # noqa: E402
 from kernel_pytorch.capture import GraphOptimizer  # noqa: E402
 
@@ -62,12 +62,12 @@ def time_generate_calls(model: torch.nn.Module, batch: int, profiler: cProfile.P
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device=device)
     seconds = []
     for call in range(2):
-        _sync(device)
+        synchronize(device)
         started = time.perf_counter()
         with profiler if profiler is not None and call == 0 else contextlib.nullcontext():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                            min_new_tokens=new_tokens, do_sample=False)
-        _sync(device)
+        synchronize(device)
         seconds.append(time.perf_counter() - started)
     return f"generate at batch {batch} (prompt {prompt}, {new_tokens} new tokens): first {seconds[0]:.2f} s, " \
            f"second {seconds[1]:.3f} s"
@@ -80,11 +80,6 @@ def dynamo_line(before: dict[str, int]) -> str:
     moved = {key: value for key, value in changes.items() if value}
     return f"== TorchDynamo during the first generate calls: counters moved {moved or 'none'}; recompile reasons: " \
            f"{reasons or 'none'}"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,8 +44,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import (save_figure, scaled_run_args, scaled_run_parser, write_final_result,  # noqa: E402
-                                write_result)
+from benchmarks.harness import (save_figure, scaled_run_args, scaled_run_parser, synchronize,  # noqa: E402
+                                write_final_result, write_result)
 from kernel_pytorch.features.shape_buckets.ladder import (auto_batch_buckets, auto_length_buckets,  # noqa: E402
                                                           bucket_for)
 
@@ -150,17 +150,12 @@ def apply_provider(provider: str, model: torch.nn.Module, s: Setup, example: dic
                                        **options)
 
 
-def _sync(s: Setup) -> None:
-    if s.device == "cuda":
-        torch.cuda.synchronize()
-
-
 def serve(model: Any, requests: list[dict[str, torch.Tensor]], s: Setup,
           limit_s: float | None = None) -> tuple[float, int]:
     """Seconds for the requests in order, synchronized once at the end, and how many were served: all, or those
     issued before the host's clock passed ``limit_s`` (the host runs ahead of the GPU, never behind, so no
     synchronization is needed to know the limit has passed)."""
-    _sync(s)
+    synchronize(s.device)
     started = time.perf_counter()
     served = 0
     with torch.no_grad():
@@ -169,7 +164,7 @@ def serve(model: Any, requests: list[dict[str, torch.Tensor]], s: Setup,
                 break
             model(**request)
             served += 1
-    _sync(s)
+    synchronize(s.device)
     return time.perf_counter() - started, served
 
 

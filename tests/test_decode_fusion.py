@@ -30,12 +30,14 @@ DL = importlib.import_module("kernel_pytorch.ops.decode_linear")
 FUSED = importlib.import_module("kernel_pytorch.ops.decode_fused_linear")
 tu = importlib.import_module("kernel_pytorch.ops.triton_utils")
 
-# (token rows, out features per weight, in features, bias, norm: None | (residual, cast before weight), activation)
+# (token rows, out features per weight, in features, bias, norm: None | (residual, cast before weight[, weight
+# offset: Gemma's 1 + w]), activation)
 CASES = {
     "qkv-1row-residual-hf-rounding": (1, (40, 9, 9), 700, False, (True, True), None),
     "gate_up-3rows-bias-residual-silu": (3, (24, 24), 100, True, (True, False), "silu"),
     "gate_up-1row-gelu_tanh-no-norm": (1, (24, 24), 100, False, None, "gelu_tanh"),
     "lm_head-2rows-norm-no-residual": (2, (33,), 64, False, (False, True), None),
+    "gate_up-1row-residual-gemma-offset-gelu_tanh": (1, (24, 24), 100, False, (True, False, 1.0), "gelu_tanh"),
 }
 # The kernel against the unfused ops, which round at the same places: float32 differs by summation order; 16-bit
 # by an occasional rounding flip of a normed input or a projection (Triton's interpreter also rounds bf16 its own way).
@@ -58,6 +60,7 @@ def _inputs(case: str, dtype: torch.dtype, device):
         options.update(norm_weight=(torch.rand(k, device=device) + 0.5).to(dtype), eps=1e-5,
                        residual=torch.randn(1, rows, k, device=device, dtype=dtype) if norm[0] else None,
                        cast_before_weight=norm[1])
+        options.update({"norm_weight_offset": norm[2]} if len(norm) > 2 else {})
     return x, weights, options
 
 
@@ -70,7 +73,8 @@ def _unfused(x, weights, options, dtype=None):
     if options.get("norm_weight") is not None:
         residual = options["residual"]
         norm = DL.NormInput(cast(options["norm_weight"]), options["eps"], options["cast_before_weight"],
-                            cast(residual.reshape(-1, k)) if residual is not None else None)
+                            cast(residual.reshape(-1, k)) if residual is not None else None,
+                            options.get("norm_weight_offset", 0.0))
     return FUSED.unfused(x.reshape(-1, k), norm, weights, biases, options["activation"] or "")
 
 
@@ -116,6 +120,8 @@ def test_bad_arguments_get_a_clear_error():
         FUSED.decode_fused_linear(x, [w, w], activation="relu")
     with pytest.raises(ValueError, match="needs norm_weight"):
         FUSED.decode_fused_linear(x, [w], residual=torch.randn(1, 8))
+    with pytest.raises(ValueError, match="needs norm_weight"):
+        FUSED.decode_fused_linear(x, [w], norm_weight_offset=1.0)
 
 
 @pytest.mark.gpu
@@ -161,6 +167,9 @@ def test_transformers_decode_steps_fuse_norms_and_activations(family, activation
         assert [launch for launch in launches if launch[0] == 3] == expected
         assert [launch for launch in launches if launch[0] == 2] == [(2, True, True, activation)] * layers
         assert len(result.rewrites) == len(launches)
+        offsets = {n.kwargs.get("norm_weight_offset", 0.0) for n in gm.graph.nodes
+                   if n.target is FUSED.decode_fused_linear}
+        assert offsets == ({1.0} if family == "gemma2" else {0.0})  # Gemma's 1 + w made in the kernel, no op of its own
         # each run on its own copy: a step writes its token into the cache and advances the cache's counter
         torch.testing.assert_close(gm(*_copied(example))[0], original(*_copied(example))[0], rtol=1e-5, atol=1e-5)
 

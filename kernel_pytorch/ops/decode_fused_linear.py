@@ -44,7 +44,8 @@ def unfused(x: Tensor, norm: Optional[gemv.NormInput], weights: list[Tensor], bi
     activation. Returns (out, h), h empty without a residual."""
     h = x.new_empty(0)
     if norm is not None:
-        normed = rms_norm(x, norm.weight, norm.eps, norm.residual, cast_before_weight=norm.cast_before_weight)
+        normed = rms_norm(x, norm.weight, norm.eps, norm.residual, cast_before_weight=norm.cast_before_weight,
+                          weight_offset=norm.weight_offset)
         x, h = normed if norm.residual is not None else (normed, h)
     out = linear(x, weights, biases)
     if activation:
@@ -56,10 +57,11 @@ def unfused(x: Tensor, norm: Optional[gemv.NormInput], weights: list[Tensor], bi
 @torch.library.triton_op("kernel_pytorch::decode_fused_linear", mutates_args=())
 def _decode_fused_linear_op(x: Tensor, residual: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
                             cast_before_weight: bool, weights: list[Tensor], biases: list[Tensor],
-                            activation: str) -> tuple[Tensor, Tensor]:
+                            activation: str, norm_weight_offset: float = 0.0) -> tuple[Tensor, Tensor]:
     """``biases``: one per weight or empty; ``activation``: '' or a key of ACTIVATION_KINDS. Returns (out, h),
     h empty without a residual (an op's output may not alias its input)."""
-    norm = gemv.NormInput(norm_weight, eps, cast_before_weight, residual) if norm_weight is not None else None
+    norm = (gemv.NormInput(norm_weight, eps, cast_before_weight, residual, norm_weight_offset)
+            if norm_weight is not None else None)
     usable = gemv.use_triton_kernel(x, weights) and (norm is None or norm_weight.is_contiguous()) and (
         residual is None or (residual.shape == x.shape and residual.stride(-1) == 1 and residual.dtype == x.dtype))
     if not usable:
@@ -70,11 +72,12 @@ def _decode_fused_linear_op(x: Tensor, residual: Optional[Tensor], norm_weight: 
 
 def decode_fused_linear(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]] = None, *,
                         norm_weight: Optional[Tensor] = None, eps: float = 1e-6, residual: Optional[Tensor] = None,
-                        cast_before_weight: bool = False, activation: Optional[str] = None):
+                        cast_before_weight: bool = False, activation: Optional[str] = None,
+                        norm_weight_offset: float = 0.0):
     """``grouped_linear(x, weights, biases)`` for a few token rows, one launch (module docstring), with
 
-    - ``norm_weight``: the input normed first, ``rms_norm(x, norm_weight, eps, residual, cast_before_weight=...)``;
-      with ``residual`` the result is ``(output, x + residual)``;
+    - ``norm_weight``: the input normed first, ``rms_norm(x, norm_weight, eps, residual, cast_before_weight=...,
+      weight_offset=norm_weight_offset)``; with ``residual`` the result is ``(output, x + residual)``;
     - ``activation`` (two weights of one shape: gate, up): ``act(gate) * up`` instead of the concatenation.
 
     ``x`` (..., K) of at most MAX_ROWS rows. Inference only.
@@ -92,11 +95,12 @@ def decode_fused_linear(x: Tensor, weights: list[Tensor], biases: Optional[list[
                          f"and one of {sorted(ACTIVATION_KINDS)}")
     if biases is not None and len(biases) != len(weights):
         raise ValueError(f"decode_fused_linear: {len(biases)} biases for {len(weights)} weights")
-    if residual is not None and norm_weight is None:
-        raise ValueError("decode_fused_linear: a residual is added before the norm; it needs norm_weight")
+    if (residual is not None or norm_weight_offset) and norm_weight is None:
+        raise ValueError("decode_fused_linear: a residual or a weight offset belongs to the norm; it needs norm_weight")
     lead, k = x.shape[:-1], x.shape[-1]
     flat_residual = residual.reshape(-1, k) if residual is not None else None
     out, h = _decode_fused_linear_op(x.reshape(-1, k), flat_residual, norm_weight, float(eps), bool(cast_before_weight),
-                                     list(weights), list(biases) if biases is not None else [], activation or "")
+                                     list(weights), list(biases) if biases is not None else [], activation or "",
+                                     float(norm_weight_offset))
     out = out.view(*lead, out.shape[-1])
     return (out, h.view(*lead, k)) if residual is not None else out

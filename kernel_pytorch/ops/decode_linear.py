@@ -66,9 +66,10 @@ def gemv_tile(rows: int, *, gated: bool = False, normed: bool = False) -> GemvTi
 
 @tu.jit
 def _input_chunk(X, R, H, NW, x_offsets, r_offsets, h_offsets, kk, K, mask, write_h,
-                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """A chunk of the GEMV's input and its squares (float32): x, or with NORM h * norm_weight where h = x (+ r)
-    rounded to X's dtype (program ``write_h`` stores h); the norm's statistic is applied after the products.
+                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_OFFSET: tl.constexpr):
+    """A chunk of the GEMV's input and its squares (float32): x, or with NORM h * (norm_weight + NORM_OFFSET) where
+    h = x (+ r) rounded to X's dtype (program ``write_h`` stores h); the norm's statistic is applied after the
+    products.
     1-D (one token row) or 2-D (rows x K) by the shape of the offsets."""
     x = tl.load(X + x_offsets, mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -77,7 +78,10 @@ def _input_chunk(X, R, H, NW, x_offsets, r_offsets, h_offsets, kk, K, mask, writ
             tl.store(H + h_offsets, x, mask=mask)
     h = x.to(tl.float32)
     if NORM:
-        x = h * tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
+        weight = tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if NORM_OFFSET != 0.0:  # Gemma's 1 + w, as the norm op adds it
+            weight = weight + NORM_OFFSET
+        x = h * weight
     return x, h * h
 
 
@@ -87,6 +91,7 @@ def _grouped_gemv_kernel(
     NUM_W: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
     KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM_OFFSET: tl.constexpr = 0.0,
 ):
     """One program: ``BLOCK_N`` rows of one weight (programs [0, blocks0) are W0's, then W1's, then W2's),
     reduced over all of K for the M token rows. USE_DOT: tensor cores (M > 1); else FMAs into a
@@ -140,7 +145,7 @@ def _grouped_gemv_kernel(
             w_up = tl.load(W1 + rows[:, None] * K + kk[None, :], mask=w_mask, other=0.0)
         if USE_DOT:
             x, sq = _input_chunk(X, R, H, NW, x_rows + kk[None, :], r_rows + kk[None, :], h_rows + kk[None, :],
-                                 kk[None, :], K, m_mask & k_ok[None, :], write_h, NORM, HAS_RESIDUAL)
+                                 kk[None, :], K, m_mask & k_ok[None, :], write_h, NORM, HAS_RESIDUAL, NORM_OFFSET)
             x = x.to(X.dtype.element_ty)
             if NORM:
                 squares += tl.sum(sq, axis=1)
@@ -148,7 +153,7 @@ def _grouped_gemv_kernel(
             if GATED:
                 up = _dot(up, x, w_up, IEEE, UPCAST)
         else:
-            x, sq = _input_chunk(X, R, H, NW, kk, kk, kk, kk, K, k_ok, write_h, NORM, HAS_RESIDUAL)
+            x, sq = _input_chunk(X, R, H, NW, kk, kk, kk, kk, K, k_ok, write_h, NORM, HAS_RESIDUAL, NORM_OFFSET)
             x = x.to(tl.float32)
             if NORM:
                 squares += sq
@@ -192,12 +197,14 @@ def _dot(acc, x, w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 class NormInput:
     """The RMSNorm a fused GEMV applies to its input first: ``rms_norm(x, weight, eps, residual)`` of
     ops/rms_norm.py (``h = x + residual`` is also returned). ``cast_before_weight`` is the unfused ops'
-    rounding; the kernel, which applies the statistic after the products, rounds neither way."""
+    rounding; the kernel, which applies the statistic after the products, rounds neither way. ``weight_offset``:
+    the norm multiplies by ``weight + weight_offset`` (Gemma's ``1 + w``), as the norm op's."""
 
     weight: Tensor
     eps: float
     cast_before_weight: bool
     residual: Optional[Tensor] = None
+    weight_offset: float = 0.0
 
 
 def grouped_gemv(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]], tile: GemvTile | None = None,
@@ -225,7 +232,7 @@ def grouped_gemv(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]
             blocks[0], sum(blocks[:2]), float(norm.eps) if norm is not None else 0.0,
             NUM_W=len(weights), HAS_BIAS=bool(biases), USE_DOT=rows > 1, IEEE=x.dtype == torch.float32,
             UPCAST=x.device.type != "cuda", NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-            GATED=gated,
+            GATED=gated, NORM_OFFSET=float(norm.weight_offset) if norm is not None else 0.0,
             KIND=ACTIVATION_KINDS[activation] if gated else 0, BLOCK_M=max(16, tu.next_power_of_2(rows)),
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out, h

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kernel_pytorch.ops import triton_utils as tu
 from kernel_pytorch.ops.triton_utils import jit, tl
@@ -390,8 +391,6 @@ def _known_mismatch(table_size: int, size: int) -> bool:
     """Whether a cos/sin leading size is known not to broadcast to q's or k's: neither 1 nor equal. Symbolic sizes
     are decided only where already known, never guarded on: a guard ``batch == 1`` gave a generation prefill traced
     at batch 1 a graph of its own for batch 2+ (the op's own broadcasting still checks the values)."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     return statically_known_true(table_size != 1) and statically_known_true(table_size != size)
 
 

@@ -52,7 +52,7 @@ class _Norm:
     eps: float
     residual: Optional[Node]
     cast_before_weight: bool
-    weight_offset: float = 0.0  # the norm's weight is weight.float() + weight_offset (the norms pass's Gemma form)
+    weight_offset: float = 0.0  # the norm multiplies by weight + weight_offset (the norms pass's Gemma form)
 
 
 @dataclass
@@ -205,26 +205,19 @@ def _rewrite(gm: torch.fx.GraphModule, launch: Node, norm: _Norm | None, gated: 
         weights, biases = _halves(gm, launch, weights[0], gated.gate_first), biases and _halves(
             gm, launch, biases[0], gated.gate_first)
     kwargs: dict[str, Any] = {"activation": gated.kind if gated else None}
-    inserted: list[Node] = []
     if norm is not None:
-        x, norm_weight = norm.x, norm.weight
-        if norm.weight_offset:  # the fused GEMV takes the summed weight, as the model computed it
-            inserted.append(_call(graph, launch, torch.ops.aten._to_copy.default, (norm.weight,),
-                                  {"dtype": torch.float32}, stack))
-            norm_weight = _call(graph, launch, torch.ops.aten.add.Tensor, (inserted[-1], norm.weight_offset), {},
-                                stack)
-            inserted.append(norm_weight)
-        kwargs.update(norm_weight=norm_weight, eps=norm.eps, residual=norm.residual,
+        x = norm.x
+        kwargs.update(norm_weight=norm.weight, eps=norm.eps, residual=norm.residual,
                       cast_before_weight=norm.cast_before_weight)
-    inserted.append(_call(graph, launch, decode_fused_linear, (x, weights, biases), kwargs, stack))
-    fused = inserted[-1]
-    output = fused
+        kwargs.update({"norm_weight_offset": norm.weight_offset} if norm.weight_offset else {})
+    inserted = [_call(graph, launch, decode_fused_linear, (x, weights, biases), kwargs, stack)]
+    output = inserted[0]
     sums = _residual_sums(norm)
     if norm is not None and norm.residual is not None:  # the fused call returns (output, h)
-        output = _call(graph, launch, operator.getitem, (fused, 0), {}, stack)
+        output = _call(graph, launch, operator.getitem, (inserted[0], 0), {}, stack)
         inserted.append(output)
     if sums:
-        h = _call(graph, launch, operator.getitem, (fused, 1), {}, stack)
+        h = _call(graph, launch, operator.getitem, (inserted[0], 1), {}, stack)
         inserted.append(h)
         for user in sums:
             user.replace_all_uses_with(h)

@@ -33,7 +33,7 @@ from torch.fx import Node
 
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, candidates
 from kernel_pytorch.passes.graph_utils import erase_unused, set_example_value
-from kernel_pytorch.passes.norms_match import NormMatch, match_norm
+from kernel_pytorch.passes.norms_match import NormMatch, cast_target, match_norm
 from kernel_pytorch.passes.normalize import is_call
 from kernel_pytorch.passes.registry import register_pass
 
@@ -126,22 +126,13 @@ def _weight_and_offset(match: NormMatch) -> tuple[Any, float]:
     nodes = [a for a in weight.args[:2] if isinstance(a, Node)]
     if len(constants) != 1 or len(nodes) != 1:
         return weight, 0.0
-    base = nodes[0].args[0] if _is_float32_cast(nodes[0]) else nodes[0]
+    base = nodes[0].args[0] if cast_target(nodes[0]) == torch.float32 else nodes[0]  # w.float(), canonical
     base_value, sum_value, x_value = _value(base), _value(weight), _value(match.x)
     if not (isinstance(base_value, torch.Tensor) and base_value.dim() == 1 and base_value.is_floating_point()
             and base_value.dtype != torch.float64 and getattr(sum_value, "dtype", None) == torch.float32
             and getattr(x_value, "dtype", None) != torch.float64):
         return weight, 0.0
     return base, float(constants[0])
-
-
-def _is_float32_cast(node: Node) -> bool:
-    """``x.float()``, ``x.to(torch.float32)`` or ``x.to(dtype=torch.float32)``."""
-    if node.op != "call_method" or not isinstance(node.args[0], Node):
-        return False
-    if node.target == "float":
-        return len(node.args) == 1 and not node.kwargs
-    return node.target == "to" and (node.args[1:], node.kwargs) in (((torch.float32,), {}), ((), {"dtype": torch.float32}))
 
 
 def _last_defined(graph: torch.fx.Graph, inputs: list[Any]) -> Node:

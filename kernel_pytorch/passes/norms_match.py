@@ -44,7 +44,7 @@ from torch.fx import Node
 
 from kernel_pytorch.passes.normalize import is_call
 
-__all__ = ["NormMatch", "match_norm"]
+__all__ = ["NormMatch", "match_norm", "cast_target"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # The dtypes each dtype converts to without rounding.
@@ -106,7 +106,7 @@ def _other(node: Node, one: Any) -> Any:
     return b if a is one else a if b is one else None
 
 
-def _cast_target(node: Any) -> Optional[torch.dtype]:
+def cast_target(node: Any) -> Optional[torch.dtype]:
     """The dtype of a cast (canonical ``x.to(dtype)``, or ``x.type_as(y)``), else None."""
     if is_call(node, "to") and len(node.args) == 2 and not node.kwargs and isinstance(node.args[1], torch.dtype):
         return node.args[1]
@@ -116,7 +116,7 @@ def _cast_target(node: Any) -> Optional[torch.dtype]:
 
 
 def _is_exact_cast(node: Any) -> bool:
-    source, target = _dtype(node.args[0]) if isinstance(node, Node) and node.args else None, _cast_target(node)
+    source, target = _dtype(node.args[0]) if isinstance(node, Node) and node.args else None, cast_target(node)
     return target is not None and (target == source or target in _EXACT_UPCASTS.get(source, ()))
 
 
@@ -317,7 +317,7 @@ def _absorb_cast(match: NormMatch, allowed: tuple) -> Optional[torch.dtype]:
     """Take the output's one user into the match if it is a cast to one of ``allowed``; the output's
     dtype after it."""
     user = _single_user(match.output)
-    if _cast_target(user) in allowed:
+    if cast_target(user) in allowed:
         match.internal.append(match.output)
         match.output = user
     return _dtype(match.output)
@@ -370,7 +370,7 @@ def _strip_upcast_round_trip(match: NormMatch) -> None:
     values and rounds once to x's dtype."""
     cast_back = _single_user(match.output)
     source = match.x.args[0] if _is_exact_cast(match.x) else None
-    if source is None or _cast_target(cast_back) != _dtype(source) or _dtype(match.x) != _acc(_dtype(source)):
+    if source is None or cast_target(cast_back) != _dtype(source) or _dtype(match.x) != _acc(_dtype(source)):
         return
     match.internal += [match.output, match.x]
     match.x, match.output = source, cast_back

@@ -19,6 +19,7 @@ from torch.fx.experimental import _config as shape_config
 
 from kernel_pytorch.compiled_call import call_module, compiled_entry
 from kernel_pytorch.errors import first_line
+from kernel_pytorch.features.generation.cuda_graph import capture_after_warm_up
 from kernel_pytorch.features.generation.sampling import SamplingSettings, draw, warped_scores
 from kernel_pytorch.features.generation.model_calls import (cache_keyword, is_encoder_decoder, new_static_cache,
                                                              takes_logits_to_keep)
@@ -48,7 +49,8 @@ class ModelCalls:
         dynamo cache of its own; without a backend the model runs as it is, still from a static cache. Without
         ``compile_prefill`` the prefill and the encoder run their rewritten graphs uncompiled; with
         ``compile_layers_once`` Inductor compiles each distinct layer once (:mod:`kernel_pytorch.block_compile`);
-        with ``prefill_any_batch`` one prefill (and encoder) graph serves batch 1 too (:func:`_any_batch`)."""
+        with ``prefill_any_batch`` one prefill (and encoder) graph serves batch 1 too
+        (:func:`_traced_with_constants`)."""
         if backend is None:
             return cls(call_module, call_module, call_module)
         if compile_layers_once and backend.compiler.name == "inductor":
@@ -60,33 +62,25 @@ class ModelCalls:
         def entry(module: nn.Module | None, module_backend: GraphOptimizer, per_request: bool) -> Callable[..., Any]:
             if module is None:
                 return call_module
-            call = _with_constant_floats(compiled_entry(module, module_backend, dynamic=True))
-            return _any_batch(call) if per_request and prefill_any_batch else call
+            return _traced_with_constants(compiled_entry(module, module_backend, dynamic=True),
+                                          any_batch=per_request and prefill_any_batch)
 
         return cls(entry(model, once_per_request, True), entry(model, backend, False),
                    entry(encoder, once_per_request, True))
 
 
-def _with_constant_floats(compiled: Callable[..., Any]) -> Callable[..., Any]:
+def _traced_with_constants(compiled: Callable[..., Any], any_batch: bool = False) -> Callable[..., Any]:
     """``compiled`` traced with the model's float attributes (attention scale, RoPE scaling) as constants: with
     dynamic shapes Dynamo otherwise makes each a graph input read by ``.item()``, and a scale that is not a
     constant keeps the attention passes from rewriting (and Inductor from folding) it. A changed attribute
-    then recompiles, as any guarded constant does."""
+    then recompiles, as any guarded constant does. ``any_batch``: sizes of 1 not specialized either
+    (``backed_size_oblivious``): Dynamo otherwise compiles a call at batch 1 for batch 1 alone (its 0/1
+    specialization), and the prefill got two graphs, each traced, rewritten and compiled; the decode steps keep
+    theirs, where at batch 1 the decode passes pick kernels for one token row."""
+    shape_patches = {"backed_size_oblivious": True} if any_batch else {}
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(specialize_float=True):
-            return compiled(*args, **kwargs)
-
-    return call
-
-
-def _any_batch(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled`` traced without specializing sizes of 1 (``backed_size_oblivious``): Dynamo otherwise compiles a
-    call at batch 1 for batch 1 alone (its 0/1 specialization), and the prefill got two graphs, each traced, rewritten
-    and compiled. The decode steps keep theirs: at batch 1 the decode passes pick kernels for one token row."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        with shape_config.patch(backed_size_oblivious=True):
+        with torch._dynamo.config.patch(specialize_float=True), shape_config.patch(**shape_patches):
             return compiled(*args, **kwargs)
 
     return call
@@ -288,17 +282,8 @@ class DecodeLane:
             self._restore_state(saved)  # capture records without running: buffers and cache counters as they were
 
     def _warm_up_and_capture(self, kind: str, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(_WARMUP_STEPS):
-                self._step_body(kind)
-        torch.cuda.current_stream().wait_stream(stream)
-        self._restore_state(saved)
-        graph = torch.cuda.CUDAGraph()
-        pool = next(iter(self.graphs.values())).pool() if self.graphs else None
-        with torch.cuda.graph(graph, pool=pool):
-            self.outputs[kind] = self._step_body(kind)
+        graph, self.outputs[kind] = capture_after_warm_up(lambda: self._step_body(kind), _WARMUP_STEPS,
+                                                          lambda: self._restore_state(saved), self.graphs)
         self.graphs[kind] = graph
 
     def _saved_state(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

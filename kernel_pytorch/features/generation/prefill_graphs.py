@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from kernel_pytorch.errors import first_line
+from kernel_pytorch.features.generation.cuda_graph import capture_after_warm_up
 
 __all__ = ["PrefillGraphs", "MIN_BUCKET", "prompt_bucket", "buckets_below", "padded_prompt_length", "left_padded",
            "host_counted_cache"]
@@ -84,7 +85,6 @@ class PrefillGraphs:
                 self.cuda_graphs, self.failure = False, first_line(error)
                 reset()
                 return body(input_ids, positions)
-            reset()
         ids, where = self.inputs[length]
         ids.copy_(input_ids)
         where.copy_(positions)
@@ -97,22 +97,12 @@ class PrefillGraphs:
 
     def _capture(self, body: PrefillBody, input_ids: torch.Tensor, positions: torch.Tensor,
                  reset: Callable[[], None]) -> None:
-        """Warm up on a side stream, each run from a reset cache (a run writes the bucket's slots and advances the
-        cache's counters), then capture."""
+        """Warm up and capture, each run from a reset cache (a run writes the bucket's slots and advances the
+        cache's counters). The buckets share one memory pool, apart from the decode steps': a step replay could
+        otherwise overwrite the prefill's logits in a block the prefill's capture took after the step's capture had
+        freed it."""
         length = input_ids.shape[1]
         ids, where = self.inputs.setdefault(length, (input_ids.clone(), positions.clone()))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(_WARMUP_RUNS):
-                reset()
-                body(ids, where)
-        torch.cuda.current_stream().wait_stream(stream)
-        reset()
-        graph = torch.cuda.CUDAGraph()
-        # The buckets share one memory pool, apart from the decode steps': a step replay could otherwise overwrite
-        # the prefill's logits in a block the prefill's capture took after the step's capture had freed it.
-        pool = next(iter(self.graphs.values())).pool() if self.graphs else None
-        with torch.cuda.graph(graph, pool=pool):
-            self.outputs[length] = body(ids, where)
+        graph, self.outputs[length] = capture_after_warm_up(lambda: body(ids, where), _WARMUP_RUNS, reset,
+                                                            self.graphs)
         self.graphs[length] = graph
