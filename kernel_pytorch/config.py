@@ -382,7 +382,8 @@ class OptimizeConfig(ConfigModel):
     training_logits: Literal["keep", "drop"] = Field(
         "keep", description="'drop': in training, a model that computes its loss from its LM head's logits "
         "(transformers' labels=) returns no logits (None), as Liger-Kernel's patched models do: the head and the "
-        "loss run fused and the logits are never materialized. Changes the model's outputs, so off ('keep') by "
+        "loss run fused and the logits are never materialized (on a GPU unless the fused loss measured more than 50% "
+        "slower than the unfused one). Changes the model's outputs, so off ('keep') by "
         "default; inference and calls without labels keep their logits."
     )
 

@@ -26,6 +26,7 @@ from .triton_interpreter import EAGER_OPCHECKS, INTERPRETED, cuda_device, interp
 
 LCE = importlib.import_module("kernel_pytorch.ops.linear_cross_entropy")
 tu = importlib.import_module("kernel_pytorch.ops.triton_utils")
+LCE_PASS = importlib.import_module("kernel_pytorch.passes.linear_cross_entropy")
 
 N, D, V = 23, 16, 97  # tokens, hidden, vocabulary: odd sizes, several chunks with chunk=7 / 32
 
@@ -345,6 +346,30 @@ def test_dropped_training_logits_are_none_and_the_loss_and_gradients_stay(name, 
     pairs = list(zip(model.parameters(), reference.parameters()))
     every = rel_err(torch.cat([p.grad.flatten() for p, _ in pairs]), torch.cat([r.grad.flatten() for _, r in pairs]))
     assert every < 1e-5, every
+
+
+@pytest.mark.parametrize("training_logits, taken", [("keep", False), ("drop", True)])
+def test_a_measured_slower_fused_loss_is_taken_only_where_the_logits_are_dropped(monkeypatch, training_logits, taken):
+    """As on a GPU that timed the fused loss 30% slower than the unfused one: over TIME_MARGIN, within
+    DROPPED_LOGITS_MARGIN, which applies where training_logits='drop' gave the logits up for memory."""
+    measured = []
+
+    def timings(steps):
+        measured.append(sorted(steps))
+        return {"fused": 1.3, "unfused": 1.0}
+
+    monkeypatch.setattr(LCE_PASS, "_decision", LCE_PASS._measured_choice)  # the GPU's path, on the CPU
+    monkeypatch.setattr(LCE_PASS, "fastest_cuda_ms", timings)
+    monkeypatch.setattr(LCE_PASS, "_MEASURED", {})
+    model, _ = _optimized_with_logits("llama", training_logits)
+    assert measured == [["fused", "unfused"]]
+    skips = [s.reason for s in report_of(model).skipped if s.pass_name == "linear_cross_entropy"]
+    if taken:
+        assert len(_rewrites(model)) == 1 and not skips
+        assert "fused 1.300 ms, unfused 1.000 ms, margin 50% (training_logits='drop')" in _rewrites(model)[0]
+    else:
+        assert not _rewrites(model) and len(skips) == 1, skips
+        assert "fused op slower" in skips[0] and "margin 5%)" in skips[0], skips
 
 
 def test_dropped_training_logits_hold_less_after_the_forward_and_inference_keeps_them():

@@ -13,10 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention.flex_attention import create_block_mask
 
 import kernel_pytorch.attention.kernels.flex as flex
 import kernel_pytorch.passes.attention as attention_pass
 from kernel_pytorch import optimize, report_of
+from kernel_pytorch.attention.kernels.band_blocks import band_block_mask
 from kernel_pytorch.attention.kernels.flex import pattern_block_mask
 from kernel_pytorch.passes.mask_pattern import block_density, classify_allowed
 
@@ -306,6 +309,41 @@ def test_block_mask_is_built_once_per_pattern_and_shape():
     flex._BLOCK_MASKS.clear()
 
 
+@pytest.mark.parametrize("lo,hi", [(0, None), (0, 63), (0, 127), (-100, 300), (3, 1000), (None, 0), (None, None)])
+@pytest.mark.parametrize("lq,lk", [(1, 130), (5, 5), (128, 256), (200, 640), (384, 384), (1000, 1000)])
+def test_band_block_mask_from_tile_corners_equals_create_block_mask(lo, hi, lq, lk):
+    """Every tensor of the BlockMask (partial and full tiles, their order, the transposed q-side tables)."""
+    mask_mod = flex.pattern_mask_mod(("band", lo, hi), None)
+    expected = create_block_mask(mask_mod, None, None, lq, lk, device="cpu").as_tuple()
+    built = band_block_mask(lo, hi, lq, lk, "cpu", mask_mod).as_tuple()
+    assert len(built) == len(expected)
+    for ours, theirs in zip(built, expected):
+        if isinstance(theirs, torch.Tensor):
+            assert ours.shape == theirs.shape and torch.equal(ours, theirs)
+        elif not callable(theirs):
+            assert ours == theirs
+
+
+def test_real_tensors_inside_a_dynamo_backend_count_as_eager_and_use_the_cache():
+    """optimize verifies rewritten graphs inside its Dynamo backend: the FlexAttention calls there run on
+    real tensors, so they must take the eager path (on a GPU, FlexAttention compiled on its own), not the
+    traced one, which on a GPU runs PyTorch's unfused reference."""
+    flex._BLOCK_MASKS.clear()
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["real"] = flex._tracing(torch.randn(2))
+        seen["mask"] = pattern_block_mask(("band", 0, 63), None, 256, 256, torch.device("cpu"))
+        return gm.forward
+
+    torch.compile(lambda x: x.sin(), backend=backend)(torch.randn(3))
+    assert seen["real"] is False
+    assert pattern_block_mask(("band", 0, 63), None, 256, 256, torch.device("cpu")) is seen["mask"]  # cached
+    with FakeTensorMode() as fake_mode:
+        assert flex._tracing(fake_mode.from_tensor(torch.randn(2))) is True
+    flex._BLOCK_MASKS.clear()
+
+
 # --------------------------------------------------------------------------------------------------
 # the dispatcher
 # --------------------------------------------------------------------------------------------------
@@ -361,4 +399,5 @@ def test_flex_route_compiles_with_inductor(forced_flex):
     inputs = _qkv()
     with torch.no_grad():
         assert rel_err(model(*inputs), module(*inputs)) < 1e-5
-    assert not flex._BLOCK_MASKS  # nothing cached from the trace
+    # Nothing cached from the trace: only the verification's eager runs (real tensors) fill the cache.
+    assert all(type(mask.kv_num_blocks) is torch.Tensor for mask in flex._BLOCK_MASKS.values())

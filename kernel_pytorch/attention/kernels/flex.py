@@ -10,8 +10,9 @@ and a call outside torch.compile on a GPU (a verification run of a rewritten gra
 What it computes here is exactly SDPA's (the dispatcher keeps everything else away):
 
 * ``is_causal`` as a block mask of ``q_idx >= kv_idx`` (top-left aligned, SDPA's convention), built per
-  call for the call's lengths (``B=None, H=None``: broadcast over batch and heads). Under torch.compile
-  the construction is traced into the graph; eagerly it costs one (Lq, Lk) boolean evaluation.
+  call for the call's lengths (broadcast over batch and heads), from its tiles' corners
+  (:mod:`~kernel_pytorch.attention.kernels.band_blocks`), as every band is: (Lq / 128) x (Lk / 128) integer
+  operations, traced into the graph under torch.compile.
 * ``scale`` (``None``: 1/sqrt(E)) and GQA (Hq a multiple of Hk) are FlexAttention's own arguments.
 * A **mask pattern** instead of a mask tensor (what the attention pass recognized, see
   :mod:`kernel_pytorch.passes.mask_pattern`), a tuple of plain values so a graph can carry it:
@@ -50,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
+from kernel_pytorch.attention.kernels.band_blocks import FLEX_BLOCK_SIZE, band_block_mask
 from kernel_pytorch.attention.kernels.softcap import softcap_score_mod, softcapped_attention_math
 from kernel_pytorch.attention.kernels.topk_sparse import TOPK_PATTERN_KIND, topk_attention, topk_options
 from kernel_pytorch.timing import measurement_compiles
@@ -58,9 +60,6 @@ __all__ = ["flex_attention_forward", "causal_mask_mod", "pattern_mask_mod", "pat
            "PATTERN_KINDS", "FLEX_MIN_HEAD_DIM", "FLEX_MAX_HEAD_DIM", "FLEX_BLOCK_SIZE"]
 
 PATTERN_KINDS = ("band", "document", "blocks")
-# FlexAttention's default BlockMask tile (create_block_mask's BLOCK_SIZE): the granularity at which it
-# skips work, so the block density the pass reports is measured on tiles of this size.
-FLEX_BLOCK_SIZE = 128
 # BlockMasks kept per process: one per (pattern, lengths, device, tensor state); a model serves a few
 # lengths at once, and each entry holds O((L/128)^2) ints.
 _BLOCK_MASK_CACHE_ENTRIES = 64
@@ -132,31 +131,43 @@ def _mask_batch_heads(pattern: tuple, tensor: Optional[Tensor]) -> tuple[Optiona
 
 
 def _tracing(*tensors: Tensor) -> bool:
-    """Under torch.compile, or on fake/functional tensors: build in the graph, never touch the cache."""
-    from torch._guards import detect_fake_mode
+    """Under torch.compile, or on fake/functional tensors: build in the graph, never touch the cache.
 
-    return torch.compiler.is_compiling() or detect_fake_mode() is not None or any(
+    Neither ``torch.compiler.is_compiling()`` nor ``detect_fake_mode()``: inside a Dynamo backend, where
+    optimize verifies a rewritten graph on real tensors, both say yes (the tracing context is still
+    open), and every verification call ran FlexAttention eagerly, unfused. AOTAutograd's traces run
+    on fake or functional tensors, which the tensors' types and the active fake mode show."""
+    from torch._guards import active_fake_mode
+
+    return torch.compiler.is_dynamo_compiling() or active_fake_mode() is not None or any(
         type(t) is not torch.Tensor for t in tensors if t is not None)
 
 
 def pattern_block_mask(pattern: tuple, tensor: Optional[Tensor], lq: int, lk: int, device: torch.device) -> BlockMask:
     """The BlockMask of ``pattern`` for ``lq`` x ``lk`` scores, cached per (pattern, lengths, device and
     the tensor's identity and version: an in-place edit bumps ``_version``, so it is rebuilt)."""
-    batch, heads = _mask_batch_heads(pattern, tensor)
-    mask_mod = pattern_mask_mod(pattern, tensor)
     if _tracing(tensor):
-        return create_block_mask(mask_mod, batch, heads, lq, lk, device=device)
+        return _built_block_mask(pattern, tensor, lq, lk, device)
     state = None if tensor is None else (tensor.data_ptr(), tensor._version, tuple(tensor.shape), tensor.dtype)
     key = (pattern, int(lq), int(lk), str(device), state)
     block_mask = _BLOCK_MASKS.get(key)
     if block_mask is None:
-        block_mask = create_block_mask(mask_mod, batch, heads, lq, lk, device=device)
+        block_mask = _built_block_mask(pattern, tensor, lq, lk, device)
         if len(_BLOCK_MASKS) >= _BLOCK_MASK_CACHE_ENTRIES:
             _BLOCK_MASKS.popitem(last=False)
         _BLOCK_MASKS[key] = block_mask
     else:
         _BLOCK_MASKS.move_to_end(key)
     return block_mask
+
+
+def _built_block_mask(pattern: tuple, tensor: Optional[Tensor], lq, lk, device) -> BlockMask:
+    """A band's BlockMask from its tiles' corners (:mod:`.band_blocks`); any other pattern's from its
+    ``mask_mod`` evaluated at every position."""
+    mask_mod = pattern_mask_mod(pattern, tensor)
+    if pattern[0] == "band":
+        return band_block_mask(pattern[1], pattern[2], lq, lk, device, mask_mod)
+    return create_block_mask(mask_mod, *_mask_batch_heads(pattern, tensor), lq, lk, device=device)
 
 
 def _math_reference(q: Tensor, k: Tensor, v: Tensor, mask_mod: Callable[..., Tensor], batch: Optional[int],
@@ -185,7 +196,7 @@ def flex_attention_forward(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, 
     if is_causal:
         # Rebuilt per call: the lengths (and, under torch.compile with dynamic shapes, their symbols) are
         # the call's own, so no cached mask can be stale.
-        block_mask = create_block_mask(causal_mask_mod, None, None, q.shape[-2], k.shape[-2], device=q.device)
+        block_mask = band_block_mask(0, None, q.shape[-2], k.shape[-2], q.device, causal_mask_mod)
     elif pattern is not None:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         if q.device.type == "cpu" and needs_grad:  # FlexAttention has no CPU backward (module docstring)
