@@ -6,8 +6,9 @@ side in one process, bf16.
                                 [--prefill-graphs-ab]
 
 ``--prefill-graphs-ab``: after optimize's measurements, the same compiled model with ``generation.prefill_graphs``
-turned on (lanes rebuilt, nothing recompiled) measures its TTFTs and first batch point again
-(``with_prefill_graphs``): an A/B of the prefill's CUDA graphs within one process.
+turned on (lanes rebuilt, nothing recompiled) measures its batch points and TTFTs again
+(``with_prefill_graphs``): an A/B of the prefill's CUDA graphs within one process, each arm's peak memory over
+those calls in ``points_peak_gib``.
 
 Models: transformers ``LlamaForCausalLM`` built from a ``LlamaConfig`` (random weights, no downloads, the
 default attention implementation, SDPA; no end-of-sequence token, so that every call generates exactly the
@@ -311,11 +312,14 @@ def make_runner(provider: str, model: nn.Module, s: Setup, result: dict):
 
     if s.generation:
         result["generation_config"] = s.generation
+    before = dynamo_snapshot()
     with timed_compiles(result.setdefault("graph_compiles", [])):
         optimized = kernel_pytorch.optimize(model, **({"generation": s.generation} if s.generation else {}))
         # The documented bounded warm-up: batch 1 and one larger batch compile every graph later requests use.
         if callable(getattr(optimized.generate, "warm_up", None)):
             optimized.generate.warm_up(progress=False)
+    # Why a call of the warm-up compiled again (a graph more than the prefill and the two decode steps need).
+    result["warm_up_recompile_reasons"] = sorted(set(dynamo_changes(before)[1]))[:10]
     return GenerateRunner(optimized)
 
 
@@ -475,15 +479,17 @@ def measure_ttfts(runner, info: dict, s: Setup) -> dict[str, Any]:
     return {str(p): _guarded(lambda: round(measure_ttft(runner, info, p, s) * 1e3, 2), s) for p in s.ttft_prompts}
 
 
-def measure_with_prefill_graphs(runner, info: dict, hbm: dict, s: Setup) -> dict:
-    """The same compiled model with ``generation.prefill_graphs`` turned on: TTFTs and the first batch point again,
-    in this process (new lanes and their captures, no new compile)."""
+def measure_with_prefill_graphs(runner, info: dict, hbm: dict, s: Setup, memory: PeakMemory) -> dict:
+    """The same compiled model with ``generation.prefill_graphs`` turned on: the batch points and TTFTs again, in this
+    process (new lanes and their captures, no new compile), with their peak memory (``points_peak_gib``, as the
+    provider's own)."""
     decoder = runner.model.generate.decoder
     decoder.set_prefill_graphs(True)
     try:
-        return {"ttft_ms": measure_ttfts(runner, info, s),
-                "batches": {str(s.batches[0]): _guarded(lambda: measure_point(runner, info, hbm, s.batches[0], s), s)},
-                "lanes": decoder.summary()}
+        memory.phase()
+        batches = {str(b): _guarded(lambda: measure_point(runner, info, hbm, b, s), s) for b in s.batches}
+        ttfts = measure_ttfts(runner, info, s)
+        return {"ttft_ms": ttfts, "batches": batches, "points_peak_gib": memory.phase(), "lanes": decoder.summary()}
     finally:
         decoder.set_prefill_graphs(False)
 
@@ -542,11 +548,27 @@ def release(s: Setup) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _peak_gib(s: Setup) -> dict:
-    if s.device != "cuda":
-        return {}
-    return {"peak_gib": round(torch.cuda.max_memory_allocated() / GIB, 2),
-            "reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 2)}
+class PeakMemory:
+    """A provider's peak CUDA memory per phase of its run (each phase resets PyTorch's peak statistics) and over
+    the whole run; nothing off CUDA."""
+
+    def __init__(self, s: Setup):
+        self.cuda = s.device == "cuda"
+        self.allocated = self.reserved = 0.0
+
+    def phase(self) -> float | None:
+        """The peak allocated GiB since the last phase."""
+        if not self.cuda:
+            return None
+        allocated = torch.cuda.max_memory_allocated() / GIB
+        self.allocated = max(self.allocated, allocated)
+        self.reserved = max(self.reserved, torch.cuda.max_memory_reserved() / GIB)
+        torch.cuda.reset_peak_memory_stats()
+        return round(allocated, 2)
+
+    def whole_run(self) -> dict:
+        self.phase()
+        return {"peak_gib": round(self.allocated, 2), "reserved_gib": round(self.reserved, 2)} if self.cuda else {}
 
 
 def run_provider(name: str, provider: str, s: Setup, hbm: dict, info_out: dict) -> dict:
@@ -554,6 +576,7 @@ def run_provider(name: str, provider: str, s: Setup, hbm: dict, info_out: dict) 
     recorded per point, or for the case when the warm-up fails; everything is released before returning."""
     result: dict[str, Any] = {"date": environment()["date"]}
     model = runner = None
+    memory = PeakMemory(s)
     try:
         model = build_model(name, s)
         info_out.update(model_info(name, model, s))
@@ -568,20 +591,22 @@ def run_provider(name: str, provider: str, s: Setup, hbm: dict, info_out: dict) 
         result["tokens_batch1"] = tokens[0].tolist()
         if provider == STATIC_COMPILE:
             result["transformers_compile"] = transformers_compile_record(model, s)
+        memory.phase()  # the warm-up's
         result["batches"] = {}
         for batch in s.batches:
             result["batches"][str(batch)] = _guarded(lambda: measure_point(runner, info, hbm, batch, s), s)
         result["ttft_ms"] = measure_ttfts(runner, info, s)
+        result["points_peak_gib"] = memory.phase()  # the batch points' and TTFTs'
         result["graphs_compiled"] = dynamo_compile_counts()["unique_graphs"] - graphs_before
         if provider == OURS and s.host_profile:
             write_host_profile(lambda: measure_ttft(runner, info, s.ttft_prompts[0], s), s.host_profile)
         if provider == OURS:
             result["recompiles"] = recompile_sweep(runner, info, s)
             if s.prefill_graphs_ab:
-                result["with_prefill_graphs"] = measure_with_prefill_graphs(runner, info, hbm, s)
+                result["with_prefill_graphs"] = measure_with_prefill_graphs(runner, info, hbm, s, memory)
             result["report_generation_lines"] = _report_lines(runner.model)
             result["setup_phases_s"] = _setup_phases(runner.model)
-        result.update(_peak_gib(s))
+        result.update(memory.whole_run())
     except Exception as error:  # a provider that raises (out of memory, compile failure) must not end the run
         traceback.print_exc()  # the cause, on stderr: the result keeps the error's first line
         result["error"] = first_line(error)
