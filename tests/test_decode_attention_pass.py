@@ -102,3 +102,27 @@ def test_training_graphs_are_left_to_the_attention_pass():
     skipped = [s for s in report_of(optimized).skipped if s.pass_name == "decode_attention"]
     assert not _decode_rewrites(optimized)
     assert [s.reason for s in skipped] == ["a training graph (the decode kernel has no backward)"]
+
+
+def test_a_prefill_with_a_symbolic_length_is_passed_over_without_a_guard_on_it():
+    """Traced as ``generation.prefill_any_batch`` traces a prefill (sizes of 1 not specialized), comparing the symbolic
+    query length with 1 would add a guard to the prefill's graph; the pass reads only what is statically known."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental import _config as shape_config
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from kernel_pytorch.passes import decode_attention
+
+    dynamic_length = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC, DimDynamic.STATIC,
+                                                             DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    with shape_config.patch(backed_size_oblivious=True):
+        shape_env = ShapeEnv()
+        q = FakeTensorMode(shape_env=shape_env).from_tensor(torch.randn(1, 4, 9, 16), symbolic_context=dynamic_length)
+        graph = torch.fx.Graph()
+        node = graph.placeholder("q")
+        node.meta["example_value"] = q
+        call = graph.call_function(F.scaled_dot_product_attention, (node, node, node, None, 0.0, True),
+                                   {"scale": None, "enable_gqa": False})  # the normalize pass's spelling
+        assert isinstance(q.shape[2], torch.SymInt) and not shape_env.guards
+        assert decode_attention._match(call, None) is None
+        assert not shape_env.guards

@@ -41,7 +41,7 @@ from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult, candi
 from kernel_pytorch.passes.graph_utils import erase_unused, set_example_value
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.sdpa_match import is_sdpa_call, match_sdpa_call
-from kernel_pytorch.passes.shape_constants import example_value
+from kernel_pytorch.passes.shape_constants import example_value, static_int
 
 __all__ = ["DecodeAttentionPass", "DecodeCall"]
 
@@ -69,7 +69,8 @@ def _match(node: Node, ctx: PassContext) -> DecodeCall | str | None:
     if not is_sdpa_call(node):
         return None
     q_value = example_value(node.args[0])
-    if not isinstance(q_value, torch.Tensor) or q_value.dim() != 4 or q_value.shape[2] != 1:
+    # static_int: comparing a symbolic length (a prefill's) with 1 would guard the graph on it
+    if not isinstance(q_value, torch.Tensor) or q_value.dim() != 4 or static_int(q_value.shape[2]) != 1:
         return None  # not one query token: the attention pass's case
     if ctx.training or q_value.requires_grad:
         return "a training graph (the decode kernel has no backward)"
