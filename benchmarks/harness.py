@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import faulthandler
 import json
 import platform
 import statistics
@@ -143,14 +144,21 @@ def scaled_run_parser(description: str, quick_help: str) -> argparse.ArgumentPar
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a smoke run of the whole flow on tiny fp32 models (no measurement)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--stack-dumps", type=float, default=None, metavar="SECONDS",
+                        help="print every thread's Python stack to stderr every SECONDS (where a set-up that does not "
+                             "finish within the GPU machine's call spends its time)")
     return parser
 
 
 def scaled_run_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """Parsed, refusing ``--quick`` with ``--device cpu`` (two different reductions)."""
+    """Parsed, refusing ``--quick`` with ``--device cpu`` (two different reductions); ``--stack-dumps`` started."""
     args = parser.parse_args(argv)
     if args.quick and args.device == "cpu":
         parser.error("--quick and --device cpu are two different reductions; choose one")
+    if args.stack_dumps is not None:
+        if args.stack_dumps <= 0:
+            parser.error("--stack-dumps takes a positive number of seconds")
+        faulthandler.dump_traceback_later(args.stack_dumps, repeat=True, file=sys.stderr)
     return args
 
 

@@ -6,6 +6,7 @@ and benchmarks/ring_attention.py's model part: its fit, growth and merge, and it
 
 from __future__ import annotations
 
+import faulthandler
 import json
 
 import pytest
@@ -182,6 +183,17 @@ def test_e2e_arguments_and_cases():
     assert e2e.cases(args) == [("gpt2", "train", "eager"), ("gpt2", "inference", "eager"),
                                ("llama_style", "train", "eager"), ("llama_style", "train", fp8),
                                ("llama_style", "inference", "eager"), ("llama_style", "inference", fp8)]
+
+
+def test_stack_dumps_are_scheduled_only_when_asked_for_a_positive_period(monkeypatch):
+    scheduled = []
+    monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda *args, **kwargs: scheduled.append((args, kwargs)))
+    e2e.parse_args([])
+    assert not scheduled
+    e2e.parse_args(["--stack-dumps", "90"])
+    assert len(scheduled) == 1 and scheduled[0][0] == (90.0,) and scheduled[0][1]["repeat"] is True
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--stack-dumps", "0"])
 
 
 def test_llama_style_step_flops_match_the_issue():
