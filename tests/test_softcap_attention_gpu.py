@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+import kernel_pytorch.attention.kernels.flex as flex
 from kernel_pytorch import optimize, report_of
 from kernel_pytorch.attention.kernels.softcap import softcapped_attention_math
 from kernel_pytorch.ops.attention import attention
@@ -69,7 +70,12 @@ def test_flex_called_outside_compile_runs_fused_and_matches_the_math(recwarn):
         assert rel_err(got, want) < 1e-3
 
 
-def test_gemma2_trains_on_flex_with_its_soft_cap_in_bf16():
+def test_gemma2_trains_on_flex_with_its_soft_cap_in_bf16(monkeypatch):
+    # The verification runs the rewritten graphs eagerly inside optimize's Dynamo backend: there FlexAttention must
+    # still be the fused kernel, compiled on its own (until 2026-11-27 it ran the unfused reference there).
+    fused_calls = []
+    fused = flex._fused_flex_attention
+    monkeypatch.setattr(flex, "_fused_flex_attention", lambda: fused_calls.append(1) or fused())
     torch.manual_seed(0)
     config = transformers.Gemma2Config(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                                        num_attention_heads=8, num_key_value_heads=4, head_dim=64,
@@ -84,6 +90,7 @@ def test_gemma2_trains_on_flex_with_its_soft_cap_in_bf16():
     assert len(lines) == 2 and all("soft cap 50.0" in line for line in lines), lines
     assert "causal sliding window 512" in lines[0], lines
     assert all(line.startswith("attention[flex]") for line in lines), lines  # measured against PyTorch's ops
+    assert fused_calls, "the verification's FlexAttention calls did not run fused"
     fresh = {"input_ids": torch.randint(0, 512, (2, 2048), device="cuda")}
     out, expected = model(**fresh).logits, reference(**fresh).logits
     assert rel_err(out, expected) < 2e-2
