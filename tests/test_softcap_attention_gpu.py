@@ -24,50 +24,54 @@ def _needs_cuda():
         pytest.fail("gpu tests were selected (-m gpu) but torch.cuda.is_available() is False")
 
 
+def _soft_cap_inputs(batch: int, length: int) -> tuple[torch.Tensor, ...]:
+    """q (8 heads) and k, v (4 heads) of head dim 64 on the GPU, q and k scaled so that the cap of 20 bites."""
+    torch.manual_seed(0)
+    q = (torch.randn(batch, 8, length, 64, device="cuda") * 4).requires_grad_()
+    k = (torch.randn(batch, 4, length, 64, device="cuda") * 4).requires_grad_()
+    v = torch.randn(batch, 4, length, 64, device="cuda", requires_grad=True)
+    return q, k, v
+
+
+def _window(length: int, hi: int) -> torch.Tensor:
+    """The bool mask of the band ("band", 0, hi): query i sees keys i - hi .. i."""
+    distance = torch.arange(length, device="cuda")[:, None] - torch.arange(length, device="cuda")[None, :]
+    return (distance >= 0) & (distance <= hi)
+
+
+def _assert_matches_with_gradients(out: torch.Tensor, expected: torch.Tensor, inputs: tuple[torch.Tensor, ...]):
+    assert rel_err(out, expected) < 1e-3
+    seed = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, seed)
+    expected_grads = torch.autograd.grad(expected, inputs, seed)
+    for got, want in zip(grads, expected_grads):
+        assert rel_err(got, want) < 1e-3
+
+
 @pytest.mark.parametrize("length", [1024, 1000])  # 1000: the last tiles cut short (band_blocks' partial edges)
 @pytest.mark.parametrize("how", ["causal", "window"])
 def test_flex_soft_cap_forward_and_backward_compiled(how, length):
-    torch.manual_seed(0)
-    shape_q, shape_kv = (2, 8, length, 64), (2, 4, length, 64)
-    q = (torch.randn(shape_q, device="cuda") * 4).requires_grad_()
-    k = (torch.randn(shape_kv, device="cuda") * 4).requires_grad_()
-    v = torch.randn(shape_kv, device="cuda", requires_grad=True)
+    q, k, v = _soft_cap_inputs(2, length)
     options = {"is_causal": True} if how == "causal" else {"pattern": ("band", 0, 255)}
-    distance = torch.arange(length, device="cuda")[:, None] - torch.arange(length, device="cuda")[None, :]
-    window = (distance >= 0) & (distance <= 255)
 
     def flex(q, k, v):
         return attention(q, k, v, scale=0.125, enable_gqa=True, kernel="flex", softcap=20.0, **options)
 
     out = torch.compile(flex, fullgraph=True)(q, k, v)
-    expected = softcapped_attention_math(q, k, v, None if how == "causal" else window, 0.0, how == "causal",
-                                         scale=0.125, enable_gqa=True, softcap=20.0)
-    assert rel_err(out, expected) < 1e-3
-    seed = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), seed)
-    expected_grads = torch.autograd.grad(expected, (q, k, v), seed)
-    for got, want in zip(grads, expected_grads):
-        assert rel_err(got, want) < 1e-3
+    expected = softcapped_attention_math(q, k, v, None if how == "causal" else _window(length, 255), 0.0,
+                                         how == "causal", scale=0.125, enable_gqa=True, softcap=20.0)
+    _assert_matches_with_gradients(out, expected, (q, k, v))
 
 
 def test_flex_called_outside_compile_runs_fused_and_matches_the_math(recwarn):
     """A rewritten graph run eagerly (the verification's runs) gets FlexAttention's fused kernel, not the unfused
     reference that warns and materializes the scores; same numbers, gradients included."""
-    torch.manual_seed(0)
-    q = (torch.randn(1, 8, 2048, 64, device="cuda") * 4).requires_grad_()
-    k = (torch.randn(1, 4, 2048, 64, device="cuda") * 4).requires_grad_()
-    v = torch.randn(1, 4, 2048, 64, device="cuda", requires_grad=True)
-    distance = torch.arange(2048, device="cuda")[:, None] - torch.arange(2048, device="cuda")[None, :]
-    window = (distance >= 0) & (distance <= 511)
+    q, k, v = _soft_cap_inputs(1, 2048)
     out = attention(q, k, v, scale=0.125, enable_gqa=True, kernel="flex", softcap=20.0, pattern=("band", 0, 511))
-    expected = softcapped_attention_math(q, k, v, window, 0.0, False, scale=0.125, enable_gqa=True, softcap=20.0)
-    assert rel_err(out, expected) < 1e-3
+    expected = softcapped_attention_math(q, k, v, _window(2048, 511), 0.0, False, scale=0.125, enable_gqa=True,
+                                         softcap=20.0)
     assert not [w for w in recwarn.list if "without torch.compile" in str(w.message)]
-    seed = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), seed)
-    expected_grads = torch.autograd.grad(expected, (q, k, v), seed)
-    for got, want in zip(grads, expected_grads):
-        assert rel_err(got, want) < 1e-3
+    _assert_matches_with_gradients(out, expected, (q, k, v))
 
 
 def test_gemma2_trains_on_flex_with_its_soft_cap_in_bf16(monkeypatch):

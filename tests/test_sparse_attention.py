@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention.flex_attention import create_block_mask
 
@@ -322,6 +323,23 @@ def test_band_block_mask_from_tile_corners_equals_create_block_mask(lo, hi, lq, 
             assert ours.shape == theirs.shape and torch.equal(ours, theirs)
         elif not callable(theirs):
             assert ours == theirs
+
+
+def test_is_causal_is_the_causal_band_cached_and_differentiable_on_the_cpu():
+    """``is_causal`` goes the band's way: its BlockMask cached per lengths, and on the CPU with gradients SDPA's math
+    on the evaluated mask (FlexAttention has no CPU backward)."""
+    flex._BLOCK_MASKS.clear()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 200, 16, requires_grad=True) for _ in range(3))
+    out = flex.flex_attention_forward(q, k, v, is_causal=True, scale=None)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert rel_err(out, expected) < 1e-5
+    seed = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), seed), torch.autograd.grad(expected, (q, k, v), seed)):
+        assert rel_err(got, want) < 1e-5
+    flex.flex_attention_forward(q.detach(), k.detach(), v.detach(), is_causal=True, scale=None)  # FlexAttention
+    assert [key[:3] for key in flex._BLOCK_MASKS] == [(flex.CAUSAL_PATTERN, 200, 200)]
+    flex._BLOCK_MASKS.clear()
 
 
 def test_real_tensors_inside_a_dynamo_backend_count_as_eager_and_use_the_cache():

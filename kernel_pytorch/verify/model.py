@@ -163,13 +163,15 @@ def _float32_run(original: nn.Module | str | None, args: tuple, kwargs: dict, gr
         run = _float32_copy_run(original, args, kwargs, gradients, skip, device)
         if run is None and device is None:  # the estimate fell short on the GPU: the host, if it has the memory
             device, why = host_referee(tensors, gradients, reference, "out of memory on the GPU")
+            if device is None:
+                return why
             started = time.perf_counter()
-            run = why if device is None else _float32_copy_run(original, args, kwargs, gradients, skip, device)
+            run = _float32_copy_run(original, args, kwargs, gradients, skip, device)
     except Exception as error:  # the referee is optional: its failure leaves the plain verdict
         return f"it failed: {type(error).__name__}: {error}"
     if run is None:
         return "out of memory"
-    if isinstance(run, Run) and device is not None:
+    if device is not None:
         run.where = f"on the CPU in {time.perf_counter() - started:.0f} s ({why})"
     return run
 

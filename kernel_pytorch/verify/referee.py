@@ -56,8 +56,8 @@ def referee_device(tensors: Sequence[torch.Tensor], gradients: bool, outputs: Op
     """Where the float32 run goes: ``(None, "")`` where the tensors are; ``(cpu, why)`` on the host, the GPU
     lacking the memory; ``(None, why not)`` nowhere (neither has it). ``nothing_compiles_after`` (the end-to-end
     check, after the first call compiled everything): the caching allocator's unused blocks are released first, so
-    that they count as free (on an H100 the end-to-end referee of a 16384-token step went to the host, 171 s, with
-    4.7 GiB free on the GPU and most of its 80 GB held by the allocator for the checks before)."""
+    that they count as free (the per-graph checks before it leave most of the GPU held by the allocator; the H100
+    figures are in the CHANGELOG)."""
     if nothing_compiles_after and any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
         torch.cuda.empty_cache()
     on_gpu = float32_fits(tensors, gradients, outputs)

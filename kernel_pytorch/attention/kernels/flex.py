@@ -9,10 +9,9 @@ and a call outside torch.compile on a GPU (a verification run of a rewritten gra
 
 What it computes here is exactly SDPA's (the dispatcher keeps everything else away):
 
-* ``is_causal`` as a block mask of ``q_idx >= kv_idx`` (top-left aligned, SDPA's convention), built per
-  call for the call's lengths (broadcast over batch and heads), from its tiles' corners
-  (:mod:`~kernel_pytorch.attention.kernels.band_blocks`), as every band is: (Lq / 128) x (Lk / 128) integer
-  operations, traced into the graph under torch.compile.
+* ``is_causal`` as the pattern ``("band", 0, None)``: ``q_idx >= kv_idx``, top-left aligned (SDPA's
+  convention), broadcast over batch and heads; its BlockMask, like every band's, comes from its tiles' corners
+  (:mod:`~kernel_pytorch.attention.kernels.band_blocks`).
 * ``scale`` (``None``: 1/sqrt(E)) and GQA (Hq a multiple of Hk) are FlexAttention's own arguments.
 * A **mask pattern** instead of a mask tensor (what the attention pass recognized, see
   :mod:`kernel_pytorch.passes.mask_pattern`), a tuple of plain values so a graph can carry it:
@@ -49,6 +48,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._guards import active_fake_mode
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 from kernel_pytorch.attention.kernels.band_blocks import FLEX_BLOCK_SIZE, band_block_mask
@@ -56,10 +56,11 @@ from kernel_pytorch.attention.kernels.softcap import softcap_score_mod, softcapp
 from kernel_pytorch.attention.kernels.topk_sparse import TOPK_PATTERN_KIND, topk_attention, topk_options
 from kernel_pytorch.timing import measurement_compiles
 
-__all__ = ["flex_attention_forward", "causal_mask_mod", "pattern_mask_mod", "pattern_block_mask",
+__all__ = ["flex_attention_forward", "pattern_mask_mod", "pattern_block_mask", "CAUSAL_PATTERN",
            "PATTERN_KINDS", "FLEX_MIN_HEAD_DIM", "FLEX_MAX_HEAD_DIM", "FLEX_BLOCK_SIZE"]
 
 PATTERN_KINDS = ("band", "document", "blocks")
+CAUSAL_PATTERN = ("band", 0, None)  # SDPA's is_causal: query i sees keys 0..i
 # BlockMasks kept per process: one per (pattern, lengths, device, tensor state); a model serves a few
 # lengths at once, and each entry holds O((L/128)^2) ints.
 _BLOCK_MASK_CACHE_ENTRIES = 64
@@ -70,11 +71,6 @@ _FUSED_FLEX: Optional[Callable[..., Tensor]] = None  # made on first use (_fused
 # back to small untuned blocks that may not fit shared memory (not measured), so the dispatcher stops there.
 FLEX_MIN_HEAD_DIM = 16
 FLEX_MAX_HEAD_DIM = 256
-
-
-def causal_mask_mod(batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    """Top-left aligned causal mask, as SDPA's ``is_causal``: query i sees keys 0..i."""
-    return q_idx >= kv_idx
 
 
 def _band(lo: Optional[int], hi: Optional[int]) -> Callable[[Tensor, Tensor], Optional[Tensor]]:
@@ -137,8 +133,6 @@ def _tracing(*tensors: Tensor) -> bool:
     optimize verifies a rewritten graph on real tensors, both say yes (the tracing context is still
     open), and every verification call ran FlexAttention eagerly, unfused. AOTAutograd's traces run
     on fake or functional tensors, which the tensors' types and the active fake mode show."""
-    from torch._guards import active_fake_mode
-
     return torch.compiler.is_dynamo_compiling() or active_fake_mode() is not None or any(
         type(t) is not torch.Tensor for t in tensors if t is not None)
 
@@ -193,11 +187,8 @@ def flex_attention_forward(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, 
     if pattern is not None and is_causal:
         raise ValueError("a mask pattern and is_causal are exclusive (causal is the pattern ('band', 0, None))")
     block_mask = None
-    if is_causal:
-        # Rebuilt per call: the lengths (and, under torch.compile with dynamic shapes, their symbols) are
-        # the call's own, so no cached mask can be stale.
-        block_mask = band_block_mask(0, None, q.shape[-2], k.shape[-2], q.device, causal_mask_mod)
-    elif pattern is not None:
+    pattern = CAUSAL_PATTERN if is_causal else pattern
+    if pattern is not None:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         if q.device.type == "cpu" and needs_grad:  # FlexAttention has no CPU backward (module docstring)
             return _math_reference(q, k, v, pattern_mask_mod(pattern, pattern_tensor),
