@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import faulthandler
 import json
 import platform
 import statistics
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,7 +26,8 @@ from kernel_pytorch.timing import captured_calls
 
 __all__ = ["Timing", "measure", "measure_gpu_time", "host_us_per_call", "environment", "write_result", "timing_dict",
            "same_device_models", "save_figure", "write_final_result", "scaled_run_parser", "scaled_run_args",
-           "dynamo_compile_counts", "dynamo_snapshot", "dynamo_changes", "synchronize", "RESULTS_DIR"]
+           "dynamo_compile_counts", "dynamo_snapshot", "dynamo_changes", "synchronize", "start_stack_dumps",
+           "format_stacks", "RESULTS_DIR"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _L2_FLUSH_BYTES = 256 * 2**20
@@ -158,8 +160,29 @@ def scaled_run_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> 
     if args.stack_dumps is not None:
         if args.stack_dumps <= 0:
             parser.error("--stack-dumps takes a positive number of seconds")
-        faulthandler.dump_traceback_later(args.stack_dumps, repeat=True, file=sys.stderr)
+        start_stack_dumps(args.stack_dumps)
     return args
+
+
+def start_stack_dumps(period_s: float) -> threading.Thread:
+    """Every ``period_s``, every thread's Python stack to stderr, from a daemon thread. It reads the frames holding
+    the GIL: faulthandler's watchdog reads them without it and crashed the process inside an Inductor compile."""
+    def dump_forever() -> None:
+        while True:
+            time.sleep(period_s)
+            print(format_stacks(), file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=dump_forever, name="stack-dumps", daemon=True)
+    thread.start()
+    return thread
+
+
+def format_stacks() -> str:
+    """Every thread's Python stack, most recent call last, each headed by the thread's name."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    stacks = [f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
+              for ident, frame in sys._current_frames().items()]
+    return "\n".join(["--- Python stacks ---", *stacks])
 
 
 def same_device_models(path: Path, fresh: bool) -> dict[str, Any]:

@@ -6,13 +6,13 @@ and benchmarks/ring_attention.py's model part: its fit, growth and merge, and it
 
 from __future__ import annotations
 
-import faulthandler
 import json
+import threading
 
 import pytest
 import torch
 
-from benchmarks import e2e
+from benchmarks import e2e, harness
 from benchmarks import render_readme_table as render
 from benchmarks.harness import earlier_parts
 from benchmarks import ring_attention as ring_bench
@@ -185,15 +185,34 @@ def test_e2e_arguments_and_cases():
                                ("llama_style", "inference", "eager"), ("llama_style", "inference", fp8)]
 
 
-def test_stack_dumps_are_scheduled_only_when_asked_for_a_positive_period(monkeypatch):
-    scheduled = []
-    monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda *args, **kwargs: scheduled.append((args, kwargs)))
+def test_stack_dumps_are_started_only_when_asked_for_a_positive_period(monkeypatch):
+    started = []
+    monkeypatch.setattr(harness, "start_stack_dumps", started.append)
     e2e.parse_args([])
-    assert not scheduled
+    assert not started
     e2e.parse_args(["--stack-dumps", "90"])
-    assert len(scheduled) == 1 and scheduled[0][0] == (90.0,) and scheduled[0][1]["repeat"] is True
+    assert started == [90.0]
     with pytest.raises(SystemExit):
         e2e.parse_args(["--stack-dumps", "0"])
+
+
+def test_stack_dumps_show_every_threads_current_function():
+    ready, release = threading.Event(), threading.Event()
+
+    def waiting_in_a_named_function():
+        ready.set()
+        release.wait(10)
+
+    worker = threading.Thread(target=waiting_in_a_named_function, name="the-worker")
+    worker.start()
+    ready.wait(10)
+    try:
+        stacks = harness.format_stacks()
+    finally:
+        release.set()
+        worker.join()
+    assert "Thread the-worker:" in stacks and "waiting_in_a_named_function" in stacks
+    assert "test_stack_dumps_show_every_threads_current_function" in stacks  # the calling thread too
 
 
 def test_llama_style_step_flops_match_the_issue():
