@@ -368,16 +368,39 @@ def render_decode(data: dict) -> list[str]:
         batches = sorted({int(b) for p in providers.values() for b in p.get("batches", {})})
         rows = []
         for name, result in providers.items():
-            points = result.get("batches", {})
-            cells = [_decode_cell(points.get(str(b), {})) for b in batches]
-            ttft = result.get("ttft_ms", {})
-            rows.append([name, f"{fmt(result.get('warmup_s'))} s", *cells,
-                         " / ".join(fmt(v) if isinstance(v, (int, float)) else "error" for v in ttft.values())])
+            rows.append(_decode_row_cells(name, result, batches, f"{fmt(result.get('warmup_s'))} s"))
+            if isinstance(result.get("with_prefill_graphs"), dict):  # --prefill-graphs-ab: same process, same graphs
+                rows.append(_decode_row_cells(f"{name} + prefill graphs", result["with_prefill_graphs"], batches,
+                                              "(same warm-up)"))
         lines += [f"**{model}** ({measured_on(entry.get('environment'))})",
                   table(["provider", "warm-up", *[f"batch {b}: tokens/s per sequence (share of the HBM limit)"
-                                                  for b in batches], "TTFT ms (512 / 4096)"], rows)]
+                                                  for b in batches], "TTFT ms (512 / 4096)", "peak at the points"], rows)]
     lines += [f"- {t}" for t in data.get("summary", []) if t.startswith("target")]
     return lines + _note(data)
+
+
+def _decode_row_cells(name: str, result: dict, batches: list[int], warm_up: str) -> list[str]:
+    points = result.get("batches", {})
+    ttft = result.get("ttft_ms", {})
+    return [name, warm_up, *[_decode_cell(points.get(str(b), {})) for b in batches],
+            " / ".join(fmt(v) if isinstance(v, (int, float)) else "error" for v in ttft.values()),
+            f"{fmt(result['points_peak_gib'])} GiB" if "points_peak_gib" in result else "-"]
+
+
+def render_variable_shapes(data: dict) -> list[str]:
+    """Requests served per second per provider, with warm-up, set-up, padding waste and graphs; the target."""
+    rows = [[name, fmt(r.get("requests_per_s")), fmt(r.get("tokens_per_s")), f"{fmt(r.get('warm_up_s'))} s",
+             f"{fmt(r.get('setup_s'))} s", f"{r['padding_waste']:.1%}" if "padding_waste" in r else "-",
+             fmt(r.get("graphs", "-")), r.get("stopped") or r.get("error") or ""]
+            for name, r in data.get("providers", {}).items()]
+    model = data.get("model", {})
+    shapes = data.get("request_shapes", {})
+    lines = [f"transformers {model.get('name')} ({model.get('layers')} layers, d {model.get('hidden')}), "
+             f"{data.get('requests')} requests, batch {shapes.get('batch')} x length {shapes.get('length')} "
+             f"(uniform, seeded), {data.get('dtype')}.",
+             table(["provider", "requests/s", "tokens/s", "warm-up", "set-up", "padding waste", "graphs", "note"],
+                   rows)]
+    return lines + [f"- {t}" for t in data.get("summary", []) if t.startswith("target")] + _note(data)
 
 
 def _decode_cell(point: dict) -> str:
@@ -513,7 +536,7 @@ def _setting(setting: Any) -> str:
 
 
 # One (title, renderer) per file name, in the order of docs/results.md. The quick files that are absent are not
-# listed as missing (memory_quick.json and decode_quick.json are optional).
+# listed as missing (OPTIONAL_SUITES).
 SUITES: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "e2e.json": ("End to end", render_e2e),
     "e2e_default_attention.json": ("End to end, default attention (issue 28)", render_e2e),
@@ -528,8 +551,11 @@ SUITES: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "ring_attention.json": ("Ring attention", render_ring),
     "decode.json": ("Generation (decode)", render_decode),
     "decode_quick.json": ("Generation (decode, --quick: 64 new tokens)", render_decode),
+    "decode_quick_prefill_graphs_ab.json": ("Generation: prefill graphs on and off (--quick)", render_decode),
+    "variable_shapes.json": ("Variable-shape serving (issue 27)", render_variable_shapes),
 }
-OPTIONAL_SUITES = ("memory.json", "memory_quick.json", "decode_quick.json")
+OPTIONAL_SUITES = ("memory.json", "memory_quick.json", "decode_quick.json", "decode_quick_prefill_graphs_ab.json",
+                   "variable_shapes.json")
 TUNING: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "tune_row_kernels.json": ("Row kernels (norms, activations, RoPE)", render_tune_row_kernels),
     "tune_float8_amax.json": ("FP8 amax kernel", render_tune_float8_amax),
