@@ -6,9 +6,9 @@ side in one process, bf16.
                                 [--prefill-graphs-ab]
 
 ``--prefill-graphs-ab``: after optimize's measurements, the same compiled model with ``generation.prefill_graphs``
-turned on (lanes rebuilt, nothing recompiled) measures its batch points and TTFTs again
-(``with_prefill_graphs``): an A/B of the prefill's CUDA graphs within one process, each arm's peak memory over
-those calls in ``points_peak_gib``.
+flipped (on by default on CUDA, off on the CPU; lanes rebuilt, nothing recompiled) measures its batch points and
+TTFTs again (``without_prefill_graphs`` or ``with_prefill_graphs``): an A/B of the prefill's CUDA graphs within one
+process, each arm's peak memory over those calls in ``points_peak_gib``.
 
 Models: transformers ``LlamaForCausalLM`` built from a ``LlamaConfig`` (random weights, no downloads, the
 default attention implementation, SDPA; no end-of-sequence token, so that every call generates exactly the
@@ -147,7 +147,7 @@ class Setup:
     sweep_budget_s: float  # the recompile sweep stops here: a provider that recompiles every shape is slow
     host_profile: Path | None = None  # where optimize's host profile of a batch-1 TTFT call is written
     generation: dict | None = None  # optimize(model, generation=...) for the optimize provider
-    prefill_graphs_ab: bool = False  # optimize's TTFTs and first batch point again with prefill graphs on
+    prefill_graphs_ab: bool = False  # optimize's batch points and TTFTs again with prefill graphs flipped
 
 
 def make_setup(quick: bool, device: str) -> Setup:
@@ -479,19 +479,21 @@ def measure_ttfts(runner, info: dict, s: Setup) -> dict[str, Any]:
     return {str(p): _guarded(lambda: round(measure_ttft(runner, info, p, s) * 1e3, 2), s) for p in s.ttft_prompts}
 
 
-def measure_with_prefill_graphs(runner, info: dict, hbm: dict, s: Setup, memory: PeakMemory) -> dict:
-    """The same compiled model with ``generation.prefill_graphs`` turned on: the batch points and TTFTs again, in this
+def measure_other_prefill_arm(runner, info: dict, hbm: dict, s: Setup, memory: PeakMemory) -> tuple[str, dict]:
+    """The same compiled model with ``generation.prefill_graphs`` flipped: the batch points and TTFTs again, in this
     process (new lanes and their captures, no new compile), with their peak memory (``points_peak_gib``, as the
-    provider's own)."""
+    provider's own). Returns the arm's key (``with_prefill_graphs`` or ``without_prefill_graphs``) and its record."""
     decoder = runner.model.generate.decoder
-    decoder.set_prefill_graphs(True)
+    first = decoder.prefill_graphs
+    decoder.set_prefill_graphs(not first)
     try:
         memory.phase()
         batches = {str(b): _guarded(lambda: measure_point(runner, info, hbm, b, s), s) for b in s.batches}
         ttfts = measure_ttfts(runner, info, s)
-        return {"ttft_ms": ttfts, "batches": batches, "points_peak_gib": memory.phase(), "lanes": decoder.summary()}
+        arm = {"ttft_ms": ttfts, "batches": batches, "points_peak_gib": memory.phase(), "lanes": decoder.summary()}
+        return ("without_prefill_graphs" if first else "with_prefill_graphs"), arm
     finally:
-        decoder.set_prefill_graphs(False)
+        decoder.set_prefill_graphs(first)
 
 
 def write_host_profile(fn: Callable[[], Any], path: Path) -> None:
@@ -603,7 +605,8 @@ def run_provider(name: str, provider: str, s: Setup, hbm: dict, info_out: dict) 
         if provider == OURS:
             result["recompiles"] = recompile_sweep(runner, info, s)
             if s.prefill_graphs_ab:
-                result["with_prefill_graphs"] = measure_with_prefill_graphs(runner, info, hbm, s, memory)
+                arm, record = measure_other_prefill_arm(runner, info, hbm, s, memory)
+                result[arm] = record
             result["report_generation_lines"] = _report_lines(runner.model)
             result["setup_phases_s"] = _setup_phases(runner.model)
         result.update(memory.whole_run())
@@ -802,8 +805,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--generation", type=json.loads, default=None, metavar="JSON",
                         help="optimize(model, generation=...), e.g. '{\"compile_prefill\": false}'")
     parser.add_argument("--prefill-graphs-ab", action="store_true",
-                        help="after optimize's measurements, its TTFTs and first batch point again with "
-                             "generation.prefill_graphs turned on in the same process (result: with_prefill_graphs)")
+                        help="after optimize's measurements, its batch points and TTFTs again with "
+                             "generation.prefill_graphs flipped in the same process (result: without_prefill_graphs "
+                             "or with_prefill_graphs)")
     parser.add_argument("--host-profile", action="store_true",
                         help="write optimize's host profile (cProfile) of TTFT calls to OUT/decode_ttft_profile.txt")
     args = scaled_run_args(parser, argv)

@@ -369,9 +369,10 @@ def render_decode(data: dict) -> list[str]:
         rows = []
         for name, result in providers.items():
             rows.append(_decode_row_cells(name, result, batches, f"{fmt(result.get('warmup_s'))} s"))
-            if isinstance(result.get("with_prefill_graphs"), dict):  # --prefill-graphs-ab: same process, same graphs
-                rows.append(_decode_row_cells(f"{name} + prefill graphs", result["with_prefill_graphs"], batches,
-                                              "(same warm-up)"))
+            for arm, label in (("with_prefill_graphs", "with"), ("without_prefill_graphs", "without")):
+                if isinstance(result.get(arm), dict):  # --prefill-graphs-ab: same process, same compiled graphs
+                    rows.append(_decode_row_cells(f"{name}, {label} prefill graphs", result[arm], batches,
+                                                  "(same warm-up)"))
         lines += [f"**{model}** ({measured_on(entry.get('environment'))})",
                   table(["provider", "warm-up", *[f"batch {b}: tokens/s per sequence (share of the HBM limit)"
                                                   for b in batches], "TTFT ms (512 / 4096)", "peak at the points"], rows)]

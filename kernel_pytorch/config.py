@@ -239,19 +239,21 @@ class GenerationConfig(ConfigModel):
         "boundaries are left to the passes."
     )
 
-    prefill_graphs: bool = Field(
-        False, description="Experimental, not yet measured on a GPU: left-pad a causal LM's prompt (masked) to a "
-        "power-of-two bucket of at least 16 tokens and replay its prefill from a CUDA graph captured per lane and "
-        "bucket, so that the first token does not wait for the host to issue the prefill's launches. The cache then "
-        "holds the bucket rather than the prompt. Models whose cache counts tokens on the host (static "
-        "sliding-window layers) keep uncaptured prefills, with a report line."
+    prefill_graphs: bool | Literal["auto"] = Field(
+        "auto", description="Left-pad a causal LM's prompt (masked) to a power-of-two bucket of at least 16 tokens and "
+        "replay its prefill from a CUDA graph captured per lane and bucket, so that the first token does not wait "
+        "for the host to issue the prefill's launches. The cache then holds the bucket rather than the prompt. "
+        "'auto': on where the decode steps replay CUDA graphs on a CUDA device (elsewhere the padding would only add "
+        "work). Models whose cache counts tokens on the host (static sliding-window layers) keep uncaptured "
+        "prefills, with a report line."
     )
 
     prefill_any_batch: bool = Field(
-        False, description="Experimental, not yet measured on a GPU: trace the prefill (and an encoder-decoder's "
-        "encoder) without TorchDynamo's specialization of sizes of 1, so that one graph serves batch 1 and larger "
-        "batches: one capture, rewrite and compile fewer in the warm-up. The decode steps keep a graph of their own "
-        "at batch 1, where the decode passes pick kernels for one token row."
+        False, description="Experimental: trace the prefill (and an encoder-decoder's encoder) without TorchDynamo's "
+        "specialization of sizes of 1, so that one graph serves batch 1 and larger batches: one capture, rewrite and "
+        "compile fewer in the warm-up. The decode steps keep a graph of their own at batch 1, where the decode "
+        "passes pick kernels for one token row. On CUDA, PyTorch's SDPA still guards the batch to 1 when traced "
+        "(docs/usage.md)."
     )
 
     @field_validator("batch_buckets")

@@ -17,7 +17,7 @@ from kernel_pytorch.features.generation.model_calls import new_static_cache
 from kernel_pytorch.features.generation.prefill_graphs import (PrefillGraphs, buckets_below, host_counted_cache,
                                                                 left_padded, padded_prompt_length, prompt_bucket)
 
-from .generation_models import causal_lm, left_padded_prompts
+from .generation_models import causal_lm, left_padded_prompts, t5_model
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "gemma2", "mistral_sliding"])
@@ -71,3 +71,17 @@ def test_caches_counting_tokens_on_the_host_are_not_replayed_and_say_why():
     logits = graphs.run(lambda ids, where: ran.append(ids.shape) or ids.float(), torch.ones(1, 16, dtype=torch.long),
                         torch.zeros(1, 16, dtype=torch.long), reset=lambda: None)
     assert ran == [(1, 16)] and logits.shape == (1, 16) and graphs.captured_lengths() == []
+
+
+def test_auto_pads_prompts_only_where_the_steps_replay_cuda_graphs_on_a_cuda_device(monkeypatch):
+    prompt = torch.randint(6, 128, (1, 20))
+    on_cpu = Decoder(causal_lm("llama"))  # "auto" by default: the CPU has no CUDA graphs, so no padding
+    assert not on_cpu.prefill_graphs
+    on_cpu.prefill(prompt, max_new_tokens=4)
+    assert on_cpu.lane.next_slot == 20 and on_cpu.lane.prefill_graphs is None
+    # where the model sits on a CUDA device, "auto" follows generation.cuda_graphs; True and False are kept as given
+    monkeypatch.setattr(Decoder, "_device", lambda self: torch.device("cuda", 0))
+    assert Decoder(causal_lm("llama")).prefill_graphs
+    assert not Decoder(causal_lm("llama"), cuda_graphs=False).prefill_graphs
+    assert not Decoder(causal_lm("llama"), prefill_graphs=False).prefill_graphs
+    assert not Decoder(t5_model()).prefill_graphs  # an encoder-decoder's decoder starts from one token

@@ -48,12 +48,13 @@ class Decoder:
     ``compile_prefill``: whether an optimized model's prefill is compiled (else its rewritten graph runs as is);
     ``compile_layers_once``: Inductor compiles each distinct layer of the prefill and step graphs once;
     ``prefill_graphs``: a causal LM's prompts are left-padded to power-of-two buckets and their prefills replayed from
-    CUDA graphs (:mod:`~kernel_pytorch.features.generation.prefill_graphs`); ``prefill_any_batch``: one prefill graph
+    CUDA graphs (:mod:`~kernel_pytorch.features.generation.prefill_graphs`; "auto": where the steps replay CUDA graphs
+    on a CUDA device); ``prefill_any_batch``: one prefill graph
     serves every batch size, batch 1 included."""
 
     def __init__(self, model: nn.Module, max_length: int | None = None,
                  batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32), cuda_graphs: bool | str = "auto",
-                 compile_prefill: bool = True, compile_layers_once: bool = False, prefill_graphs: bool = False,
+                 compile_prefill: bool = True, compile_layers_once: bool = False, prefill_graphs: bool | str = "auto",
                  prefill_any_batch: bool = False):
         reason = why_not_generative(model)
         if reason:
@@ -64,7 +65,7 @@ class Decoder:
         self.cuda_graphs = cuda_graphs is True or cuda_graphs == "auto"
         self.calls = ModelCalls.of(model, _backend_of(model), compile_prefill, compile_layers_once, prefill_any_batch)
         self.encoder_decoder = is_encoder_decoder(model)
-        self.prefill_graphs = prefill_graphs and not self.encoder_decoder  # its decoder's prompt is one start token
+        self._prefill_graphs = prefill_graphs
         # (batch bucket, cache length, encoder length or 0) -> lane, in order of use, the most recent last
         self.lanes: dict[tuple[int, int, int], DecodeLane] = {}
         self.lane: DecodeLane | None = None  # the lane of the request in progress
@@ -103,10 +104,20 @@ class Decoder:
             return prompt_length
         return padded_prompt_length(prompt_length, self.max_length - max(1, max_new_tokens or 0))
 
+    @property
+    def prefill_graphs(self) -> bool:
+        """Whether prompts are padded to buckets whose prefills replay CUDA graphs: never for an encoder-decoder (its
+        decoder's prompt is one start token); with "auto", where the steps replay CUDA graphs on a CUDA device."""
+        if self.encoder_decoder:
+            return False
+        if self._prefill_graphs == "auto":
+            return self.cuda_graphs and self._device().type == "cuda"
+        return bool(self._prefill_graphs)
+
     def set_prefill_graphs(self, enabled: bool) -> None:
         """Turn the prefill graphs on or off for later requests; the lanes are dropped, to be rebuilt with or without
         them (the compiled prefill and step are kept)."""
-        self.prefill_graphs = enabled and not self.encoder_decoder
+        self._prefill_graphs = enabled
         self.lanes.clear()
         self.lane = None
         self.notes.append(f"generation: prefill graphs turned {'on' if self.prefill_graphs else 'off'}; lanes rebuilt")
