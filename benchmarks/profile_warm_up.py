@@ -7,7 +7,7 @@ compiled meanwhile (its counters and recompile reasons) and a host profile of th
 issue 27's warm-up target.
 
     python benchmarks/profile_warm_up.py [--layers 16] [--top 45] [--out DIR] [--generation JSON] [--no-host-profile]
-                                         [--first-generate BATCH ...]
+                                         [--no-warm-up-profile] [--first-generate BATCH ...]
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--generation", type=json.loads, default={}, metavar="JSON",
                         help="optimize(model, generation=...), e.g. '{\"compile_layers_once\": true}'")
     parser.add_argument("--no-host-profile", action="store_true", help="no cProfile (it slows the host's work)")
+    parser.add_argument("--no-warm-up-profile", action="store_true",
+                        help="profile only the first generate calls: the warm-up runs at full speed")
     parser.add_argument("--first-generate", type=int, nargs="*", default=[], metavar="BATCH",
                         help="after the warm-up, time the first two generate calls at each batch size")
     args = parser.parse_args(argv)
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     with timed_compiles(records):
         model = kernel_pytorch.optimize(llama(args.layers), generation={"enabled": True, **args.generation})
         started = time.perf_counter()
-        with contextlib.nullcontext() if args.no_host_profile else profiler:
+        with contextlib.nullcontext() if args.no_host_profile or args.no_warm_up_profile else profiler:
             model.generate.warm_up(progress=False)
     seconds = time.perf_counter() - started
     first_profiler = None if args.no_host_profile else cProfile.Profile()
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     first_calls = [time_generate_calls(model, batch, first_profiler) for batch in args.first_generate]
     first_calls += [dynamo_line(before)] if args.first_generate else []
     stream = io.StringIO()
-    if not args.no_host_profile:
+    if not (args.no_host_profile or args.no_warm_up_profile):
         pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(args.top)
     if first_profiler is not None and args.first_generate:
         for order in ("cumulative", "tottime"):  # tottime: the functions that hold the host themselves
