@@ -294,6 +294,13 @@ class ShapeBucketsConfig(ConfigModel):
         False, description="Capture every bucket ahead of time, with a progress bar: at optimize time with "
         "example_inputs (their values fill the buckets), else at the first call."
     )
+    cuda_graphs: bool = Field(
+        False, description="Experimental, not yet measured on a GPU: replay each bucket's inference calls on CUDA "
+        "from a CUDA graph of its own, captured at the bucket's first call (or at the warm-up), all sharing one "
+        "memory pool; outputs are fresh copies. Calls with autograd, off CUDA, or with unhashable non-tensor "
+        "arguments run compiled as without it. Not with compile='reduce-overhead' or 'max-autotune', whose "
+        "Inductor CUDA graphs it replaces."
+    )
 
     @field_validator("batch", "length")
     @classmethod
@@ -474,7 +481,10 @@ class OptimizeConfig(ConfigModel):
         conflict = ("context_parallel: a rank's shard would be padded in the middle of the sequence"
                     if self.context_parallel is not None else
                     "memory.offload_activations: bucketed calls run compiled entries of their own, outside its wrapper"
-                    if self.memory.offload_activations is not False else "")
+                    if self.memory.offload_activations is not False else
+                    f"compile={self.compile!r} when shape_buckets.cuda_graphs is on: Inductor's CUDA graphs and the "
+                    "buckets' own would capture the same calls (choose one)"
+                    if self.shape_buckets.cuda_graphs and self.compile in ("reduce-overhead", "max-autotune") else "")
         if conflict:
             raise ValueError(f"shape_buckets does not combine with {conflict}")
         return self

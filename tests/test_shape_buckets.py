@@ -366,7 +366,8 @@ def test_variable_shapes_benchmark_smoke(tmp_path):
     result = json.loads((tmp_path / "variable_shapes_cpu.json").read_text())
     providers = result["providers"]
     assert set(providers) == {"eager", "torch.compile", "torch.compile (dynamic=True)", "optimize (shape_buckets)",
-                              "optimize (shape_buckets, reduce-overhead)"}
+                              "optimize (shape_buckets, reduce-overhead)", "optimize (shape_buckets, cuda_graphs)"}
+    assert providers["optimize (shape_buckets, cuda_graphs)"]["options"]["shape_buckets"] == {"cuda_graphs": True}
     for name, entry in providers.items():
         assert entry["requests_per_s"] > 0 and entry["tokens_per_s"] > 0, name
     ours = providers["optimize (shape_buckets)"]

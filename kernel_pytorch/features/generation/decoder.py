@@ -16,7 +16,6 @@ only allocates its cache and captures; at most ``_MAX_LANES`` are kept, the leas
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 import torch.nn as nn
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kernel_pytorch.cuda_graph_capture import tensor_addresses
 from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls
 from kernel_pytorch.features.generation.model_calls import (cache_bytes, decoder_start_token, default_max_length,
                                                              is_encoder_decoder, why_not_generative)
@@ -242,7 +242,7 @@ class Decoder:
         ``model.to(...)``, ``model.half()`` or a parameter replaced by another tensor, a replay would read freed or
         stale memory. Every lane is rebuilt then (an in-place update, an optimizer step or ``load_state_dict``, keeps
         the addresses and the lanes)."""
-        addresses = _tensor_addresses(self.model)
+        addresses = tensor_addresses(self.model)
         if addresses == self._addresses:
             return
         if self.lanes:
@@ -273,19 +273,6 @@ class Decoder:
         lanes = ", ".join(f"{_lane_name(key)} ({lane.hits} request{'s' * (lane.hits != 1)}{_prefill_buckets(lane)})"
                           for key, lane in self.lanes.items())
         return f"generation lanes: {lanes}; KV caches {total:.1f} MiB"
-
-
-def _tensor_addresses(model: nn.Module) -> tuple[tuple[int, torch.dtype], ...]:
-    """Where each parameter and buffer lives, and its dtype: what a captured graph read. Checked at every request,
-    so the module tree is walked directly, without the qualified name ``model.parameters()`` builds per tensor (a
-    shared tensor is listed once per owner, which compares the same)."""
-    addresses, modules = [], [model]
-    while modules:
-        module = modules.pop()
-        addresses += [(t.data_ptr(), t.dtype) for t in itertools.chain(module._parameters.values(),
-                                                                       module._buffers.values()) if t is not None]
-        modules += [child for child in module._modules.values() if child is not None]
-    return tuple(addresses)
 
 
 def _rounded(length: int) -> int:

@@ -19,7 +19,7 @@ from torch.fx.experimental import _config as shape_config
 
 from kernel_pytorch.compiled_call import call_module, compiled_entry
 from kernel_pytorch.errors import first_line
-from kernel_pytorch.features.generation.cuda_graph import capture_after_warm_up
+from kernel_pytorch.cuda_graph_capture import capture_after_warm_up
 from kernel_pytorch.features.generation.sampling import SamplingSettings, draw, warped_scores
 from kernel_pytorch.features.generation.model_calls import (cache_keyword, is_encoder_decoder, new_static_cache,
                                                              takes_logits_to_keep)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from kernel_pytorch.errors import first_line
-from kernel_pytorch.features.generation.cuda_graph import capture_after_warm_up
+from kernel_pytorch.cuda_graph_capture import capture_after_warm_up
 
 __all__ = ["PrefillGraphs", "MIN_BUCKET", "prompt_bucket", "buckets_below", "padded_prompt_length", "left_padded",
            "host_counted_cache"]

@@ -25,6 +25,7 @@ from kernel_pytorch.features.shape_buckets.ladder import Ladder, bucket_for
 from kernel_pytorch.features.shape_buckets.padding import (CallShape, NamedCall, Parameters, argument_dims,
                                                            call_shape, lead_tensor, name_call, pad_call, repeated_to,
                                                            slice_outputs, with_attention_mask)
+from kernel_pytorch.features.shape_buckets.graphs import BucketGraphs, replayable
 from kernel_pytorch.features.shape_buckets.plan import BucketPlan
 from kernel_pytorch.features.shape_buckets.safety import Verdict, check_padding
 from kernel_pytorch.report import OptimizationReport, ShapeBucketRecord
@@ -57,6 +58,7 @@ class ShapeBucketCall:
         self.parameters = Parameters.of(model.forward)
         self.entries: dict[tuple[int, int], CompiledCall] = {}
         self.records: dict[CallShape, ShapeBucketRecord] = {}
+        self.graphs = BucketGraphs(model, report) if plan.settings.cuda_graphs else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = name_call(self.parameters, args, kwargs)
@@ -79,7 +81,7 @@ class ShapeBucketCall:
             return self.inner(*args, **kwargs)
         bucket = self._bucket(shape, ladder)
         padded_args, padded_kwargs = pad_call(call, shape, bucket, dims, self.plan.fills)
-        out = self._entry(bucket, ladder)(*padded_args, **padded_kwargs)
+        out = self._run(bucket, ladder, padded_args, padded_kwargs)
         self._count(shape, bucket)
         return slice_outputs(out, shape, bucket, self.plan.verdict.outputs)
 
@@ -111,11 +113,18 @@ class ShapeBucketCall:
             task = progress.add_task(f"capturing {len(buckets)} shape buckets", total=len(buckets))
             for bucket in buckets:
                 args, kwargs = repeated_to(template, shape, bucket, dims).arguments()
-                self._entry(bucket, ladder)(*args, **kwargs)
+                self._run(bucket, ladder, args, kwargs)
                 progress.advance(task)
         return len(buckets)
 
     # -- buckets -------------------------------------------------------------------------------------------------
+
+    def _run(self, bucket: CallShape, ladder: Ladder, args: tuple, kwargs: dict) -> Any:
+        """The bucket's compiled entry on a padded call: replayed from the bucket's CUDA graph where the option is on
+        and the call allows (:func:`~kernel_pytorch.features.shape_buckets.graphs.replayable`)."""
+        entry = self._entry(bucket, ladder)
+        key = replayable(args, kwargs) if self.graphs is not None else None
+        return entry(*args, **kwargs) if key is None else self.graphs.run(key, entry, args, kwargs)
 
     def _bucket(self, shape: CallShape, ladder: Ladder) -> CallShape:
         batch = shape.batch if ladder.batch is None else self._size(shape.batch, ladder.batch, "batch")

@@ -1,13 +1,16 @@
-"""Capturing one call of the decoder's (a decode step, a bucket's prefill) as a CUDA graph after warm-up runs."""
+"""Capturing one call as a CUDA graph after warm-up runs (a decode step, a prefill bucket, a shape bucket), and the
+addresses a captured graph read its module's tensors at."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
+import torch.nn as nn
 
-__all__ = ["capture_after_warm_up"]
+__all__ = ["capture_after_warm_up", "tensor_addresses"]
 
 T = TypeVar("T")
 
@@ -32,3 +35,16 @@ def capture_after_warm_up(body: Callable[[], T], warm_ups: int, reset: Callable[
     with torch.cuda.graph(graph, pool=pool):
         output = body()
     return graph, output
+
+
+def tensor_addresses(model: nn.Module) -> tuple[tuple[int, torch.dtype], ...]:
+    """Where each parameter and buffer lives, and its dtype: what a captured graph read. Checked at every call that
+    replays one, so the module tree is walked directly, without the qualified name ``model.parameters()`` builds per
+    tensor (a shared tensor is listed once per owner, which compares the same)."""
+    addresses, modules = [], [model]
+    while modules:
+        module = modules.pop()
+        addresses += [(t.data_ptr(), t.dtype) for t in itertools.chain(module._parameters.values(),
+                                                                       module._buffers.values()) if t is not None]
+        modules += [child for child in module._modules.values() if child is not None]
+    return tuple(addresses)

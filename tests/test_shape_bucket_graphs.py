@@ -1,0 +1,57 @@
+"""shape_buckets.cuda_graphs on the CPU: which calls a bucket's CUDA graph may serve, the option's config errors, and
+calls that cannot replay (the CPU's) running as without it. The replays themselves: tests/test_shape_buckets_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import kernel_pytorch
+from kernel_pytorch import report_of
+from kernel_pytorch.config import OptimizeConfig
+from kernel_pytorch.errors import ConfigError
+from kernel_pytorch.features.shape_buckets.graphs import GRAPHS_NOTE, replayable
+from kernel_pytorch.features.shape_buckets.wrapper import bucket_call
+
+from .conftest import rel_err, twin
+from .test_shape_buckets import FLOAT32, bert, tokens
+
+
+def test_a_graph_serves_inference_calls_on_cuda_with_hashable_arguments():
+    with FakeTensorMode():  # CUDA tensors without a GPU: only their metadata is read
+        ids = torch.empty(4, 32, dtype=torch.long, device="cuda")
+        half = torch.empty(2, 32, dtype=torch.long, device="cuda")
+        cpu_ids = torch.empty(4, 32, dtype=torch.long)
+    with torch.no_grad():
+        key = replayable((ids,), {"attention_mask": ids, "return_dict": True})
+        assert key == ((0, (4, 32), torch.long, ids.device), ("attention_mask", (4, 32), torch.long, ids.device),
+                       ("return_dict", True))
+        assert replayable((ids,), {"attention_mask": ids}) != replayable((half,), {"attention_mask": half})
+        assert replayable((cpu_ids,), {}) is None  # not on CUDA
+        assert replayable((ids,), {"labels": [1, 2]}) is None  # a list cannot key a graph
+    assert replayable((ids,), {}) is None  # autograd on: the graph would not record the backward
+
+
+def test_cuda_graphs_do_not_combine_with_inductors_own():
+    with pytest.raises(ConfigError) as caught:
+        OptimizeConfig(shape_buckets={"cuda_graphs": True}, compile="reduce-overhead")
+    assert str(caught.value) == ("shape_buckets does not combine with compile='reduce-overhead' when "
+                                 "shape_buckets.cuda_graphs is on: Inductor's CUDA graphs and the buckets' own would "
+                                 "capture the same calls (choose one)")
+    assert OptimizeConfig(shape_buckets={"cuda_graphs": True}, compile="max-autotune-no-cudagraphs").shape_buckets
+
+
+def test_calls_that_cannot_replay_run_compiled_as_without_the_option():
+    torch.manual_seed(0)
+    model, key = bert()
+    model.eval()
+    reference = twin(model)
+    model = kernel_pytorch.optimize(model, example_inputs=tokens(2, 11), shape_buckets={"cuda_graphs": True})
+    for batch, length in ((3, 17), (4, 32)):
+        inputs = tokens(batch, length, padded_rows=1)
+        with torch.no_grad():
+            out, expected = model(**inputs), reference(**inputs)
+        assert rel_err(out[key], expected[key]) < FLOAT32, (batch, length)
+    assert bucket_call(model).graphs.graphs == {}  # CPU tensors: nothing captured
+    assert not any(note.startswith(GRAPHS_NOTE) for note in report_of(model).notes)
