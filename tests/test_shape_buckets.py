@@ -366,8 +366,13 @@ def test_variable_shapes_benchmark_smoke(tmp_path):
     result = json.loads((tmp_path / "variable_shapes_cpu.json").read_text())
     providers = result["providers"]
     assert set(providers) == {"eager", "torch.compile", "torch.compile (dynamic=True)", "optimize (shape_buckets)",
-                              "optimize (shape_buckets, reduce-overhead)", "optimize (shape_buckets, cuda_graphs)"}
+                              "optimize (shape_buckets, reduce-overhead)", "optimize (shape_buckets, cuda_graphs)",
+                              "optimize (shape_buckets, fine ladder, cuda_graphs)"}
     assert providers["optimize (shape_buckets, cuda_graphs)"]["options"]["shape_buckets"] == {"cuda_graphs": True}
+    fine = providers["optimize (shape_buckets, fine ladder, cuda_graphs)"]
+    assert fine["options"]["shape_buckets"] == {"batch": [1, 2], "length": [16, 32], "cuda_graphs": True,
+                                                "warm_up": True}  # the smoke run's largest batch 2 and length 32
+    assert fine["padding_waste"] >= 0
     for name, entry in providers.items():
         assert entry["requests_per_s"] > 0 and entry["tokens_per_s"] > 0, name
     ours = providers["optimize (shape_buckets)"]
@@ -375,6 +380,15 @@ def test_variable_shapes_benchmark_smoke(tmp_path):
     assert ours["padding_waste"] >= 0
     assert result["targets"][0]["target"] == 1.5
     assert (tmp_path / "variable_shapes_cpu.png").exists()
+
+
+def test_the_fine_ladder_halves_the_batch_steps_and_takes_every_16_tokens():
+    from benchmarks import variable_shapes
+
+    s = variable_shapes.make_setup(variable_shapes.parse_args([]))  # the full run: batch 1-32, lengths 16-512
+    ladder = variable_shapes.fine_ladder_options(s)["shape_buckets"]
+    assert ladder["batch"] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    assert ladder["length"] == list(range(16, 513, 16))
 
 
 def test_variable_shapes_stops_a_provider_once_it_cannot_be_the_fastest():
