@@ -375,7 +375,8 @@ def render_decode(data: dict) -> list[str]:
                                                   "(same warm-up)"))
         lines += [f"**{model}** ({measured_on(entry.get('environment'))})",
                   table(["provider", "warm-up", *[f"batch {b}: tokens/s per sequence (share of the HBM limit)"
-                                                  for b in batches], "TTFT ms (512 / 4096)", "peak at the points"], rows)]
+                                                  for b in batches], "TTFT ms (512 / 4096)", "peak at the points"],
+                        rows)]
     lines += [f"- {t}" for t in data.get("summary", []) if t.startswith("target")]
     return lines + _note(data)
 

@@ -11,6 +11,8 @@ import kernel_pytorch
 from kernel_pytorch import report_of
 from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.errors import ConfigError
+from kernel_pytorch.report import OptimizationReport
+from kernel_pytorch.features.shape_buckets import graphs as graphs_module
 from kernel_pytorch.features.shape_buckets.graphs import GRAPHS_NOTE, replayable
 from kernel_pytorch.features.shape_buckets.wrapper import bucket_call
 
@@ -55,3 +57,20 @@ def test_calls_that_cannot_replay_run_compiled_as_without_the_option():
         assert rel_err(out[key], expected[key]) < FLOAT32, (batch, length)
     assert bucket_call(model).graphs.graphs == {}  # CPU tensors: nothing captured
     assert not any(note.startswith(GRAPHS_NOTE) for note in report_of(model).notes)
+
+
+def test_a_failed_capture_turns_the_graphs_off_with_a_report_line(monkeypatch):
+    attempts = []
+
+    def refuse(entry, args, kwargs, sharing):
+        attempts.append(args)
+        raise RuntimeError("operation not permitted when stream is capturing\n(the CUDA error's details)")
+
+    monkeypatch.setattr(graphs_module._BucketGraph, "capture", staticmethod(refuse))
+    report = OptimizationReport()
+    graphs = graphs_module.BucketGraphs(torch.nn.Linear(2, 2), report)
+    for _ in range(2):
+        assert graphs.run(("key",), lambda x: x * 2, (torch.ones(2),), {}).tolist() == [2.0, 2.0]
+    assert len(attempts) == 1 and graphs.graphs == {}  # not tried again at the second call
+    assert report.notes == [f"{GRAPHS_NOTE} off, a capture failed (RuntimeError: operation not permitted when "
+                            "stream is capturing); calls run compiled without graphs"]

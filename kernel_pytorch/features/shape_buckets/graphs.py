@@ -9,7 +9,8 @@ graphs share one memory pool: each capture reuses what the previous one freed, s
 bucket's activations and every bucket's inputs and outputs.
 
 A graph is used for calls that are inference (no autograd), on a CUDA device, with hashable non-tensor arguments;
-other calls run the compiled entry as without the option. When the model's parameters or buffers move (``.to()``,
+other calls run the compiled entry as without the option, and so does every call once a capture failed (an op that
+syncs with the host), with a report line. When the model's parameters or buffers move (``.to()``,
 ``.half()``, a replaced parameter), every graph is dropped and captured again at its next call.
 """
 
@@ -24,6 +25,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from kernel_pytorch.cuda_graph_capture import capture_after_warm_up, tensor_addresses
+from kernel_pytorch.errors import first_line
 from kernel_pytorch.report import OptimizationReport
 
 __all__ = ["BucketGraphs", "replayable", "GRAPHS_NOTE"]
@@ -62,17 +64,26 @@ class BucketGraphs:
         self.model, self.report = model, report
         self.graphs: dict[CallKey, _BucketGraph] = {}
         self.capture_seconds = 0.0
+        self.failure = ""  # why a capture failed: then no call replays a graph
         self._addresses: tuple[tuple[int, torch.dtype], ...] = ()
 
     def run(self, key: CallKey, entry: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The outputs of ``entry(*args, **kwargs)``, from the key's graph (captured now if it has none), as fresh
         tensors."""
         self._drop_if_the_model_moved()
+        if self.failure:
+            return entry(*args, **kwargs)
         graph = self.graphs.get(key)
         if graph is None:
             started = time.perf_counter()
-            graph = self.graphs[key] = _BucketGraph.capture(entry, args, kwargs,
-                                                            {k: g.graph for k, g in self.graphs.items()})
+            try:
+                graph = _BucketGraph.capture(entry, args, kwargs, {k: g.graph for k, g in self.graphs.items()})
+            except RuntimeError as error:  # an op the capture refuses (a host sync): every call runs compiled
+                self.failure = first_line(error)
+                self.report.set_note(GRAPHS_NOTE, f"{GRAPHS_NOTE} off, a capture failed ({self.failure}); calls run "
+                                                  "compiled without graphs")
+                return entry(*args, **kwargs)
+            self.graphs[key] = graph
             self.capture_seconds += time.perf_counter() - started
             self.report.set_note(GRAPHS_NOTE, f"{GRAPHS_NOTE} {len(self.graphs)} shape buckets replayed from CUDA "
                                               f"graphs of their own (captured in {self.capture_seconds:.1f} s)")
