@@ -6,7 +6,7 @@ without graphs (``benchmarks/results/variable_shapes.json``). Here a bucket's pa
 warm-up runs, into a graph that owns static copies of the call's tensors; a later call of that bucket copies its
 padded tensors in, replays, and gets fresh copies of the outputs (the next replay rewrites the graph's own). All the
 graphs share one memory pool: each capture reuses what the previous one freed, so the pool holds the largest
-bucket's activations and every bucket's inputs and outputs.
+bucket's activations and every bucket's outputs (the static inputs are ordinary allocations, made before capture).
 
 A graph is used for calls that are inference (no autograd), on a CUDA device, with hashable non-tensor arguments;
 other calls run the compiled entry as without the option, and so does every call once a capture failed (an op that
