@@ -11,9 +11,9 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-# GPU_TESTS: which test files (default: all); "none" runs no tests
+# GPU_TESTS: which test files (default: all); "none" runs no tests. GPU_TESTS_TIMEOUT: their seconds (default 300)
 if [ "${GPU_TESTS:-tests}" != none ]; then
-  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -30
+  timeout "${GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -30
 fi
 for step in "$@"; do
   case "$step" in
