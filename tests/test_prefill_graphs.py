@@ -20,7 +20,7 @@ from kernel_pytorch.features.generation.prefill_graphs import (PrefillGraphs, bu
 from .generation_models import causal_lm, left_padded_prompts, t5_model
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "gemma2", "mistral_sliding"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "mistral_sliding"])  # qwen3: llama's layout
 def test_prompts_padded_to_their_buckets_keep_the_tokens(family):
     model = causal_lm(family)
     reference = copy.deepcopy(model)
