@@ -484,7 +484,7 @@ def measure_other_prefill_arm(runner, info: dict, hbm: dict, s: Setup, memory: P
     process (new lanes and their captures, no new compile), with their peak memory (``points_peak_gib``, as the
     provider's own). Returns the arm's key (``with_prefill_graphs`` or ``without_prefill_graphs``) and its record."""
     decoder = runner.model.generate.decoder
-    first = decoder.prefill_graphs
+    option, first = decoder.prefill_graphs_option, decoder.prefill_graphs
     decoder.set_prefill_graphs(not first)
     try:
         memory.phase()
@@ -493,7 +493,7 @@ def measure_other_prefill_arm(runner, info: dict, hbm: dict, s: Setup, memory: P
         arm = {"ttft_ms": ttfts, "batches": batches, "points_peak_gib": memory.phase(), "lanes": decoder.summary()}
         return ("without_prefill_graphs" if first else "with_prefill_graphs"), arm
     finally:
-        decoder.set_prefill_graphs(first)
+        decoder.set_prefill_graphs(option)
 
 
 def write_host_profile(fn: Callable[[], Any], path: Path) -> None:

@@ -32,6 +32,9 @@ __all__ = ["OptimizeConfig", "Float8Config", "MemoryConfig", "GenerationConfig",
            "DEVICE_ALIASES", "DeviceName", "CompileMode"]
 
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+# The modes whose Inductor options replay CUDA graphs (torch._inductor.list_mode_options, which config does not
+# import: Inductor is heavy at import time; tests/test_shape_bucket_graphs.py checks the two agree).
+CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
 
 class Tolerance(ConfigModel):
@@ -484,7 +487,7 @@ class OptimizeConfig(ConfigModel):
                     if self.memory.offload_activations is not False else
                     f"compile={self.compile!r} when shape_buckets.cuda_graphs is on: Inductor's CUDA graphs and the "
                     "buckets' own would capture the same calls (choose one)"
-                    if self.shape_buckets.cuda_graphs and self.compile in ("reduce-overhead", "max-autotune") else "")
+                    if self.shape_buckets.cuda_graphs and self.compile in CUDA_GRAPH_COMPILE_MODES else "")
         if conflict:
             raise ValueError(f"shape_buckets does not combine with {conflict}")
         return self

@@ -76,9 +76,14 @@ def test_caches_counting_tokens_on_the_host_are_not_replayed_and_say_why():
 def test_auto_pads_prompts_only_where_the_steps_replay_cuda_graphs_on_a_cuda_device(monkeypatch):
     prompt = torch.randint(6, 128, (1, 20))
     on_cpu = Decoder(causal_lm("llama"))  # "auto" by default: the CPU has no CUDA graphs, so no padding
-    assert not on_cpu.prefill_graphs
+    assert not on_cpu.prefill_graphs and on_cpu.prefill_graphs_option == "auto"
     on_cpu.prefill(prompt, max_new_tokens=4)
     assert on_cpu.lane.next_slot == 20 and on_cpu.lane.prefill_graphs is None
+    on_cpu.set_prefill_graphs(True)  # forced: padded to the 32-token bucket even here
+    assert on_cpu.prefill_graphs and on_cpu.prefill(prompt, max_new_tokens=4) is not None
+    assert on_cpu.lane.next_slot == 32
+    on_cpu.set_prefill_graphs("auto")  # back to the option as given (the benchmark's A/B ends so)
+    assert not on_cpu.prefill_graphs and on_cpu.prefill_graphs_option == "auto"
     # where the model sits on a CUDA device, "auto" follows generation.cuda_graphs; True and False are kept as given
     monkeypatch.setattr(Decoder, "_device", lambda self: torch.device("cuda", 0))
     assert Decoder(causal_lm("llama")).prefill_graphs

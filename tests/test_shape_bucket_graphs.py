@@ -3,13 +3,15 @@ calls that cannot replay (the CPU's) running as without it. The replays themselv
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kernel_pytorch
 from kernel_pytorch import report_of
-from kernel_pytorch.config import OptimizeConfig
+from kernel_pytorch.config import CUDA_GRAPH_COMPILE_MODES, CompileMode, OptimizeConfig
 from kernel_pytorch.errors import ConfigError
 from kernel_pytorch.report import OptimizationReport
 from kernel_pytorch.features.shape_buckets import graphs as graphs_module
@@ -42,6 +44,13 @@ def test_cuda_graphs_do_not_combine_with_inductors_own():
                                  "shape_buckets.cuda_graphs is on: Inductor's CUDA graphs and the buckets' own would "
                                  "capture the same calls (choose one)")
     assert OptimizeConfig(shape_buckets={"cuda_graphs": True}, compile="max-autotune-no-cudagraphs").shape_buckets
+
+
+def test_the_compile_modes_refused_are_those_whose_inductor_options_replay_cuda_graphs():
+    from torch._inductor import list_mode_options
+
+    modes = typing.get_args(CompileMode)
+    assert set(CUDA_GRAPH_COMPILE_MODES) == {m for m in modes if list_mode_options(m).get("triton.cudagraphs")}
 
 
 def test_calls_that_cannot_replay_run_compiled_as_without_the_option():

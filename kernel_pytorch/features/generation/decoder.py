@@ -114,9 +114,14 @@ class Decoder:
             return self.cuda_graphs and self._device().type == "cuda"
         return bool(self._prefill_graphs)
 
-    def set_prefill_graphs(self, enabled: bool) -> None:
-        """Turn the prefill graphs on or off for later requests; the lanes are dropped, to be rebuilt with or without
-        them (the compiled prefill and step are kept)."""
+    @property
+    def prefill_graphs_option(self) -> bool | str:
+        """The option as given (True, False or "auto"), which :attr:`prefill_graphs` resolves."""
+        return self._prefill_graphs
+
+    def set_prefill_graphs(self, enabled: bool | str) -> None:
+        """Turn the prefill graphs on, off or back to "auto" for later requests; the lanes are dropped, to be rebuilt
+        with or without them (the compiled prefill and step are kept)."""
         self._prefill_graphs = enabled
         self.lanes.clear()
         self.lane = None

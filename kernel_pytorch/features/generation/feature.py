@@ -28,6 +28,8 @@ class GenerationFeature(Feature):
                 run.report.notes.append(f"generation: generate() left as it is: {reason}")
             return
         model.generate = FastGenerate(model, run.config.generation)
-        graphs = "replayed from CUDA graphs" if run.config.generation.cuda_graphs is not False else "compiled"
+        config = run.config.generation
+        graphs = "compiled" if config.cuda_graphs is False else "replayed from CUDA graphs" if \
+            config.prefill_graphs is False else "and prefills (in prompt-length buckets) replayed from CUDA graphs"
         run.report.notes.append(f"generation: generate() (greedy, sampling) runs a static-KV-cache loop, decode "
                                 f"steps {graphs} on CUDA (kernel_pytorch.features.generation)")

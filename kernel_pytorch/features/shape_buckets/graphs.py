@@ -70,9 +70,9 @@ class BucketGraphs:
     def run(self, key: CallKey, entry: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The outputs of ``entry(*args, **kwargs)``, from the key's graph (captured now if it has none), as fresh
         tensors."""
-        self._drop_if_the_model_moved()
         if self.failure:
             return entry(*args, **kwargs)
+        self._drop_if_the_model_moved()
         graph = self.graphs.get(key)
         if graph is None:
             started = time.perf_counter()
