@@ -1,0 +1,94 @@
+"""Where the baselines of ``benchmarks/variable_shapes.py`` spend a request: a per-shape cost, or the kernels?
+
+    python benchmarks/diagnose_variable_shapes.py [--requests N] [--out DIR]
+
+Same model and requests as ``variable_shapes.py`` (BERT-base, bf16, batch 1..32 x length 16..512, seeded). For
+eager and ``torch.compile``, each with PyTorch's default SDPA backends and with cuDNN attention turned off
+(``torch.backends.cuda.enable_cudnn_sdp(False)``): seconds per request over ``--requests`` requests of shapes not
+seen before (first pass), then over the same requests again (second pass: every shape seen). A first pass much
+slower than the second is a cost paid once per shape. ``torch.compile`` is warmed up on the ten requests after
+them first. Also: which SDPA backend PyTorch picks for one request's attention call (``torch._fused_sdp_choice``),
+and the ten host-side ops that took the most time in an eager first pass (``torch.profiler``).
+
+Prints a line per case and writes ``diagnose_variable_shapes.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.harness import environment, write_result  # noqa: E402
+from benchmarks.variable_shapes import Setup, build_model, make_requests, make_setup, serve  # noqa: E402
+
+_WARM_UP = 10  # requests compile warms up on (after the timed ones): enough for it to make the sizes dynamic
+
+
+def seconds_per_request(model: Any, requests: list[dict[str, torch.Tensor]], s: Setup) -> float:
+    return round(serve(model, requests, s)[0] / len(requests), 5)
+
+
+def case(name: str, cudnn: bool, requests: list, warm: list, s: Setup) -> dict[str, Any]:
+    """First and second pass of one provider with cuDNN attention on or off."""
+    torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    torch._dynamo.reset()
+    model = build_model(s)
+    if name == "torch.compile":
+        model = torch.compile(model)
+        serve(model, warm, s)
+    result = {"provider": name, "cudnn_sdp": cudnn, "first_pass_s_per_request": seconds_per_request(model, requests, s),
+              "second_pass_s_per_request": seconds_per_request(model, requests, s)}
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    print(result, flush=True)
+    return result
+
+
+def sdpa_choice(s: Setup) -> dict[str, str]:
+    """The backend PyTorch's dispatch picks for BERT's attention call at batch 8 x 300 tokens, with and without
+    the all-ones padding mask transformers may pass."""
+    from torch.nn.attention import SDPBackend
+
+    q = torch.randn(8, s.heads, 300, s.hidden // s.heads, device="cuda", dtype=s.dtype)
+    mask = torch.zeros(8, 1, 1, 300, device="cuda", dtype=s.dtype)
+    return {label: SDPBackend(torch._fused_sdp_choice(q, q, q, attn_mask=m)).name
+            for label, m in (("no mask", None), ("additive mask (B, 1, 1, L)", mask))}
+
+
+def host_ops(requests: list, s: Setup) -> list[dict[str, Any]]:
+    """The ten ops with the most host time over an eager first pass of ``requests``."""
+    model = build_model(s)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        serve(model, requests, s)
+    events = sorted(profile.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    return [{"op": e.key, "calls": e.count, "self_host_ms": round(e.self_cpu_time_total / 1e3, 2)} for e in events]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=100, help="requests per pass (default 100)")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = parser.parse_args(argv)
+    s = make_setup(argparse.Namespace(device="cuda", quick=False, requests=None, max_batch=None, max_length=None))
+    everything = make_requests(s)
+    chunks = [everything[i * args.requests:(i + 1) * args.requests] for i in range(5)]
+    warm = everything[5 * args.requests:5 * args.requests + _WARM_UP]
+    payload: dict[str, Any] = {"environment": environment(), "requests_per_pass": args.requests,
+                               "sdpa_choice": sdpa_choice(s)}
+    print(payload["sdpa_choice"], flush=True)
+    # each case gets shapes of its own: a shape another case ran may be cached already
+    payload["cases"] = [case(name, cudnn, chunk, warm, s) for (name, cudnn), chunk in
+                        zip((("eager", True), ("eager", False), ("torch.compile", True), ("torch.compile", False)),
+                            chunks)]
+    payload["eager_host_ops"] = host_ops(chunks[4][:20], s)
+    for op in payload["eager_host_ops"]:
+        print(op, flush=True)
+    write_result("diagnose_variable_shapes", payload, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
