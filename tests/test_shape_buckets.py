@@ -364,12 +364,14 @@ def test_variable_shapes_benchmark_smoke(tmp_path):
 
     # On the CPU the two graph providers (Inductor's, the buckets' own) run as the plain optimize one: left out here.
     providers = ["eager", "torch.compile", "torch.compile (dynamic=True)", "optimize (shape_buckets)",
-                 "optimize (shape_buckets, fine ladder, cuda_graphs)"]
-    variable_shapes.main(["--device", "cpu", "--serve-all", "--out", str(tmp_path), "--providers", *providers])
+                 "optimize (shape_buckets, fine ladder, cuda_graphs)", "eager (cuDNN attention off)"]
+    variable_shapes.main(["--device", "cpu", "--serve-all", "--second-pass", "--out", str(tmp_path),
+                          "--providers", *providers])
     result = json.loads((tmp_path / "variable_shapes_cpu.json").read_text())
     assert set(result["providers"]) == set(providers)
     for name, entry in result["providers"].items():
-        assert entry["requests_per_s"] > 0 and entry["tokens_per_s"] > 0, name
+        assert entry["requests_per_s"] > 0 and entry["tokens_per_s"] > 0 and entry["second_pass_requests_per_s"] > 0
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the cuDNN-off provider restored PyTorch's setting
     ours = result["providers"]["optimize (shape_buckets)"]
     assert sum(b["calls"] for b in ours["buckets"]) == result["requests"]
     assert ours["padding_waste"] >= 0
@@ -377,7 +379,8 @@ def test_variable_shapes_benchmark_smoke(tmp_path):
     assert fine["options"]["shape_buckets"] == {"batch": [1, 2], "length": [16, 32], "cuda_graphs": True,
                                                 "warm_up": True}  # the smoke run's largest batch 2 and length 32
     assert fine["padding_waste"] >= 0
-    assert result["targets"][0]["target"] == 1.5
+    assert [t["target"] for t in result["targets"]] == [1.5, 1.5]
+    assert result["targets"][1]["baseline"] in variable_shapes.TUNED_BASELINES
     assert (tmp_path / "variable_shapes_cpu.png").exists()
 
 
