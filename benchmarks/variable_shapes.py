@@ -19,9 +19,13 @@ own, ``shape_buckets={"cuda_graphs": True}``); ``optimize (shape_buckets)`` (the
 GPU); ``eager (cuDNN attention off)``; ``torch.compile (dynamic=True)``; ``optimize (shape_buckets,
 reduce-overhead)`` (Inductor's CUDA graphs); ``eager``. On the H100 PyTorch's SDPA picks cuDNN attention, which
 builds a plan for every new shape (``diagnose_variable_shapes.py``); the two "cuDNN attention off" baselines run
-with ``torch.backends.cuda.enable_cudnn_sdp(False)``. Its plans stay cached in the process: a baseline after
-another with the same attention layouts finds the shapes cached (faster than a first sight; our providers do not
-use cuDNN attention). ``--second-pass``: each provider serves its requests again, every shape seen.
+with ``torch.backends.cuda.enable_cudnn_sdp(False)``. ``--second-pass``: each provider serves its requests again,
+every shape seen.
+
+Each provider runs in a process of its own with empty Inductor and Triton caches (``--in-process``: all in this
+one, for the CPU smoke run). In one process the providers changed each other's numbers: cuDNN's plans cached for a
+shape by one baseline served the next, and a ``torch.compile`` with cuDNN attention on reused, from Inductor's
+cache, the graph compiled with it off (SDPA's backend is chosen when the graph is traced).
 
 Each provider gets a fresh model (same seed). Warm-up, timed apart (``warm_up_s``): one request of each distinct
 (batch, length) bucket of ``shape_buckets="auto"`` that the requests reach, the first such request, so that every
@@ -44,7 +48,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,6 +260,34 @@ def run_provider(provider: str, s: Setup, requests: list, warm: list, fastest: t
     return result
 
 
+def run_isolated(provider: str, args: argparse.Namespace, fastest: tuple[str, float] | None) -> dict:
+    """:func:`run_provider` in a fresh Python process with empty Inductor and Triton caches (module docstring)."""
+    with tempfile.TemporaryDirectory(prefix="variable_shapes_") as scratch:
+        result_path = Path(scratch) / "provider.json"
+        command = [sys.executable, __file__, "--child", provider, str(result_path), "--device", args.device,
+                   *(["--quick"] if args.quick else []), *(["--second-pass"] if args.second_pass else []),
+                   *[f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ("requests", "max_batch",
+                                                                                    "max_length")
+                     if getattr(args, name) is not None],
+                   *(["--stop-after", fastest[0], str(fastest[1])] if fastest else [])]
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{scratch}/inductor", "TRITON_CACHE_DIR": f"{scratch}/triton"}
+        child = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if child.returncode != 0 or not result_path.exists():
+            last = (child.stdout.strip().splitlines() or ["no output"])[-1]
+            return {"error": f"the provider's process exited with status {child.returncode}: {last}"}
+        return json.loads(result_path.read_text())
+
+
+def run_child(args: argparse.Namespace) -> None:
+    """The ``--child`` process: one provider's :func:`run_provider`, written to the path given."""
+    provider, path = args.child
+    s = make_setup(args)
+    requests = make_requests(s)
+    fastest = (args.stop_after[0], float(args.stop_after[1])) if args.stop_after else None
+    result = run_provider(provider, s, requests, warm_up_requests(requests, s), fastest, args.second_pass)
+    Path(path).write_text(json.dumps(result))
+
+
 def fastest_finished(providers: dict[str, dict]) -> tuple[str, float] | None:
     """The provider that served every request fastest so far, and its seconds; None before any did."""
     finished = {name: r["total_s"] for name, r in providers.items() if "total_s" in r and "stopped" not in r}
@@ -356,6 +392,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--second-pass", action="store_true",
                         help="each provider then serves its requests again: every shape seen (caches per shape "
                              "warm, as in a server that has run a while)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="every provider in this process (they can change each other's numbers: docstring)")
+    parser.add_argument("--child", nargs=2, metavar=("PROVIDER", "RESULT_JSON"), help=argparse.SUPPRESS)
+    parser.add_argument("--stop-after", nargs=2, metavar=("PROVIDER", "SECONDS"), help=argparse.SUPPRESS)
     args = scaled_run_args(parser, argv)
     return args
 
@@ -368,6 +408,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/variable_shapes.py needs a CUDA GPU (or --device cpu for a smoke run)")
+    if args.child:
+        return run_child(args)
     s = make_setup(args)
     started = time.perf_counter()
     requests = make_requests(s)
@@ -376,11 +418,13 @@ def main(argv: list[str] | None = None) -> None:
         "scale": s.scale, "dtype": str(s.dtype), "requests": len(requests),
         "model": {"name": "BertModel", "layers": s.layers, "hidden": s.hidden, "heads": s.heads, "ffn": s.ffn},
         "request_shapes": {"batch": [1, s.max_batch], "length": [s.min_length, s.max_length]},
-        "tokens": sum(r["input_ids"].numel() for r in requests), "warm_up_requests": len(warm), "providers": {}}
+        "tokens": sum(r["input_ids"].numel() for r in requests), "warm_up_requests": len(warm),
+        "processes": "all providers in one" if args.in_process else "one per provider, caches empty", "providers": {}}
     for provider in args.providers:
         case_started = time.perf_counter()
         fastest = None if args.serve_all else fastest_finished(payload["providers"])
-        payload["providers"][provider] = run_provider(provider, s, requests, warm, fastest, args.second_pass)
+        payload["providers"][provider] = (run_provider(provider, s, requests, warm, fastest, args.second_pass)
+                                          if args.in_process else run_isolated(provider, args, fastest))
         shown = {k: v for k, v in payload["providers"][provider].items() if k not in ("buckets", "notes")}
         print(f"{provider} ({time.perf_counter() - case_started:.0f} s): {shown}", flush=True)
         payload["targets"] = targets(payload["providers"])

@@ -365,7 +365,7 @@ def test_variable_shapes_benchmark_smoke(tmp_path):
     # On the CPU the two graph providers (Inductor's, the buckets' own) run as the plain optimize one: left out here.
     providers = ["eager", "torch.compile", "torch.compile (dynamic=True)", "optimize (shape_buckets)",
                  "optimize (shape_buckets, fine ladder, cuda_graphs)", "eager (cuDNN attention off)"]
-    variable_shapes.main(["--device", "cpu", "--serve-all", "--second-pass", "--out", str(tmp_path),
+    variable_shapes.main(["--device", "cpu", "--serve-all", "--second-pass", "--in-process", "--out", str(tmp_path),
                           "--providers", *providers])
     result = json.loads((tmp_path / "variable_shapes_cpu.json").read_text())
     assert set(result["providers"]) == set(providers)
@@ -382,6 +382,17 @@ def test_variable_shapes_benchmark_smoke(tmp_path):
     assert [t["target"] for t in result["targets"]] == [1.5, 1.5]
     assert result["targets"][1]["baseline"] in variable_shapes.TUNED_BASELINES
     assert (tmp_path / "variable_shapes_cpu.png").exists()
+
+
+def test_variable_shapes_runs_each_provider_in_a_process_of_its_own(tmp_path):
+    from benchmarks import variable_shapes
+
+    variable_shapes.main(["--device", "cpu", "--requests", "6", "--out", str(tmp_path), "--providers", "eager",
+                          "eager (cuDNN attention off)"])
+    result = json.loads((tmp_path / "variable_shapes_cpu.json").read_text())
+    assert result["processes"] == "one per provider, caches empty"
+    assert result["requests"] == 6 and result["providers"]["eager"]["requests_per_s"] > 0
+    assert "total_s" in result["providers"]["eager (cuDNN attention off)"]  # stopped or not, it ran its own pass
 
 
 def test_every_optimize_provider_names_its_options():
