@@ -13,7 +13,9 @@ reduce-overhead provider without compiling, to stay within seconds), not a measu
 
 Providers, in this order by default (the fastest measured first, so that the others can be cut short):
 ``optimize (shape_buckets, fine ladder, cuda_graphs)`` (batch sizes at powers of two and their halfway points,
-lengths in steps of 16, every bucket captured at optimize: ``fine_ladder_options``); ``torch.compile (cuDNN attention
+lengths in steps of 16, every bucket captured at optimize: ``fine_ladder_options``); ``optimize (shape_buckets,
+split_batch, cuda_graphs)`` (batch sizes at powers of two, a batch between them padded or split among smaller buckets
+by the warm-up's times of every bucket, lengths in steps of 16: ``split_batch_options``); ``torch.compile (cuDNN attention
 off)``; ``torch.compile``; ``optimize (shape_buckets, cuda_graphs)`` (each bucket replayed from a CUDA graph of its
 own, ``shape_buckets={"cuda_graphs": True}``); ``optimize (shape_buckets)`` (the default compile: Inductor on a
 GPU); ``eager (cuDNN attention off)``; ``torch.compile (dynamic=True)``; ``optimize (shape_buckets,
@@ -70,10 +72,11 @@ EAGER, COMPILE, COMPILE_DYNAMIC = "eager", "torch.compile", "torch.compile (dyna
 OURS, OURS_GRAPHS = "optimize (shape_buckets)", "optimize (shape_buckets, reduce-overhead)"
 OURS_BUCKET_GRAPHS = "optimize (shape_buckets, cuda_graphs)"
 OURS_FINE_GRAPHS = "optimize (shape_buckets, fine ladder, cuda_graphs)"
+OURS_SPLIT_GRAPHS = "optimize (shape_buckets, split_batch, cuda_graphs)"
 # PyTorch's SDPA picks cuDNN attention on the H100, which builds a plan per new shape (~5 ms an attention call,
 # benchmarks/results/diagnose_variable_shapes.json): these baselines turn it off, as a user who knows may.
 EAGER_NO_CUDNN, COMPILE_NO_CUDNN = "eager (cuDNN attention off)", "torch.compile (cuDNN attention off)"
-PROVIDERS = (OURS_FINE_GRAPHS, COMPILE_NO_CUDNN, COMPILE, OURS_BUCKET_GRAPHS, OURS, EAGER_NO_CUDNN, COMPILE_DYNAMIC,
+PROVIDERS = (OURS_FINE_GRAPHS, OURS_SPLIT_GRAPHS, COMPILE_NO_CUDNN, COMPILE, OURS_BUCKET_GRAPHS, OURS, EAGER_NO_CUDNN, COMPILE_DYNAMIC,
              OURS_GRAPHS, EAGER)
 BASELINES = (EAGER, COMPILE, COMPILE_DYNAMIC)  # the issue's target: what a user gets with PyTorch's defaults
 TUNED_BASELINES = (*BASELINES, EAGER_NO_CUDNN, COMPILE_NO_CUDNN)
@@ -89,9 +92,16 @@ def fine_ladder_options(s: Setup) -> dict[str, Any]:
     return {"shape_buckets": {"batch": batches, "length": lengths, "cuda_graphs": True, "warm_up": True}}
 
 
+def split_batch_options(s: Setup) -> dict[str, Any]:
+    """Batch buckets at powers of two, each batch between them padded or split among smaller buckets as the
+    warm-up's times say is faster; lengths in steps of 16."""
+    fine = fine_ladder_options(s)["shape_buckets"]
+    return {"shape_buckets": {**fine, "batch": "auto", "max_batch": s.max_batch, "split_batch": True}}
+
+
 # optimize's options per provider (or a function of the setup giving them): shape_buckets="auto" unless given.
 OPTIMIZE_OPTIONS = {OURS: {}, OURS_BUCKET_GRAPHS: {"shape_buckets": {"cuda_graphs": True}},
-                    OURS_FINE_GRAPHS: fine_ladder_options, OURS_GRAPHS: {"compile": "reduce-overhead"}}
+                    OURS_FINE_GRAPHS: fine_ladder_options, OURS_SPLIT_GRAPHS: split_batch_options, OURS_GRAPHS: {"compile": "reduce-overhead"}}
 SPEEDUP_TARGET = 1.5  # issue 27: over the best of the baselines
 
 

@@ -297,8 +297,13 @@ class ShapeBucketsConfig(ConfigModel):
         False, description="Capture every bucket ahead of time, with a progress bar: at optimize time with "
         "example_inputs (their values fill the buckets), else at the first call."
     )
+    split_batch: bool = Field(
+        False, description="Time every bucket's call at the warm-up (needs warm_up=True) and serve a batch between "
+        "two batch buckets as the fastest calls by those times: padded up, or its rows split among smaller buckets "
+        "and the outputs joined. For models whose every output has a batch dim (not a loss over the batch)."
+    )
     cuda_graphs: bool = Field(
-        False, description="Experimental, not yet measured on a GPU: replay each bucket's inference calls on CUDA "
+        False, description="Replay each bucket's inference calls on CUDA "
         "from a CUDA graph of its own, captured at the bucket's first call (or at the warm-up), all sharing one "
         "memory pool; outputs are fresh copies. Calls with autograd, off CUDA, or with unhashable non-tensor "
         "arguments run compiled as without it. Not with compile='reduce-overhead' or 'max-autotune', whose "
@@ -312,6 +317,13 @@ class ShapeBucketsConfig(ConfigModel):
             raise ValueError(f"shape_buckets.{info.field_name}={list(value)!r} must be distinct sizes in ascending "
                              "order")
         return value
+
+    @model_validator(mode="after")
+    def _split_batch_is_measured(self) -> ShapeBucketsConfig:
+        if self.split_batch and not (self.warm_up and self.batch is not None):
+            raise ValueError("shape_buckets.split_batch chooses between padding and splitting by timing every bucket "
+                             "at the warm-up: it needs warm_up=True and batch buckets")
+        return self
 
     @model_validator(mode="after")
     def _limits_apply_to_auto(self) -> ShapeBucketsConfig:

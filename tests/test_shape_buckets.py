@@ -364,7 +364,8 @@ def test_variable_shapes_benchmark_smoke(tmp_path):
 
     # On the CPU the two graph providers (Inductor's, the buckets' own) run as the plain optimize one: left out here.
     providers = ["eager", "torch.compile", "torch.compile (dynamic=True)", "optimize (shape_buckets)",
-                 "optimize (shape_buckets, fine ladder, cuda_graphs)", "eager (cuDNN attention off)"]
+                 "optimize (shape_buckets, fine ladder, cuda_graphs)", "eager (cuDNN attention off)",
+                 "optimize (shape_buckets, split_batch, cuda_graphs)"]
     variable_shapes.main(["--device", "cpu", "--serve-all", "--second-pass", "--in-process", "--out", str(tmp_path),
                           "--providers", *providers])
     result = json.loads((tmp_path / "variable_shapes_cpu.json").read_text())

@@ -1,6 +1,6 @@
 """shape_buckets.cuda_graphs on an NVIDIA GPU: each bucket's calls replayed from a CUDA graph of its own equal the
-unoptimized model, outputs stay the caller's after later replays, and graphs are captured again after the model's
-parameters move."""
+unoptimized model, outputs stay the caller's after later replays, graphs are captured again after the model's
+parameters move, and a batch split among smaller buckets (split_batch) replays their graphs."""
 
 from __future__ import annotations
 
@@ -68,3 +68,23 @@ def test_graphs_are_captured_again_after_a_parameter_moves():
     assert any(note.startswith(f"bucket CUDA graphs dropped: the model's parameters or buffers moved since {captured} "
                                "were") for note in report_of(model).notes)
     assert _graphs_note(model).startswith(f"{GRAPHS_NOTE} 1 shape buckets replayed")  # the one captured again
+
+
+@torch.no_grad()
+def test_split_batches_replay_graphs_equal_to_the_model():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model, key = bert()
+    model = model.eval().cuda()
+    reference = twin(model)
+    options = {"batch": (1, 2, 4), "length": (16, 32), "warm_up": True, "split_batch": True, "cuda_graphs": True}
+    model = kernel_pytorch.optimize(model, example_inputs=_cuda(tokens(2, 11)), shape_buckets=options)
+    call = bucket_call(model)
+    assert len(call.bucket_seconds) == 6 and all(seconds > 0 for seconds in call.bucket_seconds.values())
+    for bucket in call.bucket_seconds:  # the batch-4 buckets made slow: 3 rows split as 2 + 1
+        call.bucket_seconds[bucket] = 10.0 if bucket.batch == 4 else 1.0
+    inputs = _cuda(tokens(3, 20, 1))
+    out, expected = model(**inputs), reference(**inputs)
+    for name in (key, "pooler_output"):
+        assert out[name].shape == expected[name].shape and rel_err(out[name], expected[name]) < _FLOAT32, name
+    assert len(call.graphs.graphs) == 6  # every bucket captured at the warm-up, none since

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 __all__ = ["BATCH", "LENGTH", "IGNORED_LABEL", "CallShape", "NamedCall", "Parameters", "OutputDims", "ArgumentDims",
-           "name_call", "pad_call", "slice_outputs", "output_dims", "slice_to", "with_attention_mask", "repeated_to",
-           "call_shape", "argument_dims", "lead_tensor"]
+           "name_call", "pad_call", "slice_outputs", "map_tensor_leaves", "output_dims", "slice_to",
+           "with_attention_mask", "repeated_to", "call_shape", "argument_dims", "lead_tensor"]
 
 BATCH, LENGTH = "batch", "length"
 IGNORED_LABEL = -100  # cross-entropy's default ignore_index, which transformers' losses use
@@ -227,21 +227,21 @@ def slice_outputs(out: Any, shape: CallShape, bucket: CallShape, known: OutputDi
         dims = known.get(path)
         return slice_to(value, _dims_by_size(value, bucket) if dims is None else dims, shape)
 
-    return _sliced_tree(out, "", leaf)
+    return map_tensor_leaves(out, "", leaf)
 
 
-def _sliced_tree(out: Any, path: str, leaf: Callable[[str, torch.Tensor], torch.Tensor]) -> Any:
+def map_tensor_leaves(out: Any, path: str, leaf: Callable[[str, torch.Tensor], torch.Tensor]) -> Any:
     """``out`` with ``leaf(path, tensor)`` for each tensor, paths spelt as ``pytree.keystr``. Dicts (transformers'
     ``ModelOutput`` too: a fresh object per call) are updated in place, sparing a rebuild per call; tuples and lists
     rebuilt; other containers go through ``torch.utils._pytree``."""
     if isinstance(out, torch.Tensor):
         return leaf(path, out)
     if type(out) in (tuple, list):
-        return type(out)(_sliced_tree(value, f"{path}[{i}]", leaf) for i, value in enumerate(out))
+        return type(out)(map_tensor_leaves(value, f"{path}[{i}]", leaf) for i, value in enumerate(out))
     if isinstance(out, dict) and _items_replaceable(out):
         for key, value in out.items():
             if value is not None:
-                out[key] = _sliced_tree(value, f"{path}[{key!r}]", leaf)
+                out[key] = map_tensor_leaves(value, f"{path}[{key!r}]", leaf)
         return out
     leaves, spec = pytree.tree_flatten_with_path(out)
     return pytree.tree_unflatten([leaf(path + pytree.keystr(p), v) if isinstance(v, torch.Tensor) else v

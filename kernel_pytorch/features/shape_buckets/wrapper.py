@@ -14,6 +14,7 @@ unlike the first call's) go to the compiled call found inside, as without the fe
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ import torch.nn as nn
 
 from kernel_pytorch.compiled_call import CompiledCall, call_in_chain, entry_recompile_limit
 from kernel_pytorch.errors import KernelPytorchError
+from kernel_pytorch.features.shape_buckets.batch_split import Chunk, fastest_split, join_outputs, rows_of, splittable
 from kernel_pytorch.features.shape_buckets.ladder import Ladder, bucket_for
 from kernel_pytorch.features.shape_buckets.padding import (CallShape, NamedCall, Parameters, argument_dims,
                                                            call_shape, lead_tensor, name_call, pad_call, repeated_to,
@@ -36,6 +38,7 @@ __all__ = ["ShapeBucketCall", "ShapeBucketError", "bucket_call", "install_wrappe
 NOTE_PREFIX = "shape buckets"
 # Arguments whose presence makes a call positional state rather than a fresh sequence: padding would be cached.
 _STATEFUL_ARGUMENTS = ("past_key_values", "past_key_value", "cache_params")
+_TIMED_CALLS = 3  # per bucket, for split_batch: each after the bucket's first (capturing) call
 
 
 class ShapeBucketError(KernelPytorchError, ValueError):
@@ -59,6 +62,7 @@ class ShapeBucketCall:
         self.entries: dict[tuple[int, int], CompiledCall] = {}
         self.records: dict[CallShape, ShapeBucketRecord] = {}
         self.graphs = BucketGraphs(model, report) if plan.settings.cuda_graphs else None
+        self.bucket_seconds: dict[CallShape, float] = {}  # split_batch: each bucket's call, timed at warm-up
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = name_call(self.parameters, args, kwargs)
@@ -80,10 +84,17 @@ class ShapeBucketCall:
                             "length as the first call's did ran unbucketed")
             return self.inner(*args, **kwargs)
         bucket = self._bucket(shape, ladder)
-        padded_args, padded_kwargs = pad_call(call, shape, bucket, dims, self.plan.fills)
-        out = self._run(bucket, ladder, padded_args, padded_kwargs)
-        self._count(shape, bucket)
-        return slice_outputs(out, shape, bucket, self.plan.verdict.outputs)
+        chunks = self._chunks(shape, bucket, ladder)
+        outs, start = [], 0
+        for rows, batch in chunks:  # one padded call, unless split_batch measured a faster split
+            part = call if len(chunks) == 1 else rows_of(call, dims, start, start + rows)
+            part_shape, part_bucket = CallShape(rows, shape.length), CallShape(batch, bucket.length)
+            padded_args, padded_kwargs = pad_call(part, part_shape, part_bucket, dims, self.plan.fills)
+            out = self._run(part_bucket, ladder, padded_args, padded_kwargs)
+            self._count(part_shape, part_bucket)
+            outs.append(slice_outputs(out, part_shape, part_bucket, self.plan.verdict.outputs))
+            start += rows
+        return join_outputs(outs, self.plan.verdict.outputs)
 
     # -- the first call ------------------------------------------------------------------------------------------
 
@@ -109,13 +120,43 @@ class ShapeBucketCall:
         template = with_attention_mask(template, shape, lead_tensor(template).device) if ladder.length else template
         dims = argument_dims(template, shape, self.plan.verdict.arguments) or {}
         buckets = [CallShape(b, n) for b in ladder.batch or (shape.batch,) for n in ladder.length or (shape.length,)]
+        timed = self._split_refusal() == ""
         with Progress(transient=True) as progress, _grad_mode(self.plan.training):
             task = progress.add_task(f"capturing {len(buckets)} shape buckets", total=len(buckets))
             for bucket in buckets:
                 args, kwargs = repeated_to(template, shape, bucket, dims).arguments()
                 self._run(bucket, ladder, args, kwargs)
+                if timed:
+                    self.bucket_seconds[bucket] = _seconds_per_call(lambda: self._run(bucket, ladder, args, kwargs),
+                                                                    lead_tensor(template).device)
                 progress.advance(task)
+        if timed:
+            self.report.set_note(f"{NOTE_PREFIX}: split_batch", f"{NOTE_PREFIX}: split_batch: every bucket's call "
+                                 "timed at warm-up; a batch between batch buckets runs as the calls those times say "
+                                 "are fastest, padded or split among smaller buckets (each counted in the table)")
         return len(buckets)
+
+    # -- split_batch ---------------------------------------------------------------------------------------------
+
+    def _split_refusal(self) -> str:
+        """Why split_batch does not apply ('' when it does); a refusal is noted once."""
+        if not self.plan.settings.split_batch:
+            return "off"
+        ladder = self.plan.served_ladder()
+        reason = ("the batch is not bucketed" if ladder is None or ladder.batch is None else
+                  splittable(self.plan.verdict.outputs))
+        if reason:
+            self.report.note(f"{NOTE_PREFIX}: split_batch not used: {reason}; batches are padded")
+        return reason
+
+    def _chunks(self, shape: CallShape, bucket: CallShape, ladder: Ladder) -> tuple[Chunk, ...]:
+        """(rows, batch bucket) per call serving ``shape``: the fastest by the warm-up's times, else one padded."""
+        if not self.bucket_seconds or shape.batch > ladder.batch[-1]:
+            return ((shape.batch, bucket.batch),)
+        seconds = {b: self.bucket_seconds.get(CallShape(b, bucket.length)) for b in ladder.batch}
+        if None in seconds.values():  # a length above the ladder (beyond_largest='new_bucket'): not timed
+            return ((shape.batch, bucket.batch),)
+        return fastest_split(shape.batch, ladder.batch, seconds)
 
     # -- buckets -------------------------------------------------------------------------------------------------
 
@@ -195,6 +236,17 @@ def static_buckets(plan: BucketPlan) -> bool:
     """Whether each bucket gets a static-shape graph of its own (``dynamic=False``) rather than sharing one entry
     with dynamic sizes."""
     return plan.config.dynamic is False
+
+
+def _seconds_per_call(run: Any, device: torch.device) -> float:
+    """Mean seconds of ``run()`` over _TIMED_CALLS calls, the device synchronized around them."""
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    synchronize()
+    started = time.perf_counter()
+    for _ in range(_TIMED_CALLS):
+        run()
+    synchronize()
+    return (time.perf_counter() - started) / _TIMED_CALLS
 
 
 @functools.cache
