@@ -391,17 +391,18 @@ def _decode_row_cells(name: str, result: dict, batches: list[int], warm_up: str)
 
 def render_variable_shapes(data: dict) -> list[str]:
     """Requests served per second per provider, with warm-up, set-up, padding waste and graphs; the target."""
-    rows = [[name, fmt(r.get("requests_per_s")), fmt(r.get("tokens_per_s")), f"{fmt(r.get('warm_up_s'))} s",
+    rows = [[name, fmt(r.get("requests_per_s")), fmt(r.get("second_pass_requests_per_s", "-")),
+             fmt(r.get("tokens_per_s")), f"{fmt(r.get('warm_up_s'))} s",
              f"{fmt(r.get('setup_s'))} s", f"{r['padding_waste']:.1%}" if "padding_waste" in r else "-",
-             fmt(r.get("graphs", "-")), r.get("stopped") or r.get("error") or ""]
+             r.get("stopped") or r.get("error") or r.get("note") or ""]
             for name, r in data.get("providers", {}).items()]
     model = data.get("model", {})
     shapes = data.get("request_shapes", {})
     lines = [f"transformers {model.get('name')} ({model.get('layers')} layers, d {model.get('hidden')}), "
              f"{data.get('requests')} requests, batch {shapes.get('batch')} x length {shapes.get('length')} "
-             f"(uniform, seeded), {data.get('dtype')}.",
-             table(["provider", "requests/s", "tokens/s", "warm-up", "set-up", "padding waste", "graphs", "note"],
-                   rows)]
+             f"(uniform, seeded), {data.get('dtype')}; processes: {data.get('processes', 'all providers in one')}.",
+             table(["provider", "requests/s", "again, every shape seen", "tokens/s", "warm-up", "set-up",
+                    "padding waste", "note"], rows)]
     return lines + [f"- {t}" for t in data.get("summary", []) if t.startswith("target")] + _note(data)
 
 

@@ -373,17 +373,25 @@ def plot(payload: dict, path: Path) -> None:
 
     providers = payload["providers"]
     names = list(providers)
+    second = any("second_pass_requests_per_s" in r for r in providers.values())
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, label in ((axes[0], "requests_per_s", "requests / s"), (axes[1], "warm_up_s", "warm-up s")):
+    panels = [(axes[0], "requests_per_s", "requests / s", -0.2 if second else 0.0),
+              *([(axes[0], "second_pass_requests_per_s", "requests / s", 0.2)] if second else []),
+              (axes[1], "warm_up_s", "warm-up s", 0.0)]
+    for ax, key, label, offset in panels:
         values = [providers[p].get(key, 0.0) for p in names]
-        bars = ax.bar(range(len(names)), values, color=["tab:red" if p in OPTIMIZE_OPTIONS else "tab:grey"
-                                                        for p in names])
+        colors = ["tab:red" if p in OPTIMIZE_OPTIONS else "tab:grey" for p in names]
+        bars = ax.bar([i + offset for i in range(len(names))], values, width=0.4 if offset else 0.8, color=colors,
+                      alpha=0.5 if key.startswith("second") else 1.0,
+                      label={"requests_per_s": "first pass", "second_pass_requests_per_s": "every shape seen"}.get(key))
         for bar, p in zip(bars, names):
-            text = f"{providers[p][key]:g}" if key in providers[p] else "error"
+            text = f"{providers[p][key]:g}" if key in providers[p] else "-"
             ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                        fontsize=7)
+                        fontsize=6)
         ax.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=7)
         ax.set_ylabel(label, fontsize=8)
+    if second:
+        axes[0].legend(fontsize=7)
     fig.suptitle(f"BERT ({payload['model']['layers']} layers), {payload['requests']} requests of random shape, "
                  f"{payload['environment']['device']} ({payload['scale']})", fontsize=9)
     save_figure(fig, path)
