@@ -14,10 +14,10 @@ reduce-overhead provider without compiling, to stay within seconds), not a measu
 Providers, in this order by default (the fastest measured first, so that the others can be cut short):
 ``optimize (shape_buckets, fine ladder, cuda_graphs)`` (batch sizes at powers of two and their halfway points,
 lengths in steps of 16, every bucket captured at optimize: ``fine_ladder_options``); ``optimize (shape_buckets,
-split_batch, cuda_graphs)`` (batch sizes at powers of two, a batch between them padded or split among smaller buckets
-by the warm-up's times of every bucket, lengths in steps of 16: ``split_batch_options``); ``torch.compile (cuDNN attention
-off)``; ``torch.compile``; ``optimize (shape_buckets, cuda_graphs)`` (each bucket replayed from a CUDA graph of its
-own, ``shape_buckets={"cuda_graphs": True}``); ``optimize (shape_buckets)`` (the default compile: Inductor on a
+split_batch, cuda_graphs)`` (batch sizes at powers of two, a batch between them padded or split among smaller
+buckets by the warm-up's times of every bucket, lengths in steps of 16: ``split_batch_options``); ``torch.compile
+(cuDNN attention off)``; ``torch.compile``; ``optimize (shape_buckets, cuda_graphs)`` (each bucket replayed from a
+CUDA graph of its own, ``shape_buckets={"cuda_graphs": True}``); ``optimize (shape_buckets)`` (the default compile: Inductor on a
 GPU); ``eager (cuDNN attention off)``; ``torch.compile (dynamic=True)``; ``optimize (shape_buckets,
 reduce-overhead)`` (Inductor's CUDA graphs); ``eager``. On the H100 PyTorch's SDPA picks cuDNN attention, which
 builds a plan for every new shape (``diagnose_variable_shapes.py``); the two "cuDNN attention off" baselines run
@@ -76,8 +76,8 @@ OURS_SPLIT_GRAPHS = "optimize (shape_buckets, split_batch, cuda_graphs)"
 # PyTorch's SDPA picks cuDNN attention on the H100, which builds a plan per new shape (~5 ms an attention call,
 # benchmarks/results/diagnose_variable_shapes.json): these baselines turn it off, as a user who knows may.
 EAGER_NO_CUDNN, COMPILE_NO_CUDNN = "eager (cuDNN attention off)", "torch.compile (cuDNN attention off)"
-PROVIDERS = (OURS_FINE_GRAPHS, OURS_SPLIT_GRAPHS, COMPILE_NO_CUDNN, COMPILE, OURS_BUCKET_GRAPHS, OURS, EAGER_NO_CUDNN, COMPILE_DYNAMIC,
-             OURS_GRAPHS, EAGER)
+PROVIDERS = (OURS_FINE_GRAPHS, OURS_SPLIT_GRAPHS, COMPILE_NO_CUDNN, COMPILE, OURS_BUCKET_GRAPHS, OURS, EAGER_NO_CUDNN,
+             COMPILE_DYNAMIC, OURS_GRAPHS, EAGER)
 BASELINES = (EAGER, COMPILE, COMPILE_DYNAMIC)  # the issue's target: what a user gets with PyTorch's defaults
 TUNED_BASELINES = (*BASELINES, EAGER_NO_CUDNN, COMPILE_NO_CUDNN)
 
@@ -101,7 +101,8 @@ def split_batch_options(s: Setup) -> dict[str, Any]:
 
 # optimize's options per provider (or a function of the setup giving them): shape_buckets="auto" unless given.
 OPTIMIZE_OPTIONS = {OURS: {}, OURS_BUCKET_GRAPHS: {"shape_buckets": {"cuda_graphs": True}},
-                    OURS_FINE_GRAPHS: fine_ladder_options, OURS_SPLIT_GRAPHS: split_batch_options, OURS_GRAPHS: {"compile": "reduce-overhead"}}
+                    OURS_FINE_GRAPHS: fine_ladder_options, OURS_SPLIT_GRAPHS: split_batch_options,
+                    OURS_GRAPHS: {"compile": "reduce-overhead"}}
 SPEEDUP_TARGET = 1.5  # issue 27: over the best of the baselines
 
 
@@ -280,7 +281,8 @@ def run_isolated(provider: str, args: argparse.Namespace, fastest: tuple[str, fl
                                                                                     "max_length")
                      if getattr(args, name) is not None],
                    *(["--stop-after", fastest[0], str(fastest[1])] if fastest else [])]
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{scratch}/inductor", "TRITON_CACHE_DIR": f"{scratch}/triton"}
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{scratch}/inductor",
+               "TRITON_CACHE_DIR": f"{scratch}/triton"}
         child = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if child.returncode != 0 or not result_path.exists():
             last = (child.stdout.strip().splitlines() or ["no output"])[-1]
@@ -383,7 +385,8 @@ def plot(payload: dict, path: Path) -> None:
         colors = ["tab:red" if p in OPTIMIZE_OPTIONS else "tab:grey" for p in names]
         bars = ax.bar([i + offset for i in range(len(names))], values, width=0.4 if offset else 0.8, color=colors,
                       alpha=0.5 if key.startswith("second") else 1.0,
-                      label={"requests_per_s": "first pass", "second_pass_requests_per_s": "every shape seen"}.get(key))
+                      label={"requests_per_s": "first pass",
+                             "second_pass_requests_per_s": "every shape seen"}.get(key))
         for bar, p in zip(bars, names):
             text = f"{providers[p][key]:g}" if key in providers[p] else "-"
             ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",

@@ -5,8 +5,9 @@ Padding a batch of 17 up to a bucket of 24 computes 7 rows for nothing; 16 + 1 c
 and a call of one row uses a GPU far below its throughput. Which is faster depends on the kernels and the length, so
 it is measured: the warm-up times every bucket's call, and for each length bucket the fastest way to serve each
 batch size is found from those times (:func:`fastest_split`). Splitting is sound where padding the batch is: the
-padding check found every output row independent of the rows beside it; it also needs every output tensor to have
-a batch dim to join along (a loss averaged over the batch cannot be split).
+padding check refuses batch padding where an op mixes rows (a reduction over the batch, BatchNorm in training) and
+compares padded outputs with unpadded ones. It also needs every output tensor to have a batch dim to join along (a
+loss averaged over the batch cannot be split).
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ class ShapeBucketCall:
         template = with_attention_mask(template, shape, lead_tensor(template).device) if ladder.length else template
         dims = argument_dims(template, shape, self.plan.verdict.arguments) or {}
         buckets = [CallShape(b, n) for b in ladder.batch or (shape.batch,) for n in ladder.length or (shape.length,)]
-        timed = self._split_refusal() == ""
+        timed = self.plan.settings.split_batch and not self._split_refusal()
         with Progress(transient=True) as progress, _grad_mode(self.plan.training):
             task = progress.add_task(f"capturing {len(buckets)} shape buckets", total=len(buckets))
             for bucket in buckets:
@@ -139,9 +139,7 @@ class ShapeBucketCall:
     # -- split_batch ---------------------------------------------------------------------------------------------
 
     def _split_refusal(self) -> str:
-        """Why split_batch does not apply ('' when it does); a refusal is noted once."""
-        if not self.plan.settings.split_batch:
-            return "off"
+        """Why split_batch cannot apply to this model ('' when it can); a refusal is noted once."""
         ladder = self.plan.served_ladder()
         reason = ("the batch is not bucketed" if ladder is None or ladder.batch is None else
                   splittable(self.plan.verdict.outputs))
