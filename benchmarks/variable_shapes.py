@@ -18,8 +18,8 @@ split_batch, cuda_graphs)`` (batch sizes at powers of two, a batch between them 
 buckets by the warm-up's times of every bucket, lengths in steps of 16: ``split_batch_options``); ``torch.compile
 (cuDNN attention off)``; ``torch.compile``; ``optimize (shape_buckets, cuda_graphs)`` (each bucket replayed from a
 CUDA graph of its own, ``shape_buckets={"cuda_graphs": True}``); ``optimize (shape_buckets)`` (the default
-compile: Inductor on a GPU); ``eager (cuDNN attention off)``; ``torch.compile (dynamic=True)``; ``optimize (shape_buckets,
-reduce-overhead)`` (Inductor's CUDA graphs); ``eager``. On the H100 PyTorch's SDPA picks cuDNN attention, which
+compile: Inductor on a GPU); ``eager (cuDNN attention off)``; ``torch.compile (dynamic=True)``; ``optimize
+(shape_buckets, reduce-overhead)`` (Inductor's CUDA graphs); ``eager``. On the H100 PyTorch's SDPA picks cuDNN attention, which
 builds a plan for every new shape (``diagnose_variable_shapes.py``); the two "cuDNN attention off" baselines run
 with ``torch.backends.cuda.enable_cudnn_sdp(False)``. ``--second-pass``: each provider serves its requests again,
 every shape seen.
