@@ -11,18 +11,18 @@ The model is transformers' ``BertModel`` built from a config (no downloads): 12 
 a tiny fp32 model and 20 requests (``torch.compile`` with the ``eager`` backend, TorchDynamo alone, and ``optimize``'s
 reduce-overhead provider without compiling, to stay within seconds), not a measurement.
 
-Providers, in this order by default (the fastest measured first, so that the others can be cut short):
-``optimize (shape_buckets, fine ladder, cuda_graphs)`` (batch sizes at powers of two and their halfway points,
-lengths in steps of 16, every bucket captured at optimize: ``fine_ladder_options``); ``optimize (shape_buckets,
-split_batch, cuda_graphs)`` (batch sizes at powers of two, a batch between them padded or split among smaller
-buckets by the warm-up's times of every bucket, lengths in steps of 16: ``split_batch_options``); ``torch.compile
-(cuDNN attention off)``; ``torch.compile``; ``optimize (shape_buckets, cuda_graphs)`` (each bucket replayed from a
-CUDA graph of its own, ``shape_buckets={"cuda_graphs": True}``); ``optimize (shape_buckets)`` (the default
-compile: Inductor on a GPU); ``eager (cuDNN attention off)``; ``torch.compile (dynamic=True)``; ``optimize
-(shape_buckets, reduce-overhead)`` (Inductor's CUDA graphs); ``eager``. On the H100 PyTorch's SDPA picks cuDNN attention, which
-builds a plan for every new shape (``diagnose_variable_shapes.py``); the two "cuDNN attention off" baselines run
-with ``torch.backends.cuda.enable_cudnn_sdp(False)``. ``--second-pass``: each provider serves its requests again,
-every shape seen.
+Providers, in this order by default (the fastest measured first, so that the others can be cut short): ``optimize
+(shape_buckets, fine ladder, cuda_graphs)`` (batch sizes at powers of two and their halfway points, lengths in steps
+of 16, every bucket captured at optimize: ``fine_ladder_options``); ``optimize (shape_buckets, split_batch,
+cuda_graphs)`` (batch sizes at powers of two, a batch between them padded or split among smaller buckets by the
+warm-up's times of every bucket, lengths in steps of 16: ``split_batch_options``); ``torch.compile (cuDNN attention
+off)``; ``torch.compile``; ``optimize (shape_buckets, cuda_graphs)`` (each bucket replayed from a CUDA graph of its
+own, ``shape_buckets={"cuda_graphs": True}``); ``optimize (shape_buckets)`` (the default compile: Inductor on a GPU);
+``eager (cuDNN attention off)``; ``torch.compile (dynamic=True)``; ``optimize (shape_buckets, reduce-overhead)``
+(Inductor's CUDA graphs); ``eager``. On the H100 PyTorch's SDPA picks cuDNN attention, which builds a plan for every
+new shape (``diagnose_variable_shapes.py``); the two "cuDNN attention off" baselines run with
+``torch.backends.cuda.enable_cudnn_sdp(False)``. ``--second-pass``: each provider serves its requests again, every
+shape seen.
 
 Each provider runs in a process of its own with empty Inductor and Triton caches (``--in-process``: all in this
 one, for the CPU smoke run). In one process the providers changed each other's numbers: cuDNN's plans cached for a
