@@ -1,16 +1,20 @@
-"""Capturing one call as a CUDA graph after warm-up runs (a decode step, a prefill bucket, a shape bucket), and the
-addresses a captured graph read its module's tensors at."""
+"""Capturing one call as a CUDA graph after warm-up runs (a decode step, a prefill bucket, a shape bucket), the
+addresses a captured graph read its module's tensors at, and the module state a replay would ignore (train/eval
+modes, hooks)."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn as nn
+import torch.nn.modules.module as module_globals
 
-__all__ = ["capture_after_warm_up", "tensor_addresses"]
+__all__ = ["capture_after_warm_up", "ModuleState", "module_state", "registered_hook"]
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 T = TypeVar("T")
 
@@ -37,14 +41,43 @@ def capture_after_warm_up(body: Callable[[], T], warm_ups: int, reset: Callable[
     return graph, output
 
 
-def tensor_addresses(model: nn.Module) -> tuple[tuple[int, torch.dtype], ...]:
-    """Where each parameter and buffer lives, and its dtype: what a captured graph read. Checked at every call that
-    replays one, so the module tree is walked directly, without the qualified name ``model.parameters()`` builds per
-    tensor (a shared tensor is listed once per owner, which compares the same)."""
-    addresses, modules = [], [model]
+class ModuleState(NamedTuple):
+    """What a graph captured from ``model`` depends on beyond its inputs: where each parameter and buffer lives (and
+    its dtype), each module's training flag; and whether a forward or backward hook is registered (a replay runs
+    none of a hook's Python)."""
+
+    addresses: tuple[tuple[int, torch.dtype], ...]
+    training: tuple[bool, ...]
+    hooked: bool
+
+
+def module_state(model: nn.Module) -> ModuleState:
+    """The :class:`ModuleState` of ``model``. Checked at every call that replays a graph, so the module tree is
+    walked directly, without the qualified names ``named_modules()`` builds (a shared tensor is listed once per
+    owner, which compares the same)."""
+    addresses, training, modules = [], [], [model]
+    hooked = any(hooks for hooks in _global_hook_dicts())
     while modules:
         module = modules.pop()
         addresses += [(t.data_ptr(), t.dtype) for t in itertools.chain(module._parameters.values(),
                                                                        module._buffers.values()) if t is not None]
+        training.append(module.training)
+        hooked = hooked or any(getattr(module, name) for name in _HOOK_DICTS)
         modules += [child for child in module._modules.values() if child is not None]
-    return tuple(addresses)
+    return ModuleState(tuple(addresses), tuple(training), hooked)
+
+
+def registered_hook(model: nn.Module) -> str:
+    """Where a forward or backward hook is registered on ``model`` or globally, named for a report line ('' where
+    none is)."""
+    if any(hooks for hooks in _global_hook_dicts()):
+        return "a global module hook (torch.nn.modules.module.register_module_forward_hook or the like)"
+    for name, module in model.named_modules():
+        for kind in _HOOK_DICTS:
+            if getattr(module, kind):
+                return f"a {kind.strip('_')[:-len('_hooks')].replace('_', ' ')} hook on {name or 'the model'}"
+    return ""
+
+
+def _global_hook_dicts() -> tuple[dict, ...]:
+    return tuple(getattr(module_globals, f"_global{name}") for name in _HOOK_DICTS)

@@ -331,3 +331,41 @@ def test_a_moved_or_replaced_parameter_rebuilds_the_lanes_and_in_place_updates_k
         twin.lm_head.weight = torch.nn.Parameter(replacement.clone())
     both_generate()
     assert sum("lanes rebuilt" in note for note in _generation_notes(model)) == 1
+
+
+def test_a_hook_registered_after_optimize_runs_through_transformers_loop():
+    model, reference = _pair("llama")
+    input_ids, attention_mask = left_padded_prompts(2, 6)
+    model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False)  # lanes built
+    calls = []
+    handles = [twin.model.layers[0].mlp.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+               for twin in (model, reference)]
+    expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False)
+    hooked_in_reference = len(calls)
+    tokens = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(tokens, expected)
+    assert len(calls) == 2 * hooked_in_reference  # the hook ran at every forward, as in the unoptimized model
+    assert any(note.startswith("generation: generate() while a forward hook on model.layers.0.mlp is registered "
+                               "runs transformers' own loop") for note in _generation_notes(model))
+    with pytest.raises(RuntimeError, match="kernel_pytorch.Decoder cannot run a forward hook on model.layers.0.mlp"):
+        model.generate.decoder.prefill(input_ids, attention_mask, 4)
+    for handle in handles:
+        handle.remove()
+    lanes_before = model.generate.decoder.summary()
+    model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False)
+    assert model.generate.decoder.summary() != lanes_before  # served by the static-cache loop again
+
+
+def test_a_changed_train_mode_rebuilds_the_lanes():
+    model, reference = _pair("llama")
+    input_ids, attention_mask = left_padded_prompts(1, 5)
+    for twin in (model, reference):
+        twin.eval()
+    for mode in ("eval", "train", "eval"):
+        for twin in (model, reference):
+            getattr(twin, mode)()
+        expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False)
+        assert torch.equal(model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4,
+                                          do_sample=False), expected)
+    rebuilt = [note for note in model.generate.decoder.notes if "train/eval mode changed" in note]
+    assert len(rebuilt) == 2, model.generate.decoder.notes  # to train, then back (the report says it once)

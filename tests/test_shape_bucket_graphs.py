@@ -83,3 +83,56 @@ def test_a_failed_capture_turns_the_graphs_off_with_a_report_line(monkeypatch):
     assert len(attempts) == 1 and graphs.graphs == {}  # not tried again at the second call
     assert report.notes == [f"{GRAPHS_NOTE} off, a capture failed (RuntimeError: operation not permitted when "
                             "stream is capturing); calls run compiled without graphs"]
+
+
+class _RecordedGraph:
+    """A stand-in for a captured graph on the CPU: a replay calls the entry again, and is counted."""
+
+    replays = 0
+
+    def __init__(self, entry, args, kwargs):
+        self.entry, self.args, self.kwargs, self.graph = entry, args, kwargs, None
+
+    @classmethod
+    def capture(cls, entry, args, kwargs, sharing):
+        return cls(entry, args, kwargs)
+
+    def replay(self, args, kwargs):
+        type(self).replays += 1
+        return self.entry(*args, **kwargs)
+
+
+def _graphs_with_recorded_captures(monkeypatch, model):
+    monkeypatch.setattr(graphs_module, "_BucketGraph", _RecordedGraph)
+    monkeypatch.setattr(_RecordedGraph, "replays", 0)
+    report = OptimizationReport()
+    return graphs_module.BucketGraphs(model, report), report
+
+
+def test_a_registered_hook_runs_instead_of_a_replay(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    graphs, report = _graphs_with_recorded_captures(monkeypatch, model)
+    x = torch.randn(3, 2)
+    graphs.run(("key",), model, (x,), {})
+    seen = []
+    handle = model[1].register_forward_hook(lambda module, args, out: seen.append(out))
+    replays = _RecordedGraph.replays
+    assert torch.equal(graphs.run(("key",), model, (x,), {}), model(x))
+    assert len(seen) == 2 and _RecordedGraph.replays == replays  # the hook ran; nothing replayed
+    assert report.notes[-1] == ("bucket CUDA graphs not replayed while a forward hook on 1 is registered (a replay "
+                                "would skip its Python): those calls ran compiled, hooks and all")
+    handle.remove()
+    graphs.run(("key",), model, (x,), {})
+    assert _RecordedGraph.replays == replays + 1  # replays again once the hook is gone
+
+
+def test_a_changed_train_mode_drops_the_graphs(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)).eval()
+    graphs, report = _graphs_with_recorded_captures(monkeypatch, model)
+    graphs.run(("key",), model, (torch.randn(3, 2),), {})
+    model[1].train()  # one submodule: a replay of the eval capture would skip its dropout
+    graphs.run(("key",), model, (torch.randn(3, 2),), {})
+    assert report.notes[0] == ("bucket CUDA graphs dropped: a module's train/eval mode changed since 1 were captured "
+                               "(.to(), .half(), a replaced parameter, .train() / .eval()); captured again as calls "
+                               "come")
+    assert len(graphs.graphs) == 1  # captured again in the new mode

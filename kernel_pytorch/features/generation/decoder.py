@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kernel_pytorch.cuda_graph_capture import tensor_addresses
+from kernel_pytorch.cuda_graph_capture import module_state, registered_hook
 from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls
 from kernel_pytorch.features.generation.model_calls import (cache_bytes, decoder_start_token, default_max_length,
                                                              is_encoder_decoder, why_not_generative)
@@ -71,7 +71,8 @@ class Decoder:
         self.lane: DecodeLane | None = None  # the lane of the request in progress
         self.batch = 0
         self.notes: list[str] = []
-        self._addresses: tuple[tuple[int, torch.dtype], ...] = ()  # the model's tensors when the lanes were built
+        # the model's tensors' addresses and its modules' train/eval modes when the lanes were built
+        self._built_from: tuple[tuple, tuple] = ((), ())
 
     # -- the plain-loop API ------------------------------------------------------------------------------------
 
@@ -231,9 +232,14 @@ class Decoder:
             raise GenerationLimitError(f"{total_length} tokens (prompt + new tokens) do not fit the KV cache of "
                                        f"generation max_length={self.max_length} tokens: raise it, "
                                        "optimize(model, generation={'max_length': ...})")
+        hook = registered_hook(self.model)
+        if hook:  # the steps are traced without guards on the hooks, and replays run no Python
+            raise RuntimeError(f"kernel_pytorch.Decoder cannot run {hook}: its compiled and captured steps would skip "
+                               "the hook; remove it, or call model.generate() (after optimize it then runs "
+                               "transformers' loop through the optimized model, hooks and all)")
         length = min(_rounded(total_length), self.max_length)
         key = (bucket, length, _rounded(encoder_length) if encoder_length else 0)
-        self._drop_lanes_if_the_model_moved()
+        self._drop_lanes_if_the_model_changed()
         lane = self.lanes.pop(key, None)
         if lane is None:
             if len(self.lanes) >= _MAX_LANES:
@@ -242,19 +248,23 @@ class Decoder:
         self.lanes[key] = lane  # most recently used last
         return lane
 
-    def _drop_lanes_if_the_model_moved(self) -> None:
+    def _drop_lanes_if_the_model_changed(self) -> None:
         """Lanes replay CUDA graphs that read the parameters and buffers at the addresses they had at capture: after
         ``model.to(...)``, ``model.half()`` or a parameter replaced by another tensor, a replay would read freed or
-        stale memory. Every lane is rebuilt then (an in-place update, an optimizer step or ``load_state_dict``, keeps
-        the addresses and the lanes)."""
-        addresses = tensor_addresses(self.model)
-        if addresses == self._addresses:
+        stale memory; after ``.train()`` / ``.eval()`` it would replay the other mode's dropout. Every lane is
+        rebuilt then (an in-place update, an optimizer step or ``load_state_dict``, keeps the addresses and the
+        lanes)."""
+        state = module_state(self.model)
+        built_from = (state.addresses, state.training)
+        if built_from == self._built_from:
             return
         if self.lanes:
-            self.notes.append(f"generation: the model's parameters or buffers moved since its {len(self.lanes)} "
-                              "lane(s) were built (.to(), .half(), a replaced parameter): lanes rebuilt")
+            what = ("the model's parameters or buffers moved" if state.addresses != self._built_from[0] else
+                    "a module's train/eval mode changed")
+            self.notes.append(f"generation: {what} since its {len(self.lanes)} lane(s) were built (.to(), .half(), "
+                              "a replaced parameter, .train() / .eval()): lanes rebuilt")
             self.lanes.clear()
-        self._addresses = addresses
+        self._built_from = built_from
 
     def _drop_lane(self, key: tuple[int, int, int]) -> None:
         del self.lanes[key]

@@ -1,6 +1,7 @@
 """``FastGenerate``: what ``model.generate`` is after ``optimize``: greedy and sampling requests through the
-static-cache :class:`~kernel_pytorch.features.generation.decoder.Decoder`, every other request through
-transformers' own ``generate`` with a report line naming why."""
+static-cache :class:`~kernel_pytorch.features.generation.decoder.Decoder`, every other request (and every request
+while a forward or backward hook is registered) through transformers' own ``generate`` with a report line naming
+why."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import torch.nn as nn
 
 from kernel_pytorch.config import GenerationConfig
+from kernel_pytorch.cuda_graph_capture import registered_hook
 from kernel_pytorch.features.generation.decoder import Decoder
 from kernel_pytorch.features.generation.requests import loop_request
 
@@ -26,6 +28,11 @@ class FastGenerate:
         self.decoder: Decoder | None = None  # made at the first fast request: it allocates caches and compiles
 
     def __call__(self, inputs: Any = None, generation_config: Any = None, **kwargs: Any) -> Any:
+        hook = registered_hook(self.model)
+        if hook:
+            self._note(f"generation: generate() while {hook} is registered runs transformers' own loop through the "
+                       "optimized model, which runs the hook (the static-cache loop's steps would skip it)")
+            return self._transformers_generate(inputs, generation_config, **kwargs)
         request = loop_request(self.model, inputs, generation_config, kwargs)
         if isinstance(request, str):
             self._note(f"generation: generate() with {request} runs transformers' own loop (the static-cache loop "

@@ -11,7 +11,9 @@ bucket's activations and every bucket's outputs (the static inputs are ordinary 
 A graph is used for calls that are inference (no autograd), on a CUDA device, with hashable non-tensor arguments;
 other calls run the compiled entry as without the option, and so does every call once a capture failed (an op that
 syncs with the host), with a report line. When the model's parameters or buffers move (``.to()``,
-``.half()``, a replaced parameter), every graph is dropped and captured again at its next call.
+``.half()``, a replaced parameter) or a module's train/eval mode changes, every graph is dropped and captured again
+at its next call. While a forward or backward hook is registered (on the model, a submodule, or globally), calls
+run the compiled entry, which runs hooks, since a replay would skip their Python (a report line says so).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from kernel_pytorch.cuda_graph_capture import capture_after_warm_up, tensor_addresses
+from kernel_pytorch.cuda_graph_capture import ModuleState, capture_after_warm_up, module_state, registered_hook
 from kernel_pytorch.errors import first_line
 from kernel_pytorch.report import OptimizationReport
 
@@ -65,14 +67,19 @@ class BucketGraphs:
         self.graphs: dict[CallKey, _BucketGraph] = {}
         self.capture_seconds = 0.0
         self.failure = ""  # why a capture failed: then no call replays a graph
-        self._addresses: tuple[tuple[int, torch.dtype], ...] = ()
+        self._captured_from: ModuleState | None = None  # the model's state the graphs were captured in
 
     def run(self, key: CallKey, entry: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The outputs of ``entry(*args, **kwargs)``, from the key's graph (captured now if it has none), as fresh
         tensors."""
         if self.failure:
             return entry(*args, **kwargs)
-        self._drop_if_the_model_moved()
+        state = module_state(self.model)
+        if state.hooked:
+            self.report.note(f"bucket CUDA graphs not replayed while {registered_hook(self.model)} is registered (a "
+                             "replay would skip its Python): those calls ran compiled, hooks and all")
+            return entry(*args, **kwargs)
+        self._drop_if_the_model_changed(state)
         graph = self.graphs.get(key)
         if graph is None:
             started = time.perf_counter()
@@ -89,15 +96,16 @@ class BucketGraphs:
                                               f"graphs of their own (captured in {self.capture_seconds:.1f} s)")
         return graph.replay(args, kwargs)
 
-    def _drop_if_the_model_moved(self) -> None:
-        addresses = tensor_addresses(self.model)
-        if addresses != self._addresses:
+    def _drop_if_the_model_changed(self, state: ModuleState) -> None:
+        captured = self._captured_from
+        if captured is not None and (state.addresses, state.training) != (captured.addresses, captured.training):
+            what = ("the model's parameters or buffers moved" if state.addresses != captured.addresses else
+                    "a module's train/eval mode changed")
             if self.graphs:
-                self.report.note(f"bucket CUDA graphs dropped: the model's parameters or buffers moved since "
-                                 f"{len(self.graphs)} were captured (.to(), .half(), a replaced parameter); captured "
-                                 "again as calls come")
+                self.report.note(f"bucket CUDA graphs dropped: {what} since {len(self.graphs)} were captured (.to(), "
+                                 ".half(), a replaced parameter, .train() / .eval()); captured again as calls come")
             self.graphs.clear()
-            self._addresses = addresses
+        self._captured_from = state
 
 
 class _BucketGraph:
