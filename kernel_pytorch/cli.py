@@ -50,6 +50,7 @@ _SUITE_HARDWARE = {
     "decode": _CPU_SMOKE_RUN,
     "diagnose_cudagraph_skip": _NEEDS_CUDA_GPU,
     "diagnose_sdpa_gradients": _NEEDS_CUDA_GPU,
+    "diagnose_variable_shapes": _NEEDS_CUDA_GPU,
     "e2e": _CPU_SMOKE_RUN,
     "fp8": _NEEDS_FP8_GPU,
     "inspect_compiled_norm": _NEEDS_CUDA_GPU,

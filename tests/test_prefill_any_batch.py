@@ -1,6 +1,6 @@
-"""``generation={"prefill_any_batch": True}`` on the CPU: one prefill graph serves batch 1 and larger batches (TorchDynamo
-compiles a batch-1 call for batch 1 alone otherwise), with the unoptimized model's greedy tokens for every family of
-the generation tests and T5, batch 1 and left-padded batches."""
+"""``generation={"prefill_any_batch": True}`` on the CPU: one prefill graph serves batch 1 and larger batches
+(TorchDynamo compiles a batch-1 call for batch 1 alone otherwise), with the unoptimized model's greedy tokens for three
+families of unlike structure and T5, batch 1 and left-padded batches."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import kernel_pytorch
 
-from .generation_models import FAMILIES, causal_lm, left_padded_prompts, t5_model
+from .generation_models import causal_lm, left_padded_prompts, t5_model
 
 REQUESTS = [(1, 5), (3, 9), (1, 12), (2, 17)]
 
@@ -37,7 +37,9 @@ def _optimized(model, **generation):
     return kernel_pytorch.optimize(model, generation=generation), reference
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# Three families of unlike structure (GQA with RoPE; learned positions and Conv1D; soft-capped sliding windows):
+# the option is experimental and off, and every family's tokens are checked without it in test_generation.py.
+@pytest.mark.parametrize("family", ["gemma2", "gpt2", "llama"])
 def test_one_prefill_graph_serves_every_batch_with_the_same_tokens(family):
     model, reference = _optimized(causal_lm(family), prefill_any_batch=True)
     # the prefill once; the decode step at batch 1 and at 2+ (its batch-1 graph keeps one-row kernels)

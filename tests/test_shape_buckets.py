@@ -363,9 +363,9 @@ def test_variable_shapes_benchmark_smoke(tmp_path):
     from benchmarks import variable_shapes
 
     # On the CPU the two graph providers (Inductor's, the buckets' own) run as the plain optimize one: left out here.
-    providers = ["eager", "torch.compile", "torch.compile (dynamic=True)", "optimize (shape_buckets)",
-                 "optimize (shape_buckets, fine ladder, cuda_graphs)", "eager (cuDNN attention off)",
-                 "optimize (shape_buckets, split_batch, cuda_graphs)"]
+    # torch.compile(dynamic=True) and the cuDNN-off baselines run the same code on the CPU as their neighbours here
+    providers = ["eager", "torch.compile", "optimize (shape_buckets)",
+                 "optimize (shape_buckets, fine ladder, cuda_graphs)", "optimize (shape_buckets, split_batch, cuda_graphs)"]
     variable_shapes.main(["--device", "cpu", "--serve-all", "--second-pass", "--in-process", "--out", str(tmp_path),
                           "--providers", *providers])
     result = json.loads((tmp_path / "variable_shapes_cpu.json").read_text())
@@ -388,12 +388,12 @@ def test_variable_shapes_benchmark_smoke(tmp_path):
 def test_variable_shapes_runs_each_provider_in_a_process_of_its_own(tmp_path):
     from benchmarks import variable_shapes
 
-    variable_shapes.main(["--device", "cpu", "--requests", "6", "--out", str(tmp_path), "--providers", "eager",
-                          "eager (cuDNN attention off)"])
+    variable_shapes.main(["--device", "cpu", "--requests", "6", "--second-pass", "--out", str(tmp_path),
+                          "--providers", "eager (cuDNN attention off)"])
     result = json.loads((tmp_path / "variable_shapes_cpu.json").read_text())
     assert result["processes"] == "one per provider, caches empty"
-    assert result["requests"] == 6 and result["providers"]["eager"]["requests_per_s"] > 0
-    assert "total_s" in result["providers"]["eager (cuDNN attention off)"]  # stopped or not, it ran its own pass
+    served = result["providers"]["eager (cuDNN attention off)"]
+    assert result["requests"] == 6 and served["requests_per_s"] > 0 and served["second_pass_requests_per_s"] > 0
 
 
 def test_every_optimize_provider_names_its_options():
