@@ -30,14 +30,20 @@ def _graphs_note(model) -> str:
     return notes[0]
 
 
-@torch.no_grad()
-def test_bucket_replays_equal_the_model_and_outputs_stay_the_callers():
+def _optimized_bert(shape_buckets: dict):
+    """BERT on the GPU in float32 (TF32 off), optimized with ``shape_buckets``; its unoptimized twin and output key."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     model, key = bert()
     model = model.eval().cuda()
     reference = twin(model)
-    model = kernel_pytorch.optimize(model, example_inputs=_cuda(tokens(2, 11)), shape_buckets={"cuda_graphs": True})
+    optimized = kernel_pytorch.optimize(model, example_inputs=_cuda(tokens(2, 11)), shape_buckets=shape_buckets)
+    return optimized, reference, key
+
+
+@torch.no_grad()
+def test_bucket_replays_equal_the_model_and_outputs_stay_the_callers():
+    model, reference, key = _optimized_bert({"cuda_graphs": True})
     calls = [(3, 17, 2), (4, 32, 1), (4, 20, 0), (3, 17, 2)]  # the last two reach buckets already captured
     kept = []
     for batch, length, padded_rows in calls:
@@ -53,11 +59,7 @@ def test_bucket_replays_equal_the_model_and_outputs_stay_the_callers():
 
 @torch.no_grad()
 def test_graphs_are_captured_again_after_a_parameter_moves():
-    torch.manual_seed(0)
-    model, key = bert()
-    model = model.eval().cuda()
-    reference = twin(model)
-    model = kernel_pytorch.optimize(model, example_inputs=_cuda(tokens(2, 11)), shape_buckets={"cuda_graphs": True})
+    model, reference, key = _optimized_bert({"cuda_graphs": True})
     inputs = _cuda(tokens(3, 17, 1))
     model(**inputs)
     captured = len(bucket_call(model).graphs.graphs)  # the example inputs' bucket too: optimize called it
@@ -72,13 +74,8 @@ def test_graphs_are_captured_again_after_a_parameter_moves():
 
 @torch.no_grad()
 def test_split_batches_replay_graphs_equal_to_the_model():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.manual_seed(0)
-    model, key = bert()
-    model = model.eval().cuda()
-    reference = twin(model)
-    options = {"batch": (1, 2, 4), "length": (16, 32), "warm_up": True, "split_batch": True, "cuda_graphs": True}
-    model = kernel_pytorch.optimize(model, example_inputs=_cuda(tokens(2, 11)), shape_buckets=options)
+    model, reference, key = _optimized_bert({"batch": (1, 2, 4), "length": (16, 32), "warm_up": True,
+                                             "split_batch": True, "cuda_graphs": True})
     call = bucket_call(model)
     assert len(call.bucket_seconds) == 6 and all(seconds > 0 for seconds in call.bucket_seconds.values())
     for bucket in call.bucket_seconds:  # the batch-4 buckets made slow: 3 rows split as 2 + 1

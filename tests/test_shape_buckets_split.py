@@ -43,8 +43,9 @@ def test_outputs_are_joined_along_each_leafs_batch_dim():
     assert splittable({"['loss']": (), **known}) == "['loss'] has no batch dim to join the calls' rows along"
 
 
-@torch.no_grad()
-def test_a_split_batch_equals_the_unbucketed_model_and_each_call_is_counted():
+def _timed(seconds_of):
+    """BERT optimized with split_batch, its buckets' measured times replaced by ``seconds_of(bucket)``; its
+    unoptimized twin, output key and bucket call."""
     torch.manual_seed(0)
     model, key = bert()
     model.eval()
@@ -52,8 +53,15 @@ def test_a_split_batch_equals_the_unbucketed_model_and_each_call_is_counted():
     model = kernel_pytorch.optimize(model, example_inputs=tokens(2, 11), shape_buckets=_SPLIT)
     call = bucket_call(model)
     assert set(call.bucket_seconds) == {CallShape(b, n) for b in (1, 2, 4) for n in (16, 32)}
-    for bucket in call.bucket_seconds:  # the batch-4 buckets made slow: 3 rows split as 2 + 1
-        call.bucket_seconds[bucket] = 10.0 if bucket.batch == 4 else 1.0
+    for bucket in call.bucket_seconds:
+        call.bucket_seconds[bucket] = seconds_of(bucket)
+    return model, reference, key
+
+
+@torch.no_grad()
+def test_a_split_batch_equals_the_unbucketed_model_and_each_call_is_counted():
+    # the batch-4 buckets made slow: 3 rows split as 2 + 1
+    model, reference, key = _timed(lambda bucket: 10.0 if bucket.batch == 4 else 1.0)
     before = {(r.batch, r.length): r.calls for r in report_of(model).shape_buckets}
     inputs = tokens(3, 20, padded_rows=1)
     out, expected = model(**inputs), reference(**inputs)
@@ -66,15 +74,8 @@ def test_a_split_batch_equals_the_unbucketed_model_and_each_call_is_counted():
 
 
 @torch.no_grad()
-def test_a_batch_padding_beats_is_padded():
-    torch.manual_seed(0)
-    model, key = bert()
-    model.eval()
-    reference = twin(model)
-    model = kernel_pytorch.optimize(model, example_inputs=tokens(2, 11), shape_buckets=_SPLIT)
-    call = bucket_call(model)
-    for bucket in call.bucket_seconds:
-        call.bucket_seconds[bucket] = 1.0  # every bucket as fast: one padded call beats two
+def test_a_batch_is_padded_where_that_is_faster():
+    model, reference, key = _timed(lambda bucket: 1.0)  # every bucket as fast: one padded call beats two
     inputs = tokens(3, 20)
     assert rel_err(model(**inputs)[key], reference(**inputs)[key]) < FLOAT32
     assert {(r.batch, r.length) for r in report_of(model).shape_buckets if r.calls} >= {(4, 32)}
