@@ -233,6 +233,9 @@ def test_serving_and_generate_variants_stay_under_the_models_recompile_limit():
         with torch.no_grad():
             for batch, length in ((1, 5), (3, 7), (2, 9), (1, 1), (4, 12)):
                 model(input_ids=torch.randint(0, 101, (batch, length)))
+            ids = torch.randint(0, 101, (2, 8))
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))  # other arguments: variants of their own
+            model(input_ids=ids, labels=ids)
             for batch, use_cache in ((2, True), (3, True), (1, False)):
                 prompt = torch.randint(0, 101, (batch, 6))
                 model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False,

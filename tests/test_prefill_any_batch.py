@@ -61,3 +61,13 @@ def test_the_warm_up_still_compiles_every_graph_later_requests_need():
     model, reference = _optimized(causal_lm("llama"), prefill_any_batch=True)
     model.generate.warm_up(batch_sizes=(1, 2), progress=False)
     assert _tokens_and_graphs(model, reference, [(1, 1), (1, 30), (2, 7), (4, 12), (3, 200)]) == 0
+
+
+@pytest.mark.parametrize("make, graphs", [(lambda: causal_lm("llama"), 2), (lambda: t5_model(vocab_size=128), 3)],
+                         ids=["llama", "t5"])
+def test_the_first_batch_above_one_compiles_for_every_larger_batch(make, graphs):
+    # Without a batch-1 bucket (batch 1 padded to 2), batches 2 and 4: the prefill and the step compiled once each
+    # (and T5's encoder), where the first batch size used to compile for itself alone. T5's decoder prompt is 2
+    # tokens wide, which duck sizing tied to a batch of 2.
+    model, reference = _optimized(make(), batch_buckets=(2, 4, 8))
+    assert _tokens_and_graphs(model, reference, REQUESTS) == graphs

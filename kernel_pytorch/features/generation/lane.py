@@ -41,6 +41,9 @@ class ModelCalls:
     prefill: Callable[..., Any]
     step: Callable[..., Any]
     encode: Callable[..., Any]  # an encoder-decoder's encoder: ``encode(encoder, **kwargs)``
+    # batch 2+ lanes mark their batch dims dynamic (_batch_dynamic), unless the prefill serves batch 1 too
+    # (prefill_any_batch: its graph takes no batch size as special, and a marked dim would recompile it)
+    marks_batch_dynamic: bool = True
 
     @classmethod
     def of(cls, model: nn.Module, backend: GraphOptimizer | None, compile_prefill: bool = True,
@@ -66,7 +69,7 @@ class ModelCalls:
                                           any_batch=per_request and prefill_any_batch)
 
         return cls(entry(model, once_per_request, True), entry(model, backend, False),
-                   entry(encoder, once_per_request, True))
+                   entry(encoder, once_per_request, True), marks_batch_dynamic=not prefill_any_batch)
 
 
 def _traced_with_constants(compiled: Callable[..., Any], any_batch: bool = False) -> Callable[..., Any]:
@@ -178,6 +181,10 @@ class DecodeLane:
         # prefills of bucket lengths replayed from CUDA graphs (the decoder pads prompts to the buckets)
         self.prefill_graphs = PrefillGraphs(self.cuda_graphs, host_counted_cache(self._cache_layers())) \
             if prefill_graphs else None
+        self.marks_batch_dynamic = calls.marks_batch_dynamic and batch > 1
+        if self.marks_batch_dynamic:
+            encoder = (self.encoder_states, self.encoder_mask) if encoder_length else ()
+            _batch_dynamic(self.tokens, self.positions, self.mask, *encoder, *self._cache_tensors())
 
     # -- prefill ---------------------------------------------------------------------------------------------
 
@@ -261,7 +268,11 @@ class DecodeLane:
 
     def _forward(self, call: Callable[..., Any], input_ids: torch.Tensor, positions: torch.Tensor,
                  prefill: bool) -> Any:
+        if prefill and self.marks_batch_dynamic:
+            _batch_dynamic(input_ids, positions)
         if self.encoder_length:  # positions are relative in T5-style models: none are passed
+            if prefill:  # the decoder's prompt: its start token after a pad, 2 wide, which duck sizing would tie
+                torch._dynamo.mark_static(input_ids, 1)  # to a batch of 2 (a recompile at the next batch size)
             kwargs = {"decoder_input_ids": input_ids, "decoder_attention_mask": self.mask,
                       "attention_mask": self.encoder_mask, "encoder_outputs": (self.encoder_states,),
                       self.cache_keyword: self.cache, "use_cache": True}
@@ -302,8 +313,22 @@ class DecodeLane:
         counters = (getattr(layer, "cumulative_length", None) for layer in self._cache_layers())
         return [c for c in counters if isinstance(c, torch.Tensor)]
 
+    def _cache_tensors(self) -> list[torch.Tensor]:
+        return [tensor for layer in self._cache_layers() for tensor in (getattr(layer, "keys", None),
+                                                                       getattr(layer, "values", None))
+                if isinstance(tensor, torch.Tensor)]
+
     def _cache_layers(self) -> list:
         """The cache's layers, of both caches of an encoder-decoder."""
         caches = [getattr(self.cache, name, None) for name in ("self_attention_cache", "cross_attention_cache")]
         return [layer for cache in caches if cache is not None for layer in cache.layers] or \
             list(getattr(self.cache, "layers", ()))
+
+
+def _batch_dynamic(*tensors: torch.Tensor) -> None:
+    """Dim 0 (the batch) of a lane's tensors dynamic from the first compile of batches of 2 and more: TorchDynamo
+    otherwise compiles the first batch size it sees for that size alone (the caches' and inputs' sizes static), and a
+    second batch size compiled the prefill and the step again. Batch 1 keeps graphs of its own (0/1
+    specialization), where the decode passes pick kernels for one token row."""
+    for tensor in tensors:
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
