@@ -50,6 +50,15 @@ class ModuleState(NamedTuple):
     training: tuple[bool, ...]
     hooked: bool
 
+    def changed_since(self, earlier: ModuleState | None) -> str:
+        """What changed since ``earlier`` that graphs captured then depend on ('' when nothing did, or no graph was
+        captured before: ``earlier`` None)."""
+        if earlier is None:
+            return ""
+        if self.addresses != earlier.addresses:
+            return "the model's parameters or buffers moved"
+        return "a module's train/eval mode changed" if self.training != earlier.training else ""
+
 
 def module_state(model: nn.Module) -> ModuleState:
     """The :class:`ModuleState` of ``model``. Checked at every call that replays a graph, so the module tree is

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kernel_pytorch.cuda_graph_capture import module_state, registered_hook
+from kernel_pytorch.cuda_graph_capture import ModuleState, module_state, registered_hook
 from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls
 from kernel_pytorch.features.generation.model_calls import (cache_bytes, decoder_start_token, default_max_length,
                                                              is_encoder_decoder, why_not_generative)
@@ -71,8 +71,7 @@ class Decoder:
         self.lane: DecodeLane | None = None  # the lane of the request in progress
         self.batch = 0
         self.notes: list[str] = []
-        # the model's tensors' addresses and its modules' train/eval modes when the lanes were built
-        self._built_from: tuple[tuple, tuple] = ((), ())
+        self._built_from: ModuleState | None = None  # the model's state when the lanes were built
 
     # -- the plain-loop API ------------------------------------------------------------------------------------
 
@@ -255,16 +254,12 @@ class Decoder:
         rebuilt then (an in-place update, an optimizer step or ``load_state_dict``, keeps the addresses and the
         lanes)."""
         state = module_state(self.model)
-        built_from = (state.addresses, state.training)
-        if built_from == self._built_from:
-            return
-        if self.lanes:
-            what = ("the model's parameters or buffers moved" if state.addresses != self._built_from[0] else
-                    "a module's train/eval mode changed")
+        what = state.changed_since(self._built_from)
+        if what and self.lanes:
             self.notes.append(f"generation: {what} since its {len(self.lanes)} lane(s) were built (.to(), .half(), "
                               "a replaced parameter, .train() / .eval()): lanes rebuilt")
             self.lanes.clear()
-        self._built_from = built_from
+        self._built_from = state
 
     def _drop_lane(self, key: tuple[int, int, int]) -> None:
         del self.lanes[key]

@@ -97,10 +97,8 @@ class BucketGraphs:
         return graph.replay(args, kwargs)
 
     def _drop_if_the_model_changed(self, state: ModuleState) -> None:
-        captured = self._captured_from
-        if captured is not None and (state.addresses, state.training) != (captured.addresses, captured.training):
-            what = ("the model's parameters or buffers moved" if state.addresses != captured.addresses else
-                    "a module's train/eval mode changed")
+        what = state.changed_since(self._captured_from)
+        if what:
             if self.graphs:
                 self.report.note(f"bucket CUDA graphs dropped: {what} since {len(self.graphs)} were captured (.to(), "
                                  ".half(), a replaced parameter, .train() / .eval()); captured again as calls come")
