@@ -10,7 +10,7 @@ slower than the second is a cost paid once per shape. ``torch.compile`` is warme
 them first. Also: which SDPA backend PyTorch picks for one request's attention call (``torch._fused_sdp_choice``),
 and the ten host-side ops that took the most time in an eager first pass (``torch.profiler``).
 
-Prints a line per case and writes ``diagnose_variable_shapes.json``.
+Prints a line per case and writes ``diagnose_variable_shapes.json`` and a PNG of the seconds per request.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import environment, write_result  # noqa: E402
+from benchmarks.harness import environment, save_figure, write_result  # noqa: E402
 from benchmarks.variable_shapes import Setup, build_model, make_requests, make_setup, serve  # noqa: E402
 
 _WARM_UP = 10  # requests compile warms up on (after the timed ones): enough for it to make the sizes dynamic
@@ -68,6 +68,31 @@ def host_ops(requests: list, s: Setup) -> list[dict[str, Any]]:
     return [{"op": e.key, "calls": e.count, "self_host_ms": round(e.self_cpu_time_total / 1e3, 2)} for e in events]
 
 
+def plot(payload: dict[str, Any], path: Path) -> None:
+    """Milliseconds per request per case: shapes seen for the first time, and again."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = payload["cases"]
+    names = [f"{c['provider']}\ncuDNN attention {'on' if c['cudnn_sdp'] else 'off'}" for c in cases]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for offset, key, label in ((-0.2, "first_pass_s_per_request", "shapes seen for the first time"),
+                               (0.2, "second_pass_s_per_request", "the same shapes again")):
+        values = [c[key] * 1e3 for c in cases]
+        bars = ax.bar([i + offset for i in range(len(cases))], values, width=0.4, label=label)
+        for bar, value in zip(bars, values):
+            ax.annotate(f"{value:.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                        va="bottom", fontsize=7)
+    ax.set_xticks(range(len(cases)), names, fontsize=7)
+    ax.set_ylabel("ms per request", fontsize=8)
+    ax.legend(fontsize=7)
+    fig.suptitle(f"BERT-base, {payload['requests_per_pass']} requests of random shape per pass, "
+                 f"{payload['environment']['device']}", fontsize=9)
+    save_figure(fig, path)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=100, help="requests per pass (default 100)")
@@ -88,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     for op in payload["eager_host_ops"]:
         print(op, flush=True)
     write_result("diagnose_variable_shapes", payload, Path(args.out))
+    plot(payload, Path(args.out) / "diagnose_variable_shapes.png")
 
 
 if __name__ == "__main__":
