@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import environment, save_figure, write_result  # noqa: E402
-from benchmarks.variable_shapes import Setup, build_model, make_requests, make_setup, serve  # noqa: E402
+from benchmarks.variable_shapes import (Setup, build_model, cudnn_attention, make_requests, make_setup,  # noqa: E402
+                                       serve)
 
 _WARM_UP = 10  # requests compile warms up on (after the timed ones): enough for it to make the sizes dynamic
 
@@ -35,15 +36,15 @@ def seconds_per_request(model: Any, requests: list[dict[str, torch.Tensor]], s: 
 
 def case(name: str, cudnn: bool, requests: list, warm: list, s: Setup) -> dict[str, Any]:
     """First and second pass of one provider with cuDNN attention on or off."""
-    torch.backends.cuda.enable_cudnn_sdp(cudnn)
     torch._dynamo.reset()
-    model = build_model(s)
-    if name == "torch.compile":
-        model = torch.compile(model)
-        serve(model, warm, s)
-    result = {"provider": name, "cudnn_sdp": cudnn, "first_pass_s_per_request": seconds_per_request(model, requests, s),
-              "second_pass_s_per_request": seconds_per_request(model, requests, s)}
-    torch.backends.cuda.enable_cudnn_sdp(True)
+    with cudnn_attention(cudnn):
+        model = build_model(s)
+        if name == "torch.compile":
+            model = torch.compile(model)
+            serve(model, warm, s)
+        result = {"provider": name, "cudnn_sdp": cudnn,
+                  "first_pass_s_per_request": seconds_per_request(model, requests, s),
+                  "second_pass_s_per_request": seconds_per_request(model, requests, s)}
     print(result, flush=True)
     return result
 

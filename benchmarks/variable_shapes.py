@@ -49,6 +49,7 @@ Writes ``--out``/variable_shapes.json (``_quick``, ``_cpu``) and a PNG of reques
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -242,33 +243,46 @@ def run_provider(provider: str, s: Setup, requests: list, warm: list, fastest: t
     and its seconds for all of them), then with ``second_pass`` serve the requests it served again (every shape
     seen); errors are recorded, not raised."""
     result: dict[str, Any] = {}
-    model = None
-    cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
     try:
-        torch.backends.cuda.enable_cudnn_sdp(cudnn_attention and provider not in (EAGER_NO_CUDNN, COMPILE_NO_CUDNN))
-        model = build_model(s)
-        started = time.perf_counter()
-        model = apply_provider(provider, model, s, requests[0], result)
-        result["setup_s"] = round(time.perf_counter() - started, 2)
-        result["warm_up_s"] = round(serve(model, warm, s)[0], 2)
-        before = bucket_hits(model) if provider in OPTIMIZE_OPTIONS else {}
-        total, served = serve(model, requests, s, None if fastest is None else fastest[1])
-        tokens = sum(r["input_ids"].numel() for r in requests[:served])
-        result.update(total_s=round(total, 3), requests_per_s=round(served / total, 2),
-                      tokens_per_s=round(tokens / total, 1))
-        if served < len(requests):
-            result.update(requests_served=served, stopped=f"slower than {fastest[0]} ({fastest[1]:.1f} s for all "
-                                                          f"{len(requests)} requests): stopped after {served}")
-        if provider in OPTIMIZE_OPTIONS:
-            _add_bucket_summary(result, model, before)
-        if second_pass:
-            result["second_pass_requests_per_s"] = round(served / serve(model, requests[:served], s)[0], 2)
+        with cudnn_attention(provider not in (EAGER_NO_CUDNN, COMPILE_NO_CUDNN)):
+            _measure(provider, s, requests, warm, fastest, second_pass, result)
     except Exception as error:  # one provider's failure (out of memory, a compile error) must not end the run
         result["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-    model = None
-    torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
     _release(s)
     return result
+
+
+@contextlib.contextmanager
+def cudnn_attention(allowed: bool):
+    """PyTorch's cuDNN SDPA backend left as it is (``allowed``) or turned off inside; as it was after."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(before and allowed)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def _measure(provider: str, s: Setup, requests: list, warm: list, fastest: tuple[str, float] | None,
+             second_pass: bool, result: dict[str, Any]) -> None:
+    """:func:`run_provider`'s measurement, into ``result`` (the model goes with this frame)."""
+    model = build_model(s)
+    started = time.perf_counter()
+    model = apply_provider(provider, model, s, requests[0], result)
+    result["setup_s"] = round(time.perf_counter() - started, 2)
+    result["warm_up_s"] = round(serve(model, warm, s)[0], 2)
+    before = bucket_hits(model) if provider in OPTIMIZE_OPTIONS else {}
+    total, served = serve(model, requests, s, None if fastest is None else fastest[1])
+    tokens = sum(r["input_ids"].numel() for r in requests[:served])
+    result.update(total_s=round(total, 3), requests_per_s=round(served / total, 2),
+                  tokens_per_s=round(tokens / total, 1))
+    if served < len(requests):
+        result.update(requests_served=served, stopped=f"slower than {fastest[0]} ({fastest[1]:.1f} s for all "
+                                                      f"{len(requests)} requests): stopped after {served}")
+    if provider in OPTIMIZE_OPTIONS:
+        _add_bucket_summary(result, model, before)
+    if second_pass:
+        result["second_pass_requests_per_s"] = round(served / serve(model, requests[:served], s)[0], 2)
 
 
 def run_isolated(provider: str, args: argparse.Namespace, fastest: tuple[str, float] | None) -> dict:

@@ -40,7 +40,7 @@ from torch._dynamo.exc import TorchDynamoException
 from kernel_pytorch.errors import KernelPytorchError, first_line
 
 __all__ = ["CompiledCall", "GraphRun", "RecompileLimitWarning", "UnoptimizedCallWarning", "call_module",
-           "compiled_entry", "call_in_chain", "entry_recompile_limit", "install"]
+           "compiled_entry", "call_in_chain", "entry_recompile_limit", "install", "GLOBAL_HOOK_DICTS"]
 
 # TorchDynamo's default limit (8) is for one function; a model's call contract needs more variants: a
 # transformers generate() alone is captured with and without a cache, for prefill and decode, and at
@@ -52,7 +52,7 @@ _MAX_ENTRIES = 8
 
 # The global hook dictionaries of torch.nn.Module (mutated in place, never rebound), which TorchDynamo does not
 # guard on.
-_GLOBAL_HOOK_DICTS = tuple(getattr(module_globals, name) for name in (
+GLOBAL_HOOK_DICTS = tuple(getattr(module_globals, name) for name in (
     "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"))
 
 # The optimized call running in this thread or task (None outside one): Dynamo's compile callbacks and
@@ -258,9 +258,9 @@ def _describe(value: Any) -> str:
 
 def _global_hook_ids() -> tuple[tuple[int, ...], ...]:
     """The handle ids of the global module hooks; () for none, the common case, read without building tuples."""
-    if not any(_GLOBAL_HOOK_DICTS):
+    if not any(GLOBAL_HOOK_DICTS):
         return ()
-    return tuple(tuple(hooks) for hooks in _GLOBAL_HOOK_DICTS)
+    return tuple(tuple(hooks) for hooks in GLOBAL_HOOK_DICTS)
 
 
 # -- Dynamo's compile callbacks and logs, attributed to the optimized call in progress -------------------------

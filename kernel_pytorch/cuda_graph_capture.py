@@ -10,10 +10,12 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn as nn
-import torch.nn.modules.module as module_globals
+
+from kernel_pytorch.compiled_call import GLOBAL_HOOK_DICTS
 
 __all__ = ["capture_after_warm_up", "ModuleState", "module_state", "registered_hook"]
 
+# A module's own hook dictionaries (the global ones: compiled_call.GLOBAL_HOOK_DICTS)
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 T = TypeVar("T")
@@ -65,7 +67,7 @@ def module_state(model: nn.Module) -> ModuleState:
     walked directly, without the qualified names ``named_modules()`` builds (a shared tensor is listed once per
     owner, which compares the same)."""
     addresses, training, modules = [], [], [model]
-    hooked = any(hooks for hooks in _global_hook_dicts())
+    hooked = any(GLOBAL_HOOK_DICTS)
     while modules:
         module = modules.pop()
         addresses += [(t.data_ptr(), t.dtype) for t in itertools.chain(module._parameters.values(),
@@ -79,14 +81,10 @@ def module_state(model: nn.Module) -> ModuleState:
 def registered_hook(model: nn.Module) -> str:
     """Where a forward or backward hook is registered on ``model`` or globally, named for a report line ('' where
     none is)."""
-    if any(hooks for hooks in _global_hook_dicts()):
+    if any(GLOBAL_HOOK_DICTS):
         return "a global module hook (torch.nn.modules.module.register_module_forward_hook or the like)"
     for name, module in model.named_modules():
         for kind in _HOOK_DICTS:
             if getattr(module, kind):
                 return f"a {kind.strip('_')[:-len('_hooks')].replace('_', ' ')} hook on {name or 'the model'}"
     return ""
-
-
-def _global_hook_dicts() -> tuple[dict, ...]:
-    return tuple(getattr(module_globals, f"_global{name}") for name in _HOOK_DICTS)

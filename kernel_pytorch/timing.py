@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -26,8 +27,8 @@ import torch
 
 from kernel_pytorch.errors import first_line
 
-__all__ = ["fastest_cuda_ms", "fastest_cuda_graph_ms", "captured_calls", "median_cuda_ms", "measurement_compiles",
-           "Timings", "GRAPH_TIME", "PER_CALL"]
+__all__ = ["fastest_cuda_ms", "fastest_cuda_graph_ms", "captured_calls", "median_cuda_ms", "median_ms",
+           "measurement_compiles", "Timings", "GRAPH_TIME", "PER_CALL"]
 
 GRAPH_TIME = "GPU time (CUDA graph)"
 PER_CALL = "per call"
@@ -84,6 +85,21 @@ def median_cuda_ms(fn: Callable[[], object], warmup: int = 2, runs: int = 7) -> 
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, warmup: int = 2, runs: int = 7) -> float:
+    """:func:`median_cuda_ms` on a CUDA device; elsewhere the median of the host clock around each call (a CPU
+    call is done when it returns)."""
+    if device.type == "cuda":
+        return median_cuda_ms(fn, warmup, runs)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1e3)
     return statistics.median(times)
 
 

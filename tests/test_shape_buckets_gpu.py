@@ -78,8 +78,8 @@ def test_split_batches_replay_graphs_equal_to_the_model():
                                              "split_batch": True, "cuda_graphs": True})
     call = bucket_call(model)
     assert len(call.bucket_seconds) == 6 and all(seconds > 0 for seconds in call.bucket_seconds.values())
-    for bucket in call.bucket_seconds:  # the batch-4 buckets made slow: 3 rows split as 2 + 1
-        call.bucket_seconds[bucket] = 10.0 if bucket.batch == 4 else 1.0
+    # the batch-4 buckets made slow: 3 rows split as 2 + 1
+    call.set_bucket_seconds({bucket: 10.0 if bucket.batch == 4 else 1.0 for bucket in call.bucket_seconds})
     inputs = _cuda(tokens(3, 20, 1))
     out, expected = model(**inputs), reference(**inputs)
     for name in (key, "pooler_output"):

@@ -11,7 +11,7 @@ import kernel_pytorch
 from kernel_pytorch import report_of
 from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.errors import ConfigError
-from kernel_pytorch.features.shape_buckets.batch_split import fastest_split, join_outputs, splittable
+from kernel_pytorch.features.shape_buckets.batch_split import fastest_splits, join_outputs, splittable
 from kernel_pytorch.features.shape_buckets.padding import BATCH, LENGTH, CallShape
 from kernel_pytorch.features.shape_buckets.wrapper import bucket_call
 
@@ -24,13 +24,13 @@ _SPLIT = {"batch": (1, 2, 4), "length": (16, 32), "warm_up": True, "split_batch"
 
 def test_the_fastest_split_pads_or_splits_by_the_times():
     buckets = (1, 2, 4, 8)
-    cheap_small = {1: 1.0, 2: 1.1, 4: 1.2, 8: 10.0}
-    assert fastest_split(5, buckets, cheap_small) == ((4, 4), (1, 1))  # 2.2 against 10 padded
-    assert fastest_split(7, buckets, cheap_small) == ((4, 4), (3, 4))  # 2.4: the rest padded, against 3.3 split
-    assert fastest_split(3, buckets, cheap_small) == ((3, 4),)  # padded to 4: 1.2 against 2.1 for 2 + 1
-    flat = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.5}
-    assert fastest_split(5, buckets, flat) == ((5, 8),)
-    assert fastest_split(8, buckets, cheap_small) == ((4, 4), (4, 4))  # even a bucket's own size can split
+    cheap_small = fastest_splits(buckets, {1: 1.0, 2: 1.1, 4: 1.2, 8: 10.0})
+    assert sorted(cheap_small) == list(range(1, 9))  # every batch size up to the largest bucket
+    assert cheap_small[5] == ((4, 4), (1, 1))  # 2.2 against 10 padded
+    assert cheap_small[7] == ((4, 4), (3, 4))  # 2.4: the rest padded, against 3.3 split
+    assert cheap_small[3] == ((3, 4),)  # padded to 4: 1.2 against 2.1 for 2 + 1
+    assert fastest_splits(buckets, {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.5})[5] == ((5, 8),)
+    assert cheap_small[8] == ((4, 4), (4, 4))  # even a bucket's own size can split
 
 
 def test_outputs_are_joined_along_each_leafs_batch_dim():
@@ -53,8 +53,8 @@ def _timed(seconds_of):
     model = kernel_pytorch.optimize(model, example_inputs=tokens(2, 11), shape_buckets=_SPLIT)
     call = bucket_call(model)
     assert set(call.bucket_seconds) == {CallShape(b, n) for b in (1, 2, 4) for n in (16, 32)}
-    for bucket in call.bucket_seconds:
-        call.bucket_seconds[bucket] = seconds_of(bucket)
+    assert set(call.splits) == {CallShape(b, n) for b in (1, 2, 3, 4) for n in (16, 32)}  # planned at the warm-up
+    call.set_bucket_seconds({bucket: seconds_of(bucket) for bucket in call.bucket_seconds})
     return model, reference, key
 
 
@@ -90,7 +90,7 @@ def test_a_loss_over_the_batch_is_padded_with_a_note():
     example = {**tokens(2, 11), "labels": torch.randint(3, 101, (2, 11))}
     with torch.no_grad():
         model = kernel_pytorch.optimize(model, example_inputs=example, shape_buckets=_SPLIT)
-    assert bucket_call(model).bucket_seconds == {}
+    assert bucket_call(model).bucket_seconds == {} and bucket_call(model).splits == {}
     assert any(note.startswith("shape buckets: split_batch not used: ['loss'] has no batch dim")
                for note in report_of(model).notes), report_of(model).notes
 

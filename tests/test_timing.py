@@ -133,3 +133,16 @@ def test_timings_say_which_candidate_won_and_in_microseconds():
     assert timings.faster("gemv", "cuBLAS") and not timings.faster("cuBLAS", "gemv")
     assert not timings.faster("untimed", "gemv") and timings.faster("gemv", "untimed")
     assert timings.in_microseconds() == "cuBLAS 15.6 us, gemv 4.2 us"
+
+
+def test_median_ms_off_cuda_times_each_call_on_the_host_clock():
+    import time
+
+    calls = []
+
+    def sleep_2ms():
+        calls.append(1)
+        time.sleep(0.002)
+
+    ms = timing.median_ms(sleep_2ms, torch.device("cpu"), warmup=1, runs=3)
+    assert len(calls) == 4 and ms >= 2.0  # the warm-up untimed, then the median of three calls that each slept 2 ms

@@ -231,14 +231,14 @@ class Decoder:
             raise GenerationLimitError(f"{total_length} tokens (prompt + new tokens) do not fit the KV cache of "
                                        f"generation max_length={self.max_length} tokens: raise it, "
                                        "optimize(model, generation={'max_length': ...})")
-        hook = registered_hook(self.model)
-        if hook:  # the steps are traced without guards on the hooks, and replays run no Python
-            raise RuntimeError(f"kernel_pytorch.Decoder cannot run {hook}: its compiled and captured steps would skip "
-                               "the hook; remove it, or call model.generate() (after optimize it then runs "
-                               "transformers' loop through the optimized model, hooks and all)")
+        state = module_state(self.model)
+        if state.hooked:  # the steps are traced without guards on the hooks, and replays run no Python
+            raise RuntimeError(f"kernel_pytorch.Decoder cannot run {registered_hook(self.model)}: its compiled and "
+                               "captured steps would skip the hook; remove it, or call model.generate() (after "
+                               "optimize it then runs transformers' loop through the optimized model, hooks and all)")
         length = min(_rounded(total_length), self.max_length)
         key = (bucket, length, _rounded(encoder_length) if encoder_length else 0)
-        self._drop_lanes_if_the_model_changed()
+        self._drop_lanes_if_the_model_changed(state)
         lane = self.lanes.pop(key, None)
         if lane is None:
             if len(self.lanes) >= _MAX_LANES:
@@ -247,13 +247,12 @@ class Decoder:
         self.lanes[key] = lane  # most recently used last
         return lane
 
-    def _drop_lanes_if_the_model_changed(self) -> None:
+    def _drop_lanes_if_the_model_changed(self, state: ModuleState) -> None:
         """Lanes replay CUDA graphs that read the parameters and buffers at the addresses they had at capture: after
         ``model.to(...)``, ``model.half()`` or a parameter replaced by another tensor, a replay would read freed or
         stale memory; after ``.train()`` / ``.eval()`` it would replay the other mode's dropout. Every lane is
         rebuilt then (an in-place update, an optimizer step or ``load_state_dict``, keeps the addresses and the
         lanes)."""
-        state = module_state(self.model)
         what = state.changed_since(self._built_from)
         if what and self.lanes:
             self.notes.append(f"generation: {what} since its {len(self.lanes)} lane(s) were built (.to(), .half(), "

@@ -14,7 +14,6 @@ unlike the first call's) go to the compiled call found inside, as without the fe
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ import torch.nn as nn
 
 from kernel_pytorch.compiled_call import CompiledCall, call_in_chain, entry_recompile_limit
 from kernel_pytorch.errors import KernelPytorchError
-from kernel_pytorch.features.shape_buckets.batch_split import Chunk, fastest_split, join_outputs, rows_of, splittable
+from kernel_pytorch.features.shape_buckets.batch_split import Chunk, fastest_splits, join_outputs, rows_of, splittable
 from kernel_pytorch.features.shape_buckets.ladder import Ladder, bucket_for
 from kernel_pytorch.features.shape_buckets.padding import (CallShape, NamedCall, Parameters, argument_dims,
                                                            call_shape, lead_tensor, name_call, pad_call, repeated_to,
@@ -31,6 +30,7 @@ from kernel_pytorch.features.shape_buckets.graphs import BucketGraphs, replayabl
 from kernel_pytorch.features.shape_buckets.plan import BucketPlan
 from kernel_pytorch.features.shape_buckets.safety import Verdict, check_padding
 from kernel_pytorch.report import OptimizationReport, ShapeBucketRecord
+from kernel_pytorch.timing import median_ms
 
 __all__ = ["ShapeBucketCall", "ShapeBucketError", "bucket_call", "install_wrapper", "run_check", "set_note",
            "static_buckets", "graphs_per_entry", "NOTE_PREFIX"]
@@ -38,7 +38,7 @@ __all__ = ["ShapeBucketCall", "ShapeBucketError", "bucket_call", "install_wrappe
 NOTE_PREFIX = "shape buckets"
 # Arguments whose presence makes a call positional state rather than a fresh sequence: padding would be cached.
 _STATEFUL_ARGUMENTS = ("past_key_values", "past_key_value", "cache_params")
-_TIMED_CALLS = 3  # per bucket, for split_batch: each after the bucket's first (capturing) call
+_TIMED_CALLS = 3  # per bucket, for split_batch: each after the bucket's first (capturing) call, the median kept
 
 
 class ShapeBucketError(KernelPytorchError, ValueError):
@@ -63,6 +63,7 @@ class ShapeBucketCall:
         self.records: dict[CallShape, ShapeBucketRecord] = {}
         self.graphs = BucketGraphs(model, report) if plan.settings.cuda_graphs else None
         self.bucket_seconds: dict[CallShape, float] = {}  # split_batch: each bucket's call, timed at warm-up
+        self.splits: dict[CallShape, tuple[Chunk, ...]] = {}  # split_batch: (batch, length bucket) -> its calls
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = name_call(self.parameters, args, kwargs)
@@ -84,7 +85,7 @@ class ShapeBucketCall:
                             "length as the first call's did ran unbucketed")
             return self.inner(*args, **kwargs)
         bucket = self._bucket(shape, ladder)
-        chunks = self._chunks(shape, bucket, ladder)
+        chunks = self._chunks(shape, bucket)
         outs, start = [], 0
         for rows, batch in chunks:  # one padded call, unless split_batch measured a faster split
             part = call if len(chunks) == 1 else rows_of(call, dims, start, start + rows)
@@ -121,16 +122,18 @@ class ShapeBucketCall:
         dims = argument_dims(template, shape, self.plan.verdict.arguments) or {}
         buckets = [CallShape(b, n) for b in ladder.batch or (shape.batch,) for n in ladder.length or (shape.length,)]
         timed = self.plan.settings.split_batch and not self._split_refusal()
+        seconds: dict[CallShape, float] = {}
         with Progress(transient=True) as progress, _grad_mode(self.plan.training):
             task = progress.add_task(f"capturing {len(buckets)} shape buckets", total=len(buckets))
             for bucket in buckets:
                 args, kwargs = repeated_to(template, shape, bucket, dims).arguments()
                 self._run(bucket, ladder, args, kwargs)
                 if timed:
-                    self.bucket_seconds[bucket] = _seconds_per_call(lambda: self._run(bucket, ladder, args, kwargs),
-                                                                    lead_tensor(template).device)
+                    seconds[bucket] = median_ms(lambda: self._run(bucket, ladder, args, kwargs),
+                                                lead_tensor(template).device, warmup=0, runs=_TIMED_CALLS) / 1e3
                 progress.advance(task)
         if timed:
+            self.set_bucket_seconds(seconds)
             self.report.set_note(f"{NOTE_PREFIX}: split_batch", f"{NOTE_PREFIX}: split_batch: every bucket's call "
                                  "timed at warm-up; a batch between batch buckets runs as the calls those times say "
                                  "are fastest, padded or split among smaller buckets (each counted in the table)")
@@ -147,14 +150,19 @@ class ShapeBucketCall:
             self.report.note(f"{NOTE_PREFIX}: split_batch not used: {reason}; batches are padded")
         return reason
 
-    def _chunks(self, shape: CallShape, bucket: CallShape, ladder: Ladder) -> tuple[Chunk, ...]:
-        """(rows, batch bucket) per call serving ``shape``: the fastest by the warm-up's times, else one padded."""
-        if not self.bucket_seconds or shape.batch > ladder.batch[-1]:
-            return ((shape.batch, bucket.batch),)
-        seconds = {b: self.bucket_seconds.get(CallShape(b, bucket.length)) for b in ladder.batch}
-        if None in seconds.values():  # a length above the ladder (beyond_largest='new_bucket'): not timed
-            return ((shape.batch, bucket.batch),)
-        return fastest_split(shape.batch, ladder.batch, seconds)
+    def set_bucket_seconds(self, seconds: dict[CallShape, float]) -> None:
+        """Each bucket's seconds per call, and from them the calls that serve each batch size fastest at each
+        length bucket, planned here once rather than per call."""
+        self.bucket_seconds = dict(seconds)
+        batches = tuple(sorted({bucket.batch for bucket in seconds}))
+        self.splits = {CallShape(batch, length): chunks for length in {bucket.length for bucket in seconds}
+                       for batch, chunks in fastest_splits(batches, {b: seconds[CallShape(b, length)]
+                                                                     for b in batches}).items()}
+
+    def _chunks(self, shape: CallShape, bucket: CallShape) -> tuple[Chunk, ...]:
+        """(rows, batch bucket) per call serving ``shape``: the fastest by the warm-up's times, else one padded (a
+        size above the ladder, or no times)."""
+        return self.splits.get(CallShape(shape.batch, bucket.length)) or ((shape.batch, bucket.batch),)
 
     # -- buckets -------------------------------------------------------------------------------------------------
 
@@ -234,17 +242,6 @@ def static_buckets(plan: BucketPlan) -> bool:
     """Whether each bucket gets a static-shape graph of its own (``dynamic=False``) rather than sharing one entry
     with dynamic sizes."""
     return plan.config.dynamic is False
-
-
-def _seconds_per_call(run: Any, device: torch.device) -> float:
-    """Mean seconds of ``run()`` over _TIMED_CALLS calls, the device synchronized around them."""
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    synchronize()
-    started = time.perf_counter()
-    for _ in range(_TIMED_CALLS):
-        run()
-    synchronize()
-    return (time.perf_counter() - started) / _TIMED_CALLS
 
 
 @functools.cache
