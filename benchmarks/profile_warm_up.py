@@ -73,13 +73,12 @@ def time_generate_calls(model: torch.nn.Module, batch: int, profiler: cProfile.P
            f"second {seconds[1]:.3f} s"
 
 
-def dynamo_line(before: dict[str, int]) -> str:
-    """What TorchDynamo compiled since ``before`` (:func:`~benchmarks.harness.dynamo_snapshot`), so that a slow first
-    call can be told apart from a silent recompile."""
+def dynamo_line(before: dict[str, int], during: str) -> str:
+    """What TorchDynamo compiled since ``before`` (:func:`~benchmarks.harness.dynamo_snapshot`), so that a slow call
+    can be told apart from a silent recompile."""
     changes, reasons = dynamo_changes(before)
     moved = {key: value for key, value in changes.items() if value}
-    return f"== TorchDynamo during the first generate calls: counters moved {moved or 'none'}; recompile reasons: " \
-           f"{reasons or 'none'}"
+    return f"== TorchDynamo during {during}: counters moved {moved or 'none'}; recompile reasons: {reasons or 'none'}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,14 +98,16 @@ def main(argv: list[str] | None = None) -> None:
     profiler = cProfile.Profile()
     with timed_compiles(records):
         model = kernel_pytorch.optimize(llama(args.layers), generation={"enabled": True, **args.generation})
+        warm_up_before = dynamo_snapshot()
         started = time.perf_counter()
         with contextlib.nullcontext() if args.no_host_profile or args.no_warm_up_profile else profiler:
             model.generate.warm_up(progress=False)
     seconds = time.perf_counter() - started
+    warm_up_dynamo = dynamo_line(warm_up_before, "the warm-up")
     first_profiler = None if args.no_host_profile else cProfile.Profile()
     before = dynamo_snapshot()
     first_calls = [time_generate_calls(model, batch, first_profiler) for batch in args.first_generate]
-    first_calls += [dynamo_line(before)] if args.first_generate else []
+    first_calls += [dynamo_line(before, "the first generate calls")] if args.first_generate else []
     stream = io.StringIO()
     if not (args.no_host_profile or args.no_warm_up_profile):
         pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(args.top)
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             pstats.Stats(first_profiler, stream=stream).sort_stats(order).print_stats(args.top)
     phases = kernel_pytorch.report_of(model).timings_s
     text = "\n".join([f"== warm-up {seconds:.1f} s; report phases: " + ", ".join(
-        f"{k} {v:.1f}" for k, v in phases.items() if v >= 0.5), *records, *first_calls,
+        f"{k} {v:.1f}" for k, v in phases.items() if v >= 0.5), *records, warm_up_dynamo, *first_calls,
         "== TorchDynamo compile_times:", str(torch._dynamo.utils.compile_times(repr="str")),
         "== host profile (cumulative):", stream.getvalue()])
     print(text)

@@ -68,6 +68,6 @@ def test_the_warm_up_still_compiles_every_graph_later_requests_need():
 def test_the_first_batch_above_one_compiles_for_every_larger_batch(make, graphs):
     # Without a batch-1 bucket (batch 1 padded to 2), batches 2 and 4: the prefill and the step compiled once each
     # (and T5's encoder), where the first batch size used to compile for itself alone. T5's decoder prompt is 2
-    # tokens wide, which duck sizing tied to a batch of 2.
+    # tokens wide, which duck sizing (off in the generation calls) tied to a batch of 2.
     model, reference = _optimized(make(), batch_buckets=(2, 4, 8))
     assert _tokens_and_graphs(model, reference, REQUESTS) == graphs

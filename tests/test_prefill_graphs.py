@@ -90,3 +90,23 @@ def test_auto_pads_prompts_only_where_the_steps_replay_cuda_graphs_on_a_cuda_dev
     assert not Decoder(causal_lm("llama"), cuda_graphs=False).prefill_graphs
     assert not Decoder(causal_lm("llama"), prefill_graphs=False).prefill_graphs
     assert not Decoder(t5_model()).prefill_graphs  # an encoder-decoder's decoder starts from one token
+
+
+def test_no_graph_is_compiled_after_the_warm_up_where_model_sizes_equal_a_bucket():
+    # The model's head dim (16) is the first prompt bucket and its KV heads (2) a batch bucket: TorchDynamo's duck
+    # sizing gave equal sizes one symbol, so specializing the head dim pinned the warm-up's first prefill to prompts
+    # of 16 tokens and the next bucket compiled again (the H100's 1B model, head dim 128 and KV heads 4: 10 graphs).
+    model = causal_lm("llama")
+    reference = copy.deepcopy(model)
+    optimized = kernel_pytorch.optimize(model, generation={"prefill_graphs": True})
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    optimized.generate.warm_up(batch_sizes=(1, 2), progress=False)
+    # the prefill and the step, each at batch 1 and at 2+, whatever the prompt bucket
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before + 4
+    before += 4
+    for batch, length in [(1, 5), (2, 17), (3, 30), (1, 100), (4, 60)]:
+        input_ids, attention_mask = left_padded_prompts(batch, length)
+        expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+        tokens = optimized.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(tokens, expected), (batch, length)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before

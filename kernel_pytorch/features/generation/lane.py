@@ -79,8 +79,10 @@ def _traced_with_constants(compiled: Callable[..., Any], any_batch: bool = False
     then recompiles, as any guarded constant does. ``any_batch``: sizes of 1 not specialized either
     (``backed_size_oblivious``): Dynamo otherwise compiles a call at batch 1 for batch 1 alone (its 0/1
     specialization), and the prefill got two graphs, each traced, rewritten and compiled; the decode steps keep
-    theirs, where at batch 1 the decode passes pick kernels for one token row."""
-    shape_patches = {"backed_size_oblivious": True} if any_batch else {}
+    theirs, where at batch 1 the decode passes pick kernels for one token row. Duck sizing is off: it gives equal
+    sizes one symbol, so a prompt bucket equal to the head dim, or a batch equal to the KV heads, was specialized
+    with it and compiled again at the next size (10 warm-up graphs instead of 4 on the H100's 1B-class Llama)."""
+    shape_patches = {"use_duck_shape": False, **({"backed_size_oblivious": True} if any_batch else {})}
 
     def call(*args: Any, **kwargs: Any) -> Any:
         with torch._dynamo.config.patch(specialize_float=True), shape_config.patch(**shape_patches):
@@ -271,8 +273,6 @@ class DecodeLane:
         if prefill and self.marks_batch_dynamic:
             _batch_dynamic(input_ids, positions)
         if self.encoder_length:  # positions are relative in T5-style models: none are passed
-            if prefill:  # the decoder's prompt: its start token after a pad, 2 wide, which duck sizing would tie
-                torch._dynamo.mark_static(input_ids, 1)  # to a batch of 2 (a recompile at the next batch size)
             kwargs = {"decoder_input_ids": input_ids, "decoder_attention_mask": self.mask,
                       "attention_mask": self.encoder_mask, "encoder_outputs": (self.encoder_states,),
                       self.cache_keyword: self.cache, "use_cache": True}
