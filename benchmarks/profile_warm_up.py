@@ -46,6 +46,7 @@ def timed_compiles(records: list[str]) -> Iterator[list[str]]:
             symbolic = sum(isinstance(v, torch.SymInt) for v in example_inputs)
             records.append(f"{name}: compile {time.perf_counter() - started:6.1f} s, {calls} calls, "
                            f"{symbolic} symbolic size inputs")
+            print(records[-1], flush=True)  # as it happens: a run cut at its time limit still shows them
 
     GraphOptimizer._compile = compile_and_time
     try:
@@ -69,8 +70,10 @@ def time_generate_calls(model: torch.nn.Module, batch: int, profiler: cProfile.P
                            min_new_tokens=new_tokens, do_sample=False)
         synchronize(device)
         seconds.append(time.perf_counter() - started)
-    return f"generate at batch {batch} (prompt {prompt}, {new_tokens} new tokens): first {seconds[0]:.2f} s, " \
+    line = f"generate at batch {batch} (prompt {prompt}, {new_tokens} new tokens): first {seconds[0]:.2f} s, " \
            f"second {seconds[1]:.3f} s"
+    print(line, flush=True)
+    return line
 
 
 def dynamo_line(before: dict[str, int], during: str) -> str:
@@ -104,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
             model.generate.warm_up(progress=False)
     seconds = time.perf_counter() - started
     warm_up_dynamo = dynamo_line(warm_up_before, "the warm-up")
+    print(f"== warm-up {seconds:.1f} s\n{warm_up_dynamo}", flush=True)
     first_profiler = None if args.no_host_profile else cProfile.Profile()
     before = dynamo_snapshot()
     first_calls = [time_generate_calls(model, batch, first_profiler) for batch in args.first_generate]

@@ -11,6 +11,6 @@ for generation in "$@"; do
   echo "== variant $index: generation=$generation"
   TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton timeout "${VARIANT_TIMEOUT:-280}" \
     python3 benchmarks/profile_warm_up.py --generation "$generation" --no-host-profile \
-    --first-generate ${FIRST_GENERATE:-1 8} --out "$OUT/$index" 2>&1 | grep -v "DEBUG\|Warning\|warn" \
-    | grep "==\|graph \|generate at" | cut -c1-700
+    --first-generate ${FIRST_GENERATE:-1 8} --out "$OUT/$index" 2>&1 | grep --line-buffered -v "DEBUG\|Warning\|warn" \
+    | grep "==\|graph \|generate at" --line-buffered | cut -c1-700
 done

@@ -41,9 +41,6 @@ class ModelCalls:
     prefill: Callable[..., Any]
     step: Callable[..., Any]
     encode: Callable[..., Any]  # an encoder-decoder's encoder: ``encode(encoder, **kwargs)``
-    # batch 2+ lanes mark their batch dims dynamic (_batch_dynamic), unless the prefill serves batch 1 too
-    # (prefill_any_batch: its graph takes no batch size as special, and a marked dim would recompile it)
-    marks_batch_dynamic: bool = True
 
     @classmethod
     def of(cls, model: nn.Module, backend: GraphOptimizer | None, compile_prefill: bool = True,
@@ -69,7 +66,7 @@ class ModelCalls:
                                           any_batch=per_request and prefill_any_batch)
 
         return cls(entry(model, once_per_request, True), entry(model, backend, False),
-                   entry(encoder, once_per_request, True), marks_batch_dynamic=not prefill_any_batch)
+                   entry(encoder, once_per_request, True))
 
 
 def _traced_with_constants(compiled: Callable[..., Any], any_batch: bool = False) -> Callable[..., Any]:
@@ -79,10 +76,9 @@ def _traced_with_constants(compiled: Callable[..., Any], any_batch: bool = False
     then recompiles, as any guarded constant does. ``any_batch``: sizes of 1 not specialized either
     (``backed_size_oblivious``): Dynamo otherwise compiles a call at batch 1 for batch 1 alone (its 0/1
     specialization), and the prefill got two graphs, each traced, rewritten and compiled; the decode steps keep
-    theirs, where at batch 1 the decode passes pick kernels for one token row. Duck sizing is off: it gives equal
-    sizes one symbol, so a prompt bucket equal to the head dim, or a batch equal to the KV heads, was specialized
-    with it and compiled again at the next size (10 warm-up graphs instead of 4 on the H100's 1B-class Llama)."""
-    shape_patches = {"use_duck_shape": False, **({"backed_size_oblivious": True} if any_batch else {})}
+    theirs, where at batch 1 the decode passes pick kernels for one token row. The lanes mark their tensors' sizes
+    (:func:`_mark_sizes`) against TorchDynamo's duck sizing."""
+    shape_patches = {"backed_size_oblivious": True} if any_batch else {}
 
     def call(*args: Any, **kwargs: Any) -> Any:
         with torch._dynamo.config.patch(specialize_float=True), shape_config.patch(**shape_patches):
@@ -183,10 +179,20 @@ class DecodeLane:
         # prefills of bucket lengths replayed from CUDA graphs (the decoder pads prompts to the buckets)
         self.prefill_graphs = PrefillGraphs(self.cuda_graphs, host_counted_cache(self._cache_layers())) \
             if prefill_graphs else None
-        self.marks_batch_dynamic = calls.marks_batch_dynamic and batch > 1
-        if self.marks_batch_dynamic:
-            encoder = (self.encoder_states, self.encoder_mask) if encoder_length else ()
-            _batch_dynamic(self.tokens, self.positions, self.mask, *encoder, *self._cache_tensors())
+        self._mark_sizes()
+
+    def _mark_sizes(self) -> None:
+        """TorchDynamo's duck sizing gives sizes of equal value one symbol, so a model constant equal to a size that
+        varies pinned that size: the H100 1B model's head dim of 128 fixed the prompt bucket of 128, its 4 KV heads
+        a batch of 4, and the warm-up compiled 10 graphs instead of 4. So the caches' heads and head dims (and an
+        encoder's width) are static, and the encoder's length gets a symbol of its own (``_forward`` marks the
+        prompt's). The batch and cache length stay duck-sized: one symbol each for every cache tensor (a symbol per
+        tensor made each compile twice as slow)."""
+        _mark_static(self._cache_tensors(), dims=(1, 3))
+        if self.encoder_length:
+            _mark_static([self.encoder_states], dims=(2,))
+            _own_symbol([self.encoder_states, self.encoder_mask], dim=1)
+            _own_symbol(_keys_and_values(self.cache.cross_attention_cache.layers), dim=2)
 
     # -- prefill ---------------------------------------------------------------------------------------------
 
@@ -195,6 +201,7 @@ class DecodeLane:
         the lane's buffers, zero padded (masked) up to ``encoder_length``."""
         length = input_ids.shape[1]
         encoder = self.model.get_encoder()
+        _own_symbol([input_ids, attention_mask], dim=1)  # the prompt's length (see _mark_sizes)
         states = self.encode_call(encoder, input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         self.encoder_states.zero_()
         self.encoder_states[:, :length] = states
@@ -270,8 +277,8 @@ class DecodeLane:
 
     def _forward(self, call: Callable[..., Any], input_ids: torch.Tensor, positions: torch.Tensor,
                  prefill: bool) -> Any:
-        if prefill and self.marks_batch_dynamic:
-            _batch_dynamic(input_ids, positions)
+        if prefill:
+            _own_symbol([input_ids, positions], dim=1)  # the prompt's length (see _mark_sizes)
         if self.encoder_length:  # positions are relative in T5-style models: none are passed
             kwargs = {"decoder_input_ids": input_ids, "decoder_attention_mask": self.mask,
                       "attention_mask": self.encoder_mask, "encoder_outputs": (self.encoder_states,),
@@ -314,9 +321,7 @@ class DecodeLane:
         return [c for c in counters if isinstance(c, torch.Tensor)]
 
     def _cache_tensors(self) -> list[torch.Tensor]:
-        return [tensor for layer in self._cache_layers() for tensor in (getattr(layer, "keys", None),
-                                                                       getattr(layer, "values", None))
-                if isinstance(tensor, torch.Tensor)]
+        return _keys_and_values(self._cache_layers())
 
     def _cache_layers(self) -> list:
         """The cache's layers, of both caches of an encoder-decoder."""
@@ -325,10 +330,19 @@ class DecodeLane:
             list(getattr(self.cache, "layers", ()))
 
 
-def _batch_dynamic(*tensors: torch.Tensor) -> None:
-    """Dim 0 (the batch) of a lane's tensors dynamic from the first compile of batches of 2 and more: TorchDynamo
-    otherwise compiles the first batch size it sees for that size alone (the caches' and inputs' sizes static), and a
-    second batch size compiled the prefill and the step again. Batch 1 keeps graphs of its own (0/1
-    specialization), where the decode passes pick kernels for one token row."""
+def _keys_and_values(layers: list) -> list[torch.Tensor]:
+    """The cache layers' key and value tensors: (batch, heads, length, head dim)."""
+    return [tensor for layer in layers for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None))
+            if isinstance(tensor, torch.Tensor)]
+
+
+def _mark_static(tensors: list[torch.Tensor], dims: tuple[int, ...]) -> None:
     for tensor in tensors:
-        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        for dim in dims:
+            torch._dynamo.mark_static(tensor, dim)
+
+
+def _own_symbol(tensors: list[torch.Tensor], dim: int) -> None:
+    """``dim`` of each tensor a symbol that no other size of equal value shares (a marked dim is not duck-sized)."""
+    for tensor in tensors:
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
