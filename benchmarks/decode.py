@@ -2,7 +2,8 @@
 side in one process, bf16.
 
     python benchmarks/decode.py [--quick | --device cpu] [--models 1b 7b] [--providers ...]
-                                [--batches 1 8 32] [--out DIR] [--fresh] [--generation JSON] [--host-profile]
+                                [--batches 1 8 32] [--out DIR] [--fresh] [--generation JSON] [--optimize JSON]
+                                [--host-profile]
                                 [--prefill-graphs-ab]
 
 ``--prefill-graphs-ab``: after optimize's measurements, the same compiled model with ``generation.prefill_graphs``
@@ -147,6 +148,7 @@ class Setup:
     sweep_budget_s: float  # the recompile sweep stops here: a provider that recompiles every shape is slow
     host_profile: Path | None = None  # where optimize's host profile of a batch-1 TTFT call is written
     generation: dict | None = None  # optimize(model, generation=...) for the optimize provider
+    optimize_options: dict | None = None  # its other optimize(model, ...) options, e.g. {"compile": False}
     prefill_graphs_ab: bool = False  # optimize's batch points and TTFTs again with prefill graphs flipped
 
 
@@ -312,9 +314,12 @@ def make_runner(provider: str, model: nn.Module, s: Setup, result: dict):
 
     if s.generation:
         result["generation_config"] = s.generation
+    if s.optimize_options:
+        result["optimize_options"] = s.optimize_options
+    options = {**(s.optimize_options or {}), **({"generation": s.generation} if s.generation else {})}
     before = dynamo_snapshot()
     with timed_compiles(result.setdefault("graph_compiles", [])):
-        optimized = kernel_pytorch.optimize(model, **({"generation": s.generation} if s.generation else {}))
+        optimized = kernel_pytorch.optimize(model, **options)
         # The documented bounded warm-up: batch 1 and one larger batch compile every graph later requests use.
         if callable(getattr(optimized.generate, "warm_up", None)):
             optimized.generate.warm_up(progress=False)
@@ -804,6 +809,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fresh", action="store_true", help="do not merge into the existing result file")
     parser.add_argument("--generation", type=json.loads, default=None, metavar="JSON",
                         help="optimize(model, generation=...), e.g. '{\"compile_prefill\": false}'")
+    parser.add_argument("--optimize", type=json.loads, default=None, metavar="JSON",
+                        help="other optimize(model, ...) options, e.g. '{\"compile\": false}' (the rewritten graphs run "
+                             "uncompiled; the decode steps and prefills still replay CUDA graphs)")
     parser.add_argument("--prefill-graphs-ab", action="store_true",
                         help="after optimize's measurements, its batch points and TTFTs again with "
                              "generation.prefill_graphs flipped in the same process (result: without_prefill_graphs "
@@ -863,6 +871,8 @@ def main(argv: list[str] | None = None) -> None:
         s = replace(s, host_profile=args.out / "decode_ttft_profile.txt")
     if args.generation:
         s = replace(s, generation=args.generation)
+    if args.optimize:
+        s = replace(s, optimize_options=args.optimize)
     s = replace(s, prefill_graphs_ab=args.prefill_graphs_ab)
     threads = torch.get_num_threads()
     if s.device == "cpu":

@@ -6,7 +6,8 @@ plus the first generate) and what later first calls at a new size still cost are
 compiled meanwhile (its counters and recompile reasons) and a host profile of the first calls. A diagnosis tool for
 issue 27's warm-up target.
 
-    python benchmarks/profile_warm_up.py [--layers 16] [--top 45] [--out DIR] [--generation JSON] [--no-host-profile]
+    python benchmarks/profile_warm_up.py [--layers 16] [--top 45] [--out DIR] [--generation JSON] [--optimize JSON]
+                                         [--no-host-profile]
                                          [--no-warm-up-profile] [--first-generate BATCH ...]
 """
 
@@ -91,6 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--generation", type=json.loads, default={}, metavar="JSON",
                         help="optimize(model, generation=...), e.g. '{\"compile_layers_once\": true}'")
+    parser.add_argument("--optimize", type=json.loads, default={}, metavar="JSON",
+                        help="other optimize(model, ...) options, e.g. '{\"compile\": false}' (a \"generation\" key joins "
+                             "--generation)")
     parser.add_argument("--no-host-profile", action="store_true", help="no cProfile (it slows the host's work)")
     parser.add_argument("--no-warm-up-profile", action="store_true",
                         help="profile only the first generate calls: the warm-up runs at full speed")
@@ -100,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     records: list[str] = []
     profiler = cProfile.Profile()
     with timed_compiles(records):
-        model = kernel_pytorch.optimize(llama(args.layers), generation={"enabled": True, **args.generation})
+        options = dict(args.optimize)  # its "generation", if any, joins --generation
+        generation = {"enabled": True, **args.generation, **options.pop("generation", {})}
+        model = kernel_pytorch.optimize(llama(args.layers), **options, generation=generation)
         warm_up_before = dynamo_snapshot()
         started = time.perf_counter()
         with contextlib.nullcontext() if args.no_host_profile or args.no_warm_up_profile else profiler:

@@ -22,7 +22,8 @@ from .generation_models import causal_lm
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory) -> tuple[dict, object]:
     out = tmp_path_factory.mktemp("decode")
-    decode.main(["--device", "cpu", "--prefill-graphs-ab", "--out", str(out)])
+    # compile=False, the CPU's default anyway: --optimize reaches optimize and is recorded
+    decode.main(["--device", "cpu", "--prefill-graphs-ab", "--optimize", '{"compile": false}', "--out", str(out)])
     return json.loads((out / "decode_cpu.json").read_text()), out
 
 
@@ -70,7 +71,7 @@ def test_cpu_run_records_what_each_provider_did(cpu_run):
     loop = providers[decode.STATIC_LOOP]
     assert "error" in loop or loop["compile"]["mode"] == "reduce-overhead"
     ours = providers[decode.OURS]
-    assert isinstance(ours["report_generation_lines"], list)
+    assert isinstance(ours["report_generation_lines"], list) and ours["optimize_options"] == {"compile": False}
     if "error" not in ours:
         sweep = ours["recompiles"]
         assert len(sweep["batch_x_prompt"]) + len(sweep["errors"]) == 4 and sweep["graphs_compiled"] >= 0
@@ -180,8 +181,8 @@ def test_profile_warm_up_times_and_profiles_the_first_calls_and_tells_recompiles
     assert any(name == "generate" for (_, _, name) in pstats.Stats(profiler).stats)
     before = dynamo_snapshot()
     model.generate(torch.ones(5, 7, dtype=torch.long), max_new_tokens=2)  # batch 8's lane: nothing compiled
-    assert dynamo_line(before).endswith("counters moved none; recompile reasons: none")
+    assert dynamo_line(before, "a call").endswith("counters moved none; recompile reasons: none")
     before = dynamo_snapshot()
     model.generate(torch.ones(1, 7, dtype=torch.long), max_new_tokens=2)  # batch 1: graphs of its own
-    line = dynamo_line(before)
+    line = dynamo_line(before, "a call")
     assert "counters moved {'unique_graphs': 2" in line and "2 <= kwargs['input_ids'].size()[0]" in line
