@@ -18,6 +18,7 @@ kept true to what users do with the model afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -29,7 +30,7 @@ import sys
 import threading
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -39,8 +40,8 @@ from torch._dynamo.exc import TorchDynamoException
 
 from kernel_pytorch.errors import KernelPytorchError, first_line
 
-__all__ = ["CompiledCall", "GraphRun", "RecompileLimitWarning", "UnoptimizedCallWarning", "call_module",
-           "compiled_entry", "call_in_chain", "entry_recompile_limit", "install", "GLOBAL_HOOK_DICTS"]
+__all__ = ["CompiledCall", "GraphRun", "RecompileLimitWarning", "RecompileLimitWatch", "UnoptimizedCallWarning",
+           "call_module", "compiled_entry", "call_in_chain", "entry_recompile_limit", "install", "GLOBAL_HOOK_DICTS"]
 
 # TorchDynamo's default limit (8) is for one function; a model's call contract needs more variants: a
 # transformers generate() alone is captured with and without a cache, for prefill and decode, and at
@@ -57,7 +58,7 @@ GLOBAL_HOOK_DICTS = tuple(getattr(module_globals, name) for name in (
 
 # The optimized call running in this thread or task (None outside one): Dynamo's compile callbacks and
 # log records are attributed to it.
-_ACTIVE: contextvars.ContextVar[CompiledCall | None] = contextvars.ContextVar("kernel_pytorch_call", default=None)
+_ACTIVE: contextvars.ContextVar[_InFlight | None] = contextvars.ContextVar("kernel_pytorch_call", default=None)
 
 _entry_numbers = itertools.count()
 
@@ -126,7 +127,7 @@ class CompiledCall:
     def __init__(self, model: nn.Module, backend: Callable[..., Any], dynamic: bool | None, report: Any):
         self.model, self.backend, self.dynamic, self.report = model, backend, dynamic, report
         self.entries: dict[tuple[tuple[int, ...], ...], Callable[..., Any]] = {}
-        self.limits_reached: set[str] = set()
+        self.limit_watch = RecompileLimitWatch(f"the optimized {type(model).__name__}", self._note)
         # Call signatures that failed to compile and ran eagerly: they go straight to the eager call (Dynamo does
         # not remember a failure, and each retry would capture, rewrite and verify again).
         self.eager_signatures: set[tuple] = set()
@@ -162,17 +163,7 @@ class CompiledCall:
         return entry
 
     def recompile_limit_reached(self, function: str, reason: str) -> None:
-        """Dynamo logged that it reached its limit for ``function``: report and warn once per function."""
-        if function in self.limits_reached:
-            return
-        self.limits_reached.add(function)
-        message = (f"TorchDynamo reached its recompile limit for {function} inside the optimized "
-                   f"{type(self.model).__name__}: calls unlike the variants already captured now run that code "
-                   f"unoptimized (last change: {reason}). Fix: fewer distinct call variants (shapes, batch sizes, "
-                   "cache types), optimize(..., dynamic=True), or a higher torch._dynamo.config.recompile_limit; "
-                   "TORCH_LOGS=recompiles lists each change")
-        self._note(message)
-        warnings.warn(message, RecompileLimitWarning, stacklevel=2)
+        self.limit_watch.recompile_limit_reached(function, reason)
 
     def _after_compile_failure(self, failure: TorchDynamoException, graph_ran: bool, args: tuple, kwargs: dict) -> Any:
         """The model's own error for inputs it rejects; else the eager result, said once. Only before any of the
@@ -204,12 +195,44 @@ class CompiledCall:
         self.report.note(text)
 
 
+class RecompileLimitWatch:
+    """Reports TorchDynamo reaching its recompile limit inside the calls it watches, once per function: a note
+    through ``note`` and a :class:`RecompileLimitWarning`, since Dynamo then runs that code unoptimized with only a
+    log line. An optimized model's call has one; so do the generation lanes' prefill, step and encoder, whose
+    compiled entries are called without the model's call."""
+
+    def __init__(self, owner: str, note: Callable[[str], None]):
+        self.owner, self.note = owner, note
+        self.limits_reached: set[str] = set()
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Within the block, Dynamo's limit records (and compile callbacks) are attributed to this watch."""
+        token = _ACTIVE.set(_InFlight(self))
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+
+    def recompile_limit_reached(self, function: str, reason: str) -> None:
+        if function in self.limits_reached:
+            return
+        self.limits_reached.add(function)
+        message = (f"TorchDynamo reached its recompile limit for {function} inside {self.owner}: calls unlike the "
+                   f"variants already captured now run that code unoptimized (last change: {reason}). Fix: fewer "
+                   "distinct call variants (shapes, batch sizes, cache types), optimize(..., dynamic=True), or a "
+                   "higher torch._dynamo.config.recompile_limit; TORCH_LOGS=recompiles lists each change")
+        self.note(message)
+        warnings.warn(message, RecompileLimitWarning, stacklevel=2)
+
+
 class _InFlight:
-    """One call of an optimized model in progress (what ``_ACTIVE`` holds, per thread and task)."""
+    """One watched call in progress (what ``_ACTIVE`` holds, per thread and task): an optimized model's
+    :class:`CompiledCall` or a :class:`RecompileLimitWatch`."""
 
     __slots__ = ("call", "graph_ran")
 
-    def __init__(self, call: CompiledCall):
+    def __init__(self, call: CompiledCall | RecompileLimitWatch):
         self.call, self.graph_ran = call, False
 
 

@@ -19,6 +19,7 @@ from kernel_pytorch.compiled_call import CompiledCall, RecompileLimitWarning
 
 from . import hf_models
 from .conftest import rel_err, twin
+from .generation_models import causal_lm, left_padded_prompts
 
 
 class TwoLayers(nn.Module):
@@ -221,6 +222,24 @@ def test_reaching_the_recompile_limit_warns_and_reports(monkeypatch):
     assert len(caught) == 1  # once per function, not per call
     assert any("recompile limit" in note and "size mismatch" in note for note in report_of(model).notes)
     assert all(out.shape == (b, 4) for out, b in outs)
+
+
+def test_a_generation_call_reaching_the_recompile_limit_warns_and_reports(monkeypatch):
+    # The lanes' prefill and step are compiled entries of their own, called without the model's call: on an H200
+    # their prefill reached Dynamo's limit of 8 with no line anywhere (10 warm-up graphs, since fixed).
+    monkeypatch.setattr(compiled_call, "RECOMPILE_LIMIT", 1)
+    model = causal_lm("llama")
+    reference = copy.deepcopy(model)
+    model = kernel_pytorch.optimize(model, generation=True)
+    with torch._dynamo.config.patch(recompile_limit=1), \
+            pytest.warns(RecompileLimitWarning, match="inside the generation (prefill|decode step) of Llama") as caught:
+        for batch in (1, 3):  # batch 1's graphs, then batch 2+'s: a second variant of each entry
+            input_ids, attention_mask = left_padded_prompts(batch, 6)
+            tokens = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False)
+            expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False)
+            assert torch.equal(tokens, expected), batch  # unoptimized past the limit, still right
+    assert len(caught) == 2  # the prefill and the step, once each
+    assert sum("recompile limit" in note for note in report_of(model).notes) == 2
 
 
 @pytest.mark.skipif(not compiled_call._compile_takes_recompile_limit(),

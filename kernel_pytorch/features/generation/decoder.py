@@ -63,14 +63,15 @@ class Decoder:
         self.max_length = max_length or default_max_length(model)
         self.batch_buckets = tuple(batch_buckets)
         self.cuda_graphs = cuda_graphs is True or cuda_graphs == "auto"
-        self.calls = ModelCalls.of(model, _backend_of(model), compile_prefill, compile_layers_once, prefill_any_batch)
+        self.notes: list[str] = []
+        self.calls = ModelCalls.of(model, _backend_of(model), compile_prefill, compile_layers_once, prefill_any_batch,
+                                   note=self.notes.append)
         self.encoder_decoder = is_encoder_decoder(model)
         self._prefill_graphs = prefill_graphs
         # (batch bucket, cache length, encoder length or 0) -> lane, in order of use, the most recent last
         self.lanes: dict[tuple[int, int, int], DecodeLane] = {}
         self.lane: DecodeLane | None = None  # the lane of the request in progress
         self.batch = 0
-        self.notes: list[str] = []
         self._built_from: ModuleState | None = None  # the model's state when the lanes were built
 
     # -- the plain-loop API ------------------------------------------------------------------------------------

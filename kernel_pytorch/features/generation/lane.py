@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.fx.experimental import _config as shape_config
 
-from kernel_pytorch.compiled_call import call_module, compiled_entry
+from kernel_pytorch.compiled_call import RecompileLimitWatch, call_module, compiled_entry
 from kernel_pytorch.errors import first_line
 from kernel_pytorch.cuda_graph_capture import capture_after_warm_up
 from kernel_pytorch.features.generation.sampling import SamplingSettings, draw, warped_scores
@@ -44,13 +44,15 @@ class ModelCalls:
 
     @classmethod
     def of(cls, model: nn.Module, backend: GraphOptimizer | None, compile_prefill: bool = True,
-           compile_layers_once: bool = False, prefill_any_batch: bool = False) -> ModelCalls:
+           compile_layers_once: bool = False, prefill_any_batch: bool = False,
+           note: Callable[[str], None] = lambda _: None) -> ModelCalls:
         """Captured through ``backend`` (an optimized model's own: its passes and verification), each call with a
         dynamo cache of its own; without a backend the model runs as it is, still from a static cache. Without
         ``compile_prefill`` the prefill and the encoder run their rewritten graphs uncompiled; with
         ``compile_layers_once`` Inductor compiles each distinct layer once (:mod:`kernel_pytorch.block_compile`);
         with ``prefill_any_batch`` one prefill (and encoder) graph serves batch 1 too
-        (:func:`_traced_with_constants`)."""
+        (:func:`_traced_with_constants`). A call reaching TorchDynamo's recompile limit goes to ``note`` and warns
+        (:class:`~kernel_pytorch.compiled_call.RecompileLimitWatch`)."""
         if backend is None:
             return cls(call_module, call_module, call_module)
         if compile_layers_once and backend.compiler.name == "inductor":
@@ -59,17 +61,20 @@ class ModelCalls:
                                                                                          name="eager"))
         encoder = model.get_encoder() if is_encoder_decoder(model) else None
 
-        def entry(module: nn.Module | None, module_backend: GraphOptimizer, per_request: bool) -> Callable[..., Any]:
+        def entry(module: nn.Module | None, module_backend: GraphOptimizer, per_request: bool,
+                  what: str) -> Callable[..., Any]:
             if module is None:
                 return call_module
-            return _traced_with_constants(compiled_entry(module, module_backend, dynamic=True),
+            watch = RecompileLimitWatch(f"the generation {what} of {type(model).__name__}", note)
+            return _traced_with_constants(compiled_entry(module, module_backend, dynamic=True), watch,
                                           any_batch=per_request and prefill_any_batch)
 
-        return cls(entry(model, once_per_request, True), entry(model, backend, False),
-                   entry(encoder, once_per_request, True))
+        return cls(entry(model, once_per_request, True, "prefill"), entry(model, backend, False, "decode step"),
+                   entry(encoder, once_per_request, True, "encoder"))
 
 
-def _traced_with_constants(compiled: Callable[..., Any], any_batch: bool = False) -> Callable[..., Any]:
+def _traced_with_constants(compiled: Callable[..., Any], watch: RecompileLimitWatch,
+                           any_batch: bool = False) -> Callable[..., Any]:
     """``compiled`` traced with the model's float attributes (attention scale, RoPE scaling) as constants: with
     dynamic shapes Dynamo otherwise makes each a graph input read by ``.item()``, and a scale that is not a
     constant keeps the attention passes from rewriting (and Inductor from folding) it. A changed attribute
@@ -77,11 +82,12 @@ def _traced_with_constants(compiled: Callable[..., Any], any_batch: bool = False
     (``backed_size_oblivious``): Dynamo otherwise compiles a call at batch 1 for batch 1 alone (its 0/1
     specialization), and the prefill got two graphs, each traced, rewritten and compiled; the decode steps keep
     theirs, where at batch 1 the decode passes pick kernels for one token row. The lanes mark their tensors' sizes
-    (:func:`_mark_sizes`) against TorchDynamo's duck sizing."""
+    (:func:`_mark_sizes`) against TorchDynamo's duck sizing. ``watch`` reports the recompile limit."""
     shape_patches = {"backed_size_oblivious": True} if any_batch else {}
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(specialize_float=True), shape_config.patch(**shape_patches):
+        with torch._dynamo.config.patch(specialize_float=True), shape_config.patch(**shape_patches), \
+                watch.watching():
             return compiled(*args, **kwargs)
 
     return call
