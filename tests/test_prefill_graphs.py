@@ -93,9 +93,9 @@ def test_auto_pads_prompts_only_where_the_steps_replay_cuda_graphs_on_a_cuda_dev
 
 
 def test_no_graph_is_compiled_after_the_warm_up_where_model_sizes_equal_a_bucket():
-    # The model's head dim (16) is the first prompt bucket and its KV heads (2) a batch bucket: TorchDynamo's duck
-    # sizing gave equal sizes one symbol, so specializing the head dim pinned the warm-up's first prefill to prompts
-    # of 16 tokens and the next bucket compiled again (the H100's 1B model, head dim 128 and KV heads 4: 10 graphs).
+    # The model's head dim (16) is the first prompt bucket and its KV heads (2) the warm-up's second batch:
+    # TorchDynamo's duck sizing gave equal sizes one symbol, so specializing the head dim pinned the warm-up's first
+    # prefill to prompts of 16 tokens, and the next bucket compiled again (5 graphs).
     model = causal_lm("llama")
     reference = copy.deepcopy(model)
     optimized = kernel_pytorch.optimize(model, generation={"prefill_graphs": True})

@@ -188,12 +188,12 @@ class DecodeLane:
         self._mark_sizes()
 
     def _mark_sizes(self) -> None:
-        """TorchDynamo's duck sizing gives sizes of equal value one symbol, so a model constant equal to a size that
-        varies pinned that size: the H100 1B model's head dim of 128 fixed the prompt bucket of 128, its 4 KV heads
-        a batch of 4, and the warm-up compiled 10 graphs instead of 4. So the caches' heads and head dims (and an
-        encoder's width) are static, and the encoder's length gets a symbol of its own (``_forward`` marks the
-        prompt's). The batch and cache length stay duck-sized: one symbol each for every cache tensor (a symbol per
-        tensor made each compile twice as slow)."""
+        """TorchDynamo's duck sizing gives sizes of equal value at a trace one symbol, so a model constant equal to
+        a size that varies pinned that size: a head dim equal to the first prompt bucket, or KV heads equal to the
+        first batch above 1 (2 for some models), and the next bucket or batch compiled again. So the caches' heads
+        and head dims (and an encoder's width) are static, and the encoder's length gets a symbol of its own
+        (``_forward`` marks the prompt's). The batch and cache length stay duck-sized: one symbol each for every
+        cache tensor (a symbol per tensor made each compile about twice as slow on the CPU)."""
         _mark_static(self._cache_tensors(), dims=(1, 3))
         if self.encoder_length:
             _mark_static([self.encoder_states], dims=(2,))
