@@ -225,7 +225,7 @@ def test_reaching_the_recompile_limit_warns_and_reports(monkeypatch):
 
 
 def test_a_generation_call_reaching_the_recompile_limit_warns_and_reports(monkeypatch):
-    # The lanes' prefill and step are compiled entries of their own, called without the model's call: on an H200
+    # The lanes' prefill and step are compiled entries of their own, called without the model's call: on an H100
     # their prefill reached Dynamo's limit of 8 with no line anywhere (compile_layers_once's 10 warm-up graphs).
     monkeypatch.setattr(compiled_call, "RECOMPILE_LIMIT", 1)
     model = causal_lm("llama")
