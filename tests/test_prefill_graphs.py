@@ -104,7 +104,7 @@ def test_no_graph_is_compiled_after_the_warm_up_where_model_sizes_equal_a_bucket
     # the prefill and the step, each at batch 1 and at 2+, whatever the prompt bucket
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before + 4
     before += 4
-    for batch, length in [(1, 5), (2, 17), (3, 30), (1, 100), (4, 60)]:
+    for batch, length in [(1, 100), (3, 30)]:  # a longer bucket, a larger batch
         input_ids, attention_mask = left_padded_prompts(batch, length)
         expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
         tokens = optimized.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
