@@ -56,8 +56,8 @@ _MAX_ENTRIES = 8
 GLOBAL_HOOK_DICTS = tuple(getattr(module_globals, name) for name in (
     "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"))
 
-# The optimized call running in this thread or task (None outside one): Dynamo's compile callbacks and
-# log records are attributed to it.
+# The watched call running in this thread or task (an optimized model's, or a generation entry's; None outside
+# one): Dynamo's compile callbacks and log records are attributed to it.
 _ACTIVE: contextvars.ContextVar[_InFlight | None] = contextvars.ContextVar("kernel_pytorch_call", default=None)
 
 _entry_numbers = itertools.count()
@@ -140,7 +140,7 @@ class CompiledCall:
             return self.model._call_impl(*args, **kwargs)
         entry = self._entry(_global_hook_ids())
         _register_compile_callbacks()
-        flight = _InFlight(self)
+        flight = _InFlight(self.limit_watch, optimized_call=True)
         token = _ACTIVE.set(flight)
         try:
             return entry(self.model, *args, **kwargs)
@@ -161,9 +161,6 @@ class CompiledCall:
             if len(self.entries) > 1:
                 self._note("global module hooks changed: the model is captured again for each new set of them")
         return entry
-
-    def recompile_limit_reached(self, function: str, reason: str) -> None:
-        self.limit_watch.recompile_limit_reached(function, reason)
 
     def _after_compile_failure(self, failure: TorchDynamoException, graph_ran: bool, args: tuple, kwargs: dict) -> Any:
         """The model's own error for inputs it rejects; else the eager result, said once. Only before any of the
@@ -207,8 +204,8 @@ class RecompileLimitWatch:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        """Within the block, Dynamo's limit records (and compile callbacks) are attributed to this watch."""
-        token = _ACTIVE.set(_InFlight(self))
+        """Within the block, Dynamo's limit records are attributed to this watch."""
+        token = _ACTIVE.set(_InFlight(self, optimized_call=False))
         try:
             yield
         finally:
@@ -227,13 +224,14 @@ class RecompileLimitWatch:
 
 
 class _InFlight:
-    """One watched call in progress (what ``_ACTIVE`` holds, per thread and task): an optimized model's
-    :class:`CompiledCall` or a :class:`RecompileLimitWatch`."""
+    """One watched call in progress (what ``_ACTIVE`` holds, per thread and task): the watch its recompile-limit
+    records go to, and whether it is an optimized model's :class:`CompiledCall` (whose compiles guard on hooks and
+    whose fake-tensor tracebacks are dropped: the call re-raises the model's own error)."""
 
-    __slots__ = ("call", "graph_ran")
+    __slots__ = ("watch", "optimized_call", "graph_ran")
 
-    def __init__(self, call: CompiledCall | RecompileLimitWatch):
-        self.call, self.graph_ran = call, False
+    def __init__(self, watch: RecompileLimitWatch, optimized_call: bool):
+        self.watch, self.optimized_call, self.graph_ran = watch, optimized_call, False
 
 
 class GraphRun:
@@ -295,7 +293,7 @@ _compiling = threading.local()
 
 def _guard_hooks_while_compiling(*_: Any) -> None:
     """Dynamo's compile-start callback: guard on module hooks while a frame of an optimized call compiles."""
-    patch = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False) if _ACTIVE.get() is not None else None
+    patch = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False) if _optimized_call_in_flight() else None
     if patch is not None:
         patch.__enter__()
     _compiling.__dict__.setdefault("patches", []).append(patch)
@@ -314,7 +312,7 @@ _LIMIT_MESSAGE = re.compile(r"function: (?P<function>.*)\n\s*last reason: (?P<re
 
 
 class _RecompileLimitRecords(logging.Filter):
-    """Takes Dynamo's "hit config.recompile_limit" record inside an optimized call (the call warns instead)."""
+    """Takes Dynamo's "hit config.recompile_limit" record inside a watched call (its watch warns instead)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         flight = _ACTIVE.get()
@@ -324,7 +322,7 @@ class _RecompileLimitRecords(logging.Filter):
         function, reason = (found["function"], found["reason"].strip()) if found else ("a frame", "unknown")
         if _PACKAGE_DIR in function and _ENTRY_PREFIX not in function:
             return True  # a compile of kernel_pytorch's own (a kernel measured inside the backend), not the model's
-        flight.call.recompile_limit_reached(function, reason)
+        flight.watch.recompile_limit_reached(function, reason)
         return False
 
 
@@ -333,7 +331,12 @@ class _FakeTensorErrorRecords(logging.Filter):
     call re-raises eager PyTorch's own error for such inputs (CompiledCall._after_compile_failure)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return _ACTIVE.get() is None or not str(record.msg).startswith("failed while attempting to run meta")
+        return not (_optimized_call_in_flight() and str(record.msg).startswith("failed while attempting to run meta"))
+
+
+def _optimized_call_in_flight() -> bool:
+    flight = _ACTIVE.get()
+    return flight is not None and flight.optimized_call
 
 
 def _register_compile_callbacks() -> None:
