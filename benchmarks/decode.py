@@ -487,7 +487,9 @@ def measure_ttfts(runner, info: dict, s: Setup) -> dict[str, Any]:
 def measure_other_prefill_arm(runner, info: dict, hbm: dict, s: Setup, memory: PeakMemory) -> tuple[str, dict]:
     """The same compiled model with ``generation.prefill_graphs`` flipped: the batch points and TTFTs again, in this
     process (new lanes and their captures, no new compile), with their peak memory (``points_peak_gib``, as the
-    provider's own). Returns the arm's key (``with_prefill_graphs`` or ``without_prefill_graphs``) and its record."""
+    provider's own). Returns the arm's key (``with_prefill_graphs`` or ``without_prefill_graphs``) and its record.
+    The prefill stays as compiled at construction: pass ``--generation '{"compile_prefill": true}'`` for a compiled
+    prefill in both arms (the default leaves it uncompiled where it replays CUDA graphs)."""
     decoder = runner.model.generate.decoder
     option, first = decoder.prefill_graphs_option, decoder.prefill_graphs
     decoder.set_prefill_graphs(not first)

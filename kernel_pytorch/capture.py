@@ -29,6 +29,7 @@ from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.errors import PassError
 from kernel_pytorch.features import Feature
 from kernel_pytorch.hardware import HardwareInfo
+from kernel_pytorch.inductor_fallbacks import register_fallbacks
 from kernel_pytorch.passes.base import GraphPass, PassContext, PassResult
 from kernel_pytorch.passes.graph_utils import (block_of, calls_per_block, checkpointed_subgraphs, clone_graph_module,
                                                 is_checkpointed_region)
@@ -45,11 +46,14 @@ __all__ = ["GraphOptimizer", "GuardedGraph", "CompilerChoice"]
 class CompilerChoice:
     """The compiler graphs go to after the passes: ``"inductor"``, ``"openxla"`` or ``"eager"``. ``per_block``:
     Inductor compiles an inference graph one repeated block at a time, each distinct block once
-    (:mod:`kernel_pytorch.block_compile`)."""
+    (:mod:`kernel_pytorch.block_compile`). ``opaque_triton_ops``: AOTAutograd keeps our ``triton_op`` calls as
+    custom ops instead of tracing their bodies, which skips Triton's mutation analysis per call site (a TTIR build
+    each, uncached); for graphs replayed from CUDA graphs, where the op's Python runs at capture only."""
 
     name: str
     mode: str = "default"
     per_block: bool = False
+    opaque_triton_ops: bool = False
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -69,10 +73,12 @@ class CompilerChoice:
             from torch._inductor.compile_fx import compile_fx
 
             patches = list_mode_options(self.mode)
-            if self.per_block and not torch.is_grad_enabled():
-                return compile_per_block(gm, example_inputs,
-                                         lambda graph, inputs: compile_fx(graph, inputs, config_patches=patches))
-            return compile_fx(gm, list(example_inputs), config_patches=patches)
+            register_fallbacks()
+            with torch._functorch.config.patch(decompose_custom_triton_ops=not self.opaque_triton_ops):
+                if self.per_block and not torch.is_grad_enabled():
+                    return compile_per_block(gm, example_inputs,
+                                             lambda graph, inputs: compile_fx(graph, inputs, config_patches=patches))
+                return compile_fx(gm, list(example_inputs), config_patches=patches)
         from torch._dynamo.backends.registry import lookup_backend
 
         return lookup_backend(self.name)(gm, list(example_inputs))

@@ -229,11 +229,12 @@ class GenerationConfig(ConfigModel):
     cuda_graphs: bool | Literal["auto"] = Field(
         "auto", description="Replay each decode step from a CUDA graph ('auto': on CUDA devices)."
     )
-    compile_prefill: bool = Field(
-        True, description="Compile the prefill (and an encoder-decoder's encoder) with the model's compiler. False: "
+    compile_prefill: bool | Literal["auto"] = Field(
+        "auto", description="Compile the prefill (and an encoder-decoder's encoder) with the model's compiler. False: "
         "their graphs get the same passes, verified, and run uncompiled: a shorter warm-up (only the decode steps "
-        "are compiled), a slower first token (the uncompiled graph's launches are host-bound); docs/usage.md has "
-        "the figures."
+        "are compiled). 'auto': uncompiled where the prefills replay CUDA graphs (prefill_graphs), where the "
+        "compile saves no host work and costs most of the warm-up; compiled elsewhere, where the uncompiled graph's "
+        "launches are host-bound. docs/usage.md has the figures."
     )
     compile_layers_once: bool = Field(
         False, description="Experimental: compile the prefill's and the step's graphs one decoder layer at a time, "

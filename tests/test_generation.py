@@ -369,3 +369,11 @@ def test_a_changed_train_mode_rebuilds_the_lanes():
                                           do_sample=False), expected)
     rebuilt = [note for note in model.generate.decoder.notes if "train/eval mode changed" in note]
     assert len(rebuilt) == 2, model.generate.decoder.notes  # to train, then back (the report says it once)
+
+
+@pytest.mark.parametrize("option, prefill_graphs, compiled", [("auto", False, True), ("auto", True, False),
+                                                               (True, True, True), (False, False, False)])
+def test_compile_prefill_auto_leaves_uncompiled_only_the_prefills_replayed_from_cuda_graphs(option, prefill_graphs,
+                                                                                            compiled):
+    decoder = Decoder(causal_lm("llama"), compile_prefill=option, prefill_graphs=prefill_graphs)
+    assert decoder.compile_prefill is compiled

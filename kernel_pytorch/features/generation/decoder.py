@@ -45,7 +45,8 @@ class GenerationLimitError(ValueError):
 class Decoder:
     """Static-cache decoding for ``model``; see the module docstring. ``max_length``: tokens the largest cache
     holds (None: :func:`default_max_length`); ``batch_buckets``: the batch sizes steps are captured for;
-    ``compile_prefill``: whether an optimized model's prefill is compiled (else its rewritten graph runs as is);
+    ``compile_prefill``: whether an optimized model's prefill is compiled (else its rewritten graph runs as is;
+    "auto": compiled where the prefills do not replay CUDA graphs);
     ``compile_layers_once``: Inductor compiles each distinct layer of the prefill and step graphs once;
     ``prefill_graphs``: a causal LM's prompts are left-padded to power-of-two buckets and their prefills replayed from
     CUDA graphs (:mod:`~kernel_pytorch.features.generation.prefill_graphs`; "auto": where the steps replay CUDA graphs
@@ -54,7 +55,7 @@ class Decoder:
 
     def __init__(self, model: nn.Module, max_length: int | None = None,
                  batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32), cuda_graphs: bool | str = "auto",
-                 compile_prefill: bool = True, compile_layers_once: bool = False, prefill_graphs: bool | str = "auto",
+                 compile_prefill: bool | str = "auto", compile_layers_once: bool = False, prefill_graphs: bool | str = "auto",
                  prefill_any_batch: bool = False):
         reason = why_not_generative(model)
         if reason:
@@ -64,10 +65,12 @@ class Decoder:
         self.batch_buckets = tuple(batch_buckets)
         self.cuda_graphs = cuda_graphs is True or cuda_graphs == "auto"
         self.notes: list[str] = []
-        self.calls = ModelCalls.of(model, _backend_of(model), compile_prefill, compile_layers_once, prefill_any_batch,
-                                   note=self.notes.append)
         self.encoder_decoder = is_encoder_decoder(model)
         self._prefill_graphs = prefill_graphs
+        self.compile_prefill = compile_prefill is True or (compile_prefill == "auto" and not self.prefill_graphs)
+        self.calls = ModelCalls.of(model, _backend_of(model), self.compile_prefill, compile_layers_once,
+                                   prefill_any_batch, note=self.notes.append, prefills_replayed=self.prefill_graphs,
+                                   steps_replayed=self.cuda_graphs and self._device().type == "cuda")
         # (batch bucket, cache length, encoder length or 0) -> lane, in order of use, the most recent last
         self.lanes: dict[tuple[int, int, int], DecodeLane] = {}
         self.lane: DecodeLane | None = None  # the lane of the request in progress
@@ -122,7 +125,8 @@ class Decoder:
 
     def set_prefill_graphs(self, enabled: bool | str) -> None:
         """Turn the prefill graphs on, off or back to "auto" for later requests; the lanes are dropped, to be rebuilt
-        with or without them (the compiled prefill and step are kept)."""
+        with or without them (the prefill and step are kept as compiled, or not, at construction: an "auto" prefill
+        left uncompiled for its CUDA graphs stays uncompiled without them)."""
         self._prefill_graphs = enabled
         self.lanes.clear()
         self.lane = None

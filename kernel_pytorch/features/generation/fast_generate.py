@@ -17,6 +17,7 @@ from kernel_pytorch.features.generation.requests import loop_request
 __all__ = ["FastGenerate"]
 
 _LANES_LINE = "generation lanes"  # how Decoder.summary() starts
+_REPLAYED = ": their CUDA graphs leave no host work for a compile to save"
 
 
 class FastGenerate:
@@ -67,9 +68,10 @@ class FastGenerate:
                                    compile_prefill=config.compile_prefill,
                                    compile_layers_once=config.compile_layers_once,
                                    prefill_graphs=config.prefill_graphs, prefill_any_batch=config.prefill_any_batch)
-            if not self.config.compile_prefill:
+            if not self.decoder.compile_prefill:
                 self._note("generation: prefills run their rewritten graphs uncompiled (generation.compile_prefill="
-                           "False); decode steps are compiled")
+                           f"{self.config.compile_prefill!r}{_REPLAYED if self.decoder.prefill_graphs else ''}); "
+                           "decode steps are compiled")
         return self.decoder
 
     def _note(self, text: str) -> None:

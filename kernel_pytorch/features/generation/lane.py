@@ -45,20 +45,30 @@ class ModelCalls:
     @classmethod
     def of(cls, model: nn.Module, backend: GraphOptimizer | None, compile_prefill: bool = True,
            compile_layers_once: bool = False, prefill_any_batch: bool = False,
-           note: Callable[[str], None] = lambda _: None) -> ModelCalls:
+           note: Callable[[str], None] = lambda _: None, prefills_replayed: bool = False,
+           steps_replayed: bool = False) -> ModelCalls:
         """Captured through ``backend`` (an optimized model's own: its passes and verification), each call with a
         dynamo cache of its own; without a backend the model runs as it is, still from a static cache. Without
         ``compile_prefill`` the prefill and the encoder run their rewritten graphs uncompiled; with
         ``compile_layers_once`` Inductor compiles each distinct layer once (:mod:`kernel_pytorch.block_compile`);
         with ``prefill_any_batch`` one prefill (and encoder) graph serves batch 1 too
-        (:func:`_traced_with_constants`). A call reaching TorchDynamo's recompile limit goes to ``note`` and warns
+        (:func:`_traced_with_constants`). ``prefills_replayed`` / ``steps_replayed``: those calls replay CUDA graphs,
+        so Inductor compiles them with our Triton ops opaque (:class:`~kernel_pytorch.capture.CompilerChoice`). A call
+        reaching TorchDynamo's recompile limit goes to ``note`` and warns
         (:class:`~kernel_pytorch.compiled_call.RecompileLimitWatch`)."""
         if backend is None:
             return cls(call_module, call_module, call_module)
-        if compile_layers_once and backend.compiler.name == "inductor":
-            backend = backend.with_compiler(replace(backend.compiler, per_block=True))
-        once_per_request = backend if compile_prefill else backend.with_compiler(replace(backend.compiler,
-                                                                                         name="eager"))
+
+        def compiled_by(compiled: bool, replayed: bool) -> GraphOptimizer:
+            compiler = getattr(backend, "compiler", None)  # a plain dynamo backend (tests) has no options
+            if compiler is None or (compiled and compiler.name != "inductor"):
+                return backend
+            if not compiled:
+                return backend.with_compiler(replace(compiler, name="eager"))
+            return backend.with_compiler(replace(compiler, per_block=compile_layers_once, opaque_triton_ops=replayed))
+
+        once_per_request = compiled_by(compile_prefill, prefills_replayed)
+        per_step = compiled_by(True, steps_replayed)
         encoder = model.get_encoder() if is_encoder_decoder(model) else None
 
         def entry(module: nn.Module | None, module_backend: GraphOptimizer, per_request: bool,
@@ -69,7 +79,7 @@ class ModelCalls:
             return _traced_with_constants(compiled_entry(module, module_backend, dynamic=True), watch,
                                           any_batch=per_request and prefill_any_batch)
 
-        return cls(entry(model, once_per_request, True, "prefill"), entry(model, backend, False, "decode step"),
+        return cls(entry(model, once_per_request, True, "prefill"), entry(model, per_step, False, "decode step"),
                    entry(encoder, once_per_request, True, "encoder"))
 
 
