@@ -55,8 +55,8 @@ class Decoder:
 
     def __init__(self, model: nn.Module, max_length: int | None = None,
                  batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32), cuda_graphs: bool | str = "auto",
-                 compile_prefill: bool | str = "auto", compile_layers_once: bool = False, prefill_graphs: bool | str = "auto",
-                 prefill_any_batch: bool = False):
+                 compile_prefill: bool | str = "auto", compile_layers_once: bool = False,
+                 prefill_graphs: bool | str = "auto", prefill_any_batch: bool = False):
         reason = why_not_generative(model)
         if reason:
             raise TypeError(f"kernel_pytorch.Decoder: {reason}")
