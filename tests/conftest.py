@@ -2,14 +2,26 @@ from __future__ import annotations
 
 import copy
 import os
+import tempfile
 
-import pytest
-import torch
+# Under pytest-xdist (the README's ``-n auto``) each worker gets an Inductor and a Triton cache of its own, set
+# before torch reads them, and an equal share of the cores for torch's threads (set below).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    _CACHES = os.path.join(tempfile.gettempdir(), f"kernel_pytorch_tests_{os.getuid()}", _WORKER)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHES, "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_CACHES, "triton"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernel_pytorch.testing import LlamaStyleConfig, LlamaStyleLM
 
 from .triton_interpreter import InterpretedRun
+
+if _WORKER:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 class PassThroughMode(TorchDispatchMode):
@@ -101,6 +113,8 @@ def assert_same_values_and_gradients(model: torch.nn.Module, reference: torch.nn
 
 
 def pytest_collection_modifyitems(config, items):
+    if config.pluginmanager.hasplugin("xdist"):
+        _group_by_shared_fixture(items)
     # Triton kernel tests need TRITON_INTERPRET=1 set before Triton is imported; in a process without
     # it they are deselected, and test_norm_ops.py::test_triton_kernels_in_a_subprocess runs them.
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -109,3 +123,15 @@ def pytest_collection_modifyitems(config, items):
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = [item for item in items if not item.get_closest_marker("triton_interpret")]
+
+
+def _group_by_shared_fixture(items) -> None:
+    """Tests sharing a module- or session-scoped fixture (a benchmark's CPU run, the one interpreted-Triton child)
+    go to one xdist worker (``--dist loadgroup``), so that the fixture is built once, not once per worker."""
+    for item in items:
+        for name in item.fixturenames:
+            definitions = item._fixtureinfo.name2fixturedefs.get(name) or ()
+            ours = definitions and definitions[-1].baseid.startswith("tests")  # not pytest's own (tmp_path_factory)
+            if ours and definitions[-1].scope in ("module", "package", "session"):
+                item.add_marker(pytest.mark.xdist_group(f"{definitions[-1].baseid}::{name}"))
+                break
