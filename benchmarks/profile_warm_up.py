@@ -7,7 +7,7 @@ compiled meanwhile (its counters and recompile reasons) and a host profile of th
 issue 27's warm-up target.
 
     python benchmarks/profile_warm_up.py [--layers 16] [--top 45] [--out DIR] [--generation JSON] [--optimize JSON]
-                                         [--no-host-profile]
+                                         [--no-host-profile] [--guards]
                                          [--no-warm-up-profile] [--first-generate BATCH ...]
 """
 
@@ -18,9 +18,12 @@ import contextlib
 import cProfile
 import io
 import json
+import logging
 import pstats
+import re
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +57,36 @@ def timed_compiles(records: list[str]) -> Iterator[list[str]]:
         yield records
     finally:
         GraphOptimizer._compile = original
+
+
+class SizePinningGuards(logging.Handler):
+    """While installed, each guard that pins a symbolic size to a number (``Eq(s77, 16)``: the next size compiles
+    again) is printed as it is added, with the stack that added it (our code, transformers' and Inductor's frames),
+    from TorchDynamo's shape-environment log. Why ``compile_layers_once`` recompiled each prompt bucket on GPUs
+    (docs/kernels.md, "Generation warm-up") is the question it answers."""
+
+    _LOGGER = "torch.fx.experimental.symbolic_shapes"
+    _FRAMES = ("kernel_pytorch", "transformers", "_inductor", "_functorch", "fake_tensor")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "[guard added]" not in message or not re.search(r"Eq\(s\w+, \d+\)", message):
+            return
+        frames = [f"    {frame.filename.split('site-packages/')[-1]}:{frame.lineno} {frame.name}"
+                  for frame in traceback.extract_stack()[:-1] if any(part in frame.filename for part in self._FRAMES)]
+        print("== guard: " + message[:400] + "\n" + "\n".join(frames[-25:]), flush=True)
+
+    def __enter__(self) -> SizePinningGuards:
+        logger = logging.getLogger(self._LOGGER)
+        self._level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        logger = logging.getLogger(self._LOGGER)
+        logger.removeHandler(self)
+        logger.setLevel(self._level)
 
 
 def time_generate_calls(model: torch.nn.Module, batch: int, profiler: cProfile.Profile | None,
@@ -96,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="other optimize(model, ...) options, e.g. '{\"compile\": false}' (a \"generation\" key joins "
                              "--generation)")
     parser.add_argument("--no-host-profile", action="store_true", help="no cProfile (it slows the host's work)")
+    parser.add_argument("--guards", action="store_true",
+                        help="print each guard pinning a symbolic size to a number, with the stack that added it")
     parser.add_argument("--no-warm-up-profile", action="store_true",
                         help="profile only the first generate calls: the warm-up runs at full speed")
     parser.add_argument("--first-generate", type=int, nargs="*", default=[], metavar="BATCH",
@@ -103,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     records: list[str] = []
     profiler = cProfile.Profile()
-    with timed_compiles(records):
+    with timed_compiles(records), SizePinningGuards() if args.guards else contextlib.nullcontext():
         options = dict(args.optimize)  # its "generation", if any, joins --generation
         generation = {"enabled": True, **args.generation, **options.pop("generation", {})}
         model = kernel_pytorch.optimize(llama(args.layers), **options, generation=generation)

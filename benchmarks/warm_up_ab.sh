@@ -4,6 +4,8 @@
 # "generation" key holds the generation options), its compiles and first generate calls printed as they happen and
 # its text under $OUT/<i>/.
 #   bash benchmarks/warm_up_ab.sh '{}' '{"compile": false}' '{"generation": {"compile_prefill": false}}'
+# PROFILE_ARGS: more of profile_warm_up.py's options for every variant, e.g. "--guards" (each guard pinning a size,
+# with the stack that added it).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 index=0
@@ -13,6 +15,6 @@ for options in "$@"; do
   echo "== variant $index: optimize options $options"
   TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton timeout "${VARIANT_TIMEOUT:-280}" \
     python3 benchmarks/profile_warm_up.py --optimize "$options" --no-host-profile \
-    --first-generate ${FIRST_GENERATE:-1 8} --out "$OUT/$index" 2>&1 | grep --line-buffered -v "DEBUG\|Warning\|warn" \
-    | grep "==\|graph \|generate at" --line-buffered | cut -c1-700
+    --first-generate ${FIRST_GENERATE:-1 8} ${PROFILE_ARGS:-} --out "$OUT/$index" 2>&1 | grep --line-buffered -v "DEBUG\|Warning\|warn" \
+    | grep "==\|graph \|generate at\|^    " --line-buffered | cut -c1-700
 done

@@ -14,7 +14,7 @@ import torch
 import kernel_pytorch
 from benchmarks import decode
 from benchmarks.harness import dynamo_snapshot
-from benchmarks.profile_warm_up import dynamo_line, time_generate_calls
+from benchmarks.profile_warm_up import SizePinningGuards, dynamo_line, time_generate_calls
 
 from .generation_models import causal_lm
 
@@ -186,3 +186,12 @@ def test_profile_warm_up_times_and_profiles_the_first_calls_and_tells_recompiles
     model.generate(torch.ones(1, 7, dtype=torch.long), max_new_tokens=2)  # batch 1: graphs of its own
     line = dynamo_line(before, "a call")
     assert "counters moved {'unique_graphs': 2" in line and "2 <= kwargs['input_ids'].size()[0]" in line
+
+
+def test_size_pinning_guards_print_only_the_guards_that_pin_a_size(capsys):
+    compiled = torch.compile(lambda x: x * 2 if x.shape[0] == 3 else x + 1, dynamic=True, backend="eager")
+    with SizePinningGuards():
+        compiled(torch.randn(3))  # Eq(s, 3): the size pinned
+        compiled(torch.randn(5))  # Ne(s, 3): not a pin
+    printed = capsys.readouterr().out
+    assert printed.count("== guard: ") == 1 and "Eq(" in printed and "Ne(" not in printed
