@@ -239,8 +239,8 @@ class GenerationConfig(ConfigModel):
     compile_layers_once: bool = Field(
         False, description="Experimental: compile the prefill's and the step's graphs one decoder layer at a time, "
         "each distinct layer once (the first and last layers and the embedding and head apart; the weights and "
-        "caches are inputs), so that the warm-up's compile time does not grow with depth. Fusions across layer "
-        "boundaries are left to the passes."
+        "caches are inputs), so that the warm-up's compile time does not grow with depth (the prefill's only where "
+        "it is compiled: compile_prefill). Fusions across layer boundaries are left to the passes."
     )
 
     prefill_graphs: bool | Literal["auto"] = Field(
