@@ -12,6 +12,7 @@ and BERT; dynamo captures them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -74,7 +75,8 @@ class CompilerChoice:
 
             patches = list_mode_options(self.mode)
             register_fallbacks()
-            with torch._functorch.config.patch(decompose_custom_triton_ops=not self.opaque_triton_ops):
+            with torch._functorch.config.patch(decompose_custom_triton_ops=False) if self.opaque_triton_ops \
+                    else contextlib.nullcontext():
                 if self.per_block and not torch.is_grad_enabled():
                     return compile_per_block(gm, example_inputs,
                                              lambda graph, inputs: compile_fx(graph, inputs, config_patches=patches))

@@ -46,7 +46,8 @@ class Decoder:
     """Static-cache decoding for ``model``; see the module docstring. ``max_length``: tokens the largest cache
     holds (None: :func:`default_max_length`); ``batch_buckets``: the batch sizes steps are captured for;
     ``compile_prefill``: whether an optimized model's prefill is compiled (else its rewritten graph runs as is;
-    "auto": compiled where the prefills do not replay CUDA graphs);
+    "auto": compiled where the prefills do not replay CUDA graphs; a prompt left unreplayed there, whose bucket does
+    not fit the cache or whose capture failed, then runs uncompiled);
     ``compile_layers_once``: Inductor compiles each distinct layer of the prefill and step graphs once;
     ``prefill_graphs``: a causal LM's prompts are left-padded to power-of-two buckets and their prefills replayed from
     CUDA graphs (:mod:`~kernel_pytorch.features.generation.prefill_graphs`; "auto": where the steps replay CUDA graphs
@@ -70,7 +71,7 @@ class Decoder:
         self.compile_prefill = compile_prefill is True or (compile_prefill == "auto" and not self.prefill_graphs)
         self.calls = ModelCalls.of(model, _backend_of(model), self.compile_prefill, compile_layers_once,
                                    prefill_any_batch, note=self.notes.append, prefills_replayed=self.prefill_graphs,
-                                   steps_replayed=self.cuda_graphs and self._device().type == "cuda")
+                                   steps_replayed=self.steps_replay_cuda_graphs)
         # (batch bucket, cache length, encoder length or 0) -> lane, in order of use, the most recent last
         self.lanes: dict[tuple[int, int, int], DecodeLane] = {}
         self.lane: DecodeLane | None = None  # the lane of the request in progress
@@ -109,13 +110,18 @@ class Decoder:
         return padded_prompt_length(prompt_length, self.max_length - max(1, max_new_tokens or 0))
 
     @property
+    def steps_replay_cuda_graphs(self) -> bool:
+        """Whether the lanes capture their decode steps as CUDA graphs: with ``cuda_graphs``, on a CUDA device."""
+        return self.cuda_graphs and self._device().type == "cuda"
+
+    @property
     def prefill_graphs(self) -> bool:
         """Whether prompts are padded to buckets whose prefills replay CUDA graphs: never for an encoder-decoder (its
         decoder's prompt is one start token); with "auto", where the steps replay CUDA graphs on a CUDA device."""
         if self.encoder_decoder:
             return False
         if self._prefill_graphs == "auto":
-            return self.cuda_graphs and self._device().type == "cuda"
+            return self.steps_replay_cuda_graphs
         return bool(self._prefill_graphs)
 
     @property

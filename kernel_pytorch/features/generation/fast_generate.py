@@ -17,7 +17,6 @@ from kernel_pytorch.features.generation.requests import loop_request
 __all__ = ["FastGenerate"]
 
 _LANES_LINE = "generation lanes"  # how Decoder.summary() starts
-_REPLAYED = ": their CUDA graphs leave no host work for a compile to save"
 
 
 class FastGenerate:
@@ -69,9 +68,9 @@ class FastGenerate:
                                    compile_layers_once=config.compile_layers_once,
                                    prefill_graphs=config.prefill_graphs, prefill_any_batch=config.prefill_any_batch)
             if not self.decoder.compile_prefill:
+                why = ": their CUDA graphs leave a compile no host work to save" if self.decoder.prefill_graphs else ""
                 self._note("generation: prefills run their rewritten graphs uncompiled (generation.compile_prefill="
-                           f"{self.config.compile_prefill!r}{_REPLAYED if self.decoder.prefill_graphs else ''}); "
-                           "decode steps are compiled")
+                           f"{self.config.compile_prefill!r}{why}); decode steps are compiled")
         return self.decoder
 
     def _note(self, text: str) -> None:
