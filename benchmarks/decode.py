@@ -382,6 +382,12 @@ def decode_kernel_lines(report: dict) -> list[str]:
     return [f"{count} x {line}" for line, count in counts.items()]
 
 
+def block_compile_lines(report: dict) -> list[str]:
+    """How Inductor compiled each graph compiled one layer at a time (generation.compile_layers_once): partitions
+    compiled and shared, or why it was compiled whole."""
+    return [note for note in report.get("notes", []) if "one repeated block at a time" in note]
+
+
 # ----------------------------------------------------------------------------------------- measurements
 
 def copy_bandwidth(s: Setup) -> dict:
@@ -641,7 +647,7 @@ def _report_lines(model: nn.Module) -> list[str]:
         import kernel_pytorch
 
         report = kernel_pytorch.report_of(model).to_dict()
-        return generation_lines(report) + decode_kernel_lines(report)
+        return generation_lines(report) + decode_kernel_lines(report) + block_compile_lines(report)
     except Exception as error:  # not optimized (optimize raised before returning)
         return [f"no report: {first_line(error)}"]
 

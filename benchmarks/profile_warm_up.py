@@ -72,9 +72,11 @@ class SizePinningGuards(logging.Handler):
         message = record.getMessage()
         if "[guard added]" not in message or not re.search(r"Eq\(s\w+, \d+\)", message):
             return
+        if "[guard suppressed]" in message:
+            return
         frames = [f"    {frame.filename.split('site-packages/')[-1]}:{frame.lineno} {frame.name}"
                   for frame in traceback.extract_stack()[:-1] if any(part in frame.filename for part in self._FRAMES)]
-        print("== guard: " + message[:400] + "\n" + "\n".join(frames[-25:]), flush=True)
+        print("== guard: " + message[:400] + _node_in_flight() + "\n" + "\n".join(frames[-25:]), flush=True)
 
     def __enter__(self) -> SizePinningGuards:
         logger = logging.getLogger(self._LOGGER)
@@ -87,6 +89,18 @@ class SizePinningGuards(logging.Handler):
         logger = logging.getLogger(self._LOGGER)
         logger.removeHandler(self)
         logger.setLevel(self._level)
+
+
+def _node_in_flight() -> str:
+    """`` while running node: <its code>`` for the innermost FX node an interpreter (FakeTensorProp, Dynamo's
+    get_fake_value) is running in this thread, else ``""``: which op of a rewritten graph added the guard."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        node = frame.f_locals.get("n", frame.f_locals.get("node"))
+        if isinstance(node, torch.fx.Node):
+            return f" while running node: {node.format_node()[:300]}"
+        frame = frame.f_back
+    return ""
 
 
 def time_generate_calls(model: torch.nn.Module, batch: int, profiler: cProfile.Profile | None,

@@ -556,12 +556,16 @@ SUITES: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "decode_quick.json": ("Generation (decode, --quick: 64 new tokens)", render_decode),
     "decode_quick_prefill_graphs_ab.json": ("Generation: prefill graphs on and off (--quick)", render_decode),
     "decode_quick_uncompiled_prefill.json": ("Generation with the prefill uncompiled (--quick)", render_decode),
+    "decode_quick_compiled_prefill.json": ("Generation with the prefill compiled (--quick)", render_decode),
+    "decode_quick_7b_h100.json": ("Generation, 7B-class (--quick)", render_decode),
+    "decode_quick_cold.json": ("Generation warm-up with cold caches (--quick, optimize only)", render_decode),
     "decode_quick_h200.json": ("Generation on an H200 (--quick, 1B-class)", render_decode),
     "decode_quick_7b_h200.json": ("Generation on an H200 (--quick, 7B-class)", render_decode),
     "variable_shapes.json": ("Variable-shape serving (issue 27)", render_variable_shapes),
 }
 OPTIONAL_SUITES = ("memory.json", "memory_quick.json", "decode_quick.json", "decode_quick_prefill_graphs_ab.json",
-                   "decode_quick_uncompiled_prefill.json",
+                   "decode_quick_uncompiled_prefill.json", "decode_quick_compiled_prefill.json",
+                   "decode_quick_7b_h100.json", "decode_quick_cold.json",
                    "decode_quick_h200.json", "decode_quick_7b_h200.json", "variable_shapes.json")
 TUNING: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "tune_row_kernels.json": ("Row kernels (norms, activations, RoPE)", render_tune_row_kernels),

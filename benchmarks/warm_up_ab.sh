@@ -15,6 +15,6 @@ for options in "$@"; do
   echo "== variant $index: optimize options $options"
   TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton timeout "${VARIANT_TIMEOUT:-280}" \
     python3 benchmarks/profile_warm_up.py --optimize "$options" --no-host-profile \
-    --first-generate ${FIRST_GENERATE:-1 8} ${PROFILE_ARGS:-} --out "$OUT/$index" 2>&1 | grep --line-buffered -v "DEBUG\|Warning\|warn" \
+    --first-generate ${FIRST_GENERATE:-1 8} ${PROFILE_ARGS:-} --out "$OUT/$index" 2>&1 | grep --line-buffered -v "Warning\|warn" \
     | grep "==\|graph \|generate at\|^    " --line-buffered | cut -c1-700
 done

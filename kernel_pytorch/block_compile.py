@@ -4,7 +4,10 @@ Inductor's compile time grows with the graph, and a transformer's graph holds ev
 a 16-layer model spent most of its time compiling four whole-model graphs, and a 32-layer one did not finish in
 440 s (docs/kernels.md, "Generation warm-up"). The layers are the same code on other weights, so this module:
 
-1. propagates fake values through the rewritten graph (the shapes, symbolic ones included, of every node);
+1. propagates fake values through the rewritten graph (the shapes, symbolic ones included, of every node), under
+   PyTorch's Python dispatcher as TorchDynamo and AOTAutograd do: there ops such as ``matmul`` decompose in Python,
+   on symbolic sizes; their C++ decomposition read a CUDA tensor's sizes as numbers, which pinned the batch of the
+   rotary table's ``matmul`` to the traced one (on an H100 the batch-2 decode step then compiled again at batch 8);
 2. splits it into partitions: one per block (``layers.N`` in the nodes' module path,
    :func:`~kernel_pytorch.passes.graph_utils.block_of`), the nodes outside the blocks with the latest partition of
    their inputs (those of none, before the first block: the embedding, the mask, the rotary table, with the first
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.symbolic_shapes import free_symbols
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.split_module import split_module
@@ -49,7 +53,8 @@ def compile_blocks_once(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         raise ValueError(f"{len(blocks)} repeated block(s) in the graph: nothing to compile once and share")
     fake_mode = torch._guards.TracingContext.get().fake_mode  # the capture's: its symbolic sizes
     fakes = [fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in example_inputs]
-    FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*fakes)
+    with enable_python_dispatcher():  # as TorchDynamo and AOTAutograd propagate: step 1 of the module docstring
+        FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*fakes)
     partitions = _partition_numbers(gm)
     split = split_module(gm, None, partitions.__getitem__, keep_original_order=True)
     values = {node.name: node.meta.get("val") for node in gm.graph.nodes}

@@ -236,11 +236,12 @@ class GenerationConfig(ConfigModel):
         "compile saves no host work and costs most of the warm-up; compiled elsewhere, where the uncompiled graph's "
         "launches are host-bound. docs/usage.md has the figures."
     )
-    compile_layers_once: bool = Field(
-        False, description="Experimental: compile the prefill's and the step's graphs one decoder layer at a time, "
-        "each distinct layer once (the first and last layers and the embedding and head apart; the weights and "
-        "caches are inputs), so that the warm-up's compile time does not grow with depth (the prefill's only where "
-        "it is compiled: compile_prefill). Fusions across layer boundaries are left to the passes."
+    compile_layers_once: bool | Literal["auto"] = Field(
+        "auto", description="Compile the prefill's and the step's graphs one decoder layer at a time, each distinct "
+        "layer once (the first and last layers and the embedding and head apart; the weights and caches are "
+        "inputs), so that the warm-up's compile time does not grow with depth (the prefill's only where it is "
+        "compiled: compile_prefill). Fusions across layer boundaries are left to the passes. 'auto': where the "
+        "decode steps replay CUDA graphs, whose replays do not pay the partitions' extra calls on the host."
     )
 
     prefill_graphs: bool | Literal["auto"] = Field(

@@ -83,6 +83,42 @@ def test_blocks_of_other_shapes_are_not_shared():
     assert len(compiled) == 4, notes  # embedding and block 0, blocks 1/3 (one), block 2, head
 
 
+def test_the_split_propagates_sizes_as_aot_autograd_does_and_pins_none(monkeypatch):
+    """Fake values run through the graph under PyTorch's Python dispatcher, where ``matmul`` and other composite ops
+    decompose on symbolic sizes (their C++ decomposition pinned a decode step's batch on an H100), and the split
+    adds no guard to the capture's shape environment: no size is pinned to the traced one."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    dispatcher_on: list[bool] = []
+    guards_added: list[int] = []
+    run_node = FakeTensorProp.run_node
+
+    def recording_run_node(self, node):
+        dispatcher_on.append(torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher))
+        return run_node(self, node)
+
+    monkeypatch.setattr(FakeTensorProp, "run_node", recording_run_node)
+
+    def run_as_is(graph: torch.fx.GraphModule, inputs: list):
+        return graph.forward
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list):
+        shape_env = torch._guards.TracingContext.get().fake_mode.shape_env
+        before = len(shape_env.guards)
+        compiled = compile_per_block(gm, example_inputs, run_as_is)
+        guards_added.append(len(shape_env.guards) - before)
+        return compiled
+
+    torch.manual_seed(0)
+    model, x = Stack(3), torch.randn(3, 5, 16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, dynamic=True)(x)
+    torch.testing.assert_close(out, model(x), rtol=1e-6, atol=1e-6)
+    assert dispatcher_on and all(dispatcher_on), dispatcher_on
+    assert guards_added == [0], guards_added
+
+
 class LengthBiasedStack(Stack):
     """Each block adds a statistic of ``arange(length)``: a size that reaches the blocks as a ``SymInt`` alone."""
 

@@ -377,3 +377,11 @@ def test_compile_prefill_auto_leaves_uncompiled_only_the_prefills_replayed_from_
                                                                                             compiled):
     decoder = Decoder(causal_lm("llama"), compile_prefill=option, prefill_graphs=prefill_graphs)
     assert decoder.compile_prefill is compiled
+
+
+@pytest.mark.parametrize("option, replayed, once", [("auto", False, False), ("auto", True, True), (True, False, True),
+                                                    (False, True, False)])
+def test_compile_layers_once_auto_splits_only_steps_replayed_from_cuda_graphs(monkeypatch, option, replayed, once):
+    monkeypatch.setattr(Decoder, "steps_replay_cuda_graphs", property(lambda self: replayed))  # CUDA or not
+    decoder = Decoder(causal_lm("llama"), compile_layers_once=option)
+    assert decoder.compile_layers_once is once

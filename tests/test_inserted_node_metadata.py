@@ -224,3 +224,30 @@ def test_attention_inserted_nodes_have_example_values_and_reach_the_dispatcher(m
         mask = seen_masks[0]
         assert isinstance(mask, torch.Tensor) and mask.dtype == mask_dtype, mask
         assert tuple(mask.shape) == (B, 1, 1, L)
+
+
+def test_our_ops_on_layouts_seen_before_reuse_the_earlier_fake_run(monkeypatch):
+    """Every layer's RMSNorm and RoPE call has the same input layouts: one fake run per layout gives their example
+    values, which still agree with the real run."""
+    from kernel_pytorch.passes import graph_utils
+
+    evaluated: list[Any] = []
+    evaluate_fake = graph_utils.evaluate_fake
+
+    def counting_evaluate_fake(gm, target, *args, **kwargs):
+        evaluated.append(target)
+        return evaluate_fake(gm, target, *args, **kwargs)
+
+    monkeypatch.setattr(graph_utils, "evaluate_fake", counting_evaluate_fake)
+    torch.manual_seed(0)
+    config = LlamaStyleConfig.tiny(n_layers=3)
+    model = LlamaStyleLM(config).eval()
+    recorder = Recorder(monkeypatch)
+    optimize(model, example_inputs=(torch.randint(0, config.vocab_size, (2, 16)),), compile=False)
+    check_inserted_nodes(recorder, ("norms", "rope"))
+    gm = recorder.graphs[0][0]
+    ours = [node for pass_name in ("norms", "rope") for _, node in recorder.inserted_by(pass_name, gm)
+            if graph_utils._is_our_op(node.target)]
+    runs = [target for target in evaluated if graph_utils._is_our_op(target)]
+    # each op's calls (both norms of a layer, every layer's RoPE) share their layouts here: one fake run per op
+    assert len(ours) >= 3 * 3 and len(runs) == len(set(runs)), (len(ours), runs)

@@ -48,7 +48,8 @@ class Decoder:
     ``compile_prefill``: whether an optimized model's prefill is compiled (else its rewritten graph runs as is;
     "auto": compiled where the prefills do not replay CUDA graphs; a prompt left unreplayed there, whose bucket does
     not fit the cache or whose capture failed, then runs uncompiled);
-    ``compile_layers_once``: Inductor compiles each distinct layer of the prefill and step graphs once;
+    ``compile_layers_once``: Inductor compiles each distinct layer of the prefill and step graphs once ("auto":
+    where the steps replay CUDA graphs);
     ``prefill_graphs``: a causal LM's prompts are left-padded to power-of-two buckets and their prefills replayed from
     CUDA graphs (:mod:`~kernel_pytorch.features.generation.prefill_graphs`; "auto": where the steps replay CUDA graphs
     on a CUDA device); ``prefill_any_batch``: one prefill graph
@@ -56,7 +57,7 @@ class Decoder:
 
     def __init__(self, model: nn.Module, max_length: int | None = None,
                  batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32), cuda_graphs: bool | str = "auto",
-                 compile_prefill: bool | str = "auto", compile_layers_once: bool = False,
+                 compile_prefill: bool | str = "auto", compile_layers_once: bool | str = "auto",
                  prefill_graphs: bool | str = "auto", prefill_any_batch: bool = False):
         reason = why_not_generative(model)
         if reason:
@@ -69,7 +70,9 @@ class Decoder:
         self.encoder_decoder = is_encoder_decoder(model)
         self._prefill_graphs = prefill_graphs
         self.compile_prefill = compile_prefill is True or (compile_prefill == "auto" and not self.prefill_graphs)
-        self.calls = ModelCalls.of(model, _backend_of(model), self.compile_prefill, compile_layers_once,
+        self.compile_layers_once = compile_layers_once is True or (compile_layers_once == "auto"
+                                                                    and self.steps_replay_cuda_graphs)
+        self.calls = ModelCalls.of(model, _backend_of(model), self.compile_prefill, self.compile_layers_once,
                                    prefill_any_batch, note=self.notes.append, prefills_replayed=self.prefill_graphs,
                                    steps_replayed=self.steps_replay_cuda_graphs)
         # (batch bucket, cache length, encoder length or 0) -> lane, in order of use, the most recent last
