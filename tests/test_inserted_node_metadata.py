@@ -251,3 +251,38 @@ def test_our_ops_on_layouts_seen_before_reuse_the_earlier_fake_run(monkeypatch):
     runs = [target for target in evaluated if graph_utils._is_our_op(target)]
     # each op's calls (both norms of a layer, every layer's RoPE) share their layouts here: one fake run per op
     assert len(ours) >= 3 * 3 and len(runs) == len(set(runs)), (len(ours), runs)
+
+
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _flattened(x: torch.Tensor) -> torch.Tensor:
+    return x.view(-1)
+
+
+@pytest.mark.parametrize("op, fake_runs", [(_doubled, 1), (_flattened, 2)])
+def test_only_outputs_owning_their_storage_are_reused(monkeypatch, op, fake_runs):
+    """Two calls on the same layout: an output of its own is reused for the second call; a view (whose storage a pass
+    may read, as the attention pass reads V's) is evaluated again for each call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kernel_pytorch.passes import graph_utils
+
+    monkeypatch.setattr(op, "__module__", "kernel_pytorch.ops.for_tests")  # counted as one of our ops
+    evaluated: list[Any] = []
+    evaluate_fake = graph_utils.evaluate_fake
+    monkeypatch.setattr(graph_utils, "evaluate_fake",
+                        lambda gm, target, *a, **k: evaluated.append(target) or evaluate_fake(gm, target, *a, **k))
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    with FakeTensorMode() as mode:
+        x.meta["example_value"] = torch.empty(3, 4)
+    calls = [graph.call_function(op, (x,)) for _ in range(2)]
+    graph.output(tuple(calls))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert [graph_utils.set_example_value(gm, call) for call in calls] == ["", ""]
+    assert len(evaluated) == fake_runs
+    values = [example_value(call) for call in calls]
+    assert all(v.fake_mode is mode and tuple(v.shape) == tuple(op(torch.empty(3, 4)).shape) for v in values)
+    assert values[0] is not values[1]

@@ -274,9 +274,28 @@ def set_example_value(gm: torch.fx.GraphModule, node: Node) -> str:
     value, why = evaluate_fake(gm, node.target, node.args, dict(node.kwargs), method=node.op == "call_method")
     if value is not None:
         node.meta["example_value"] = value  # Dynamo's key: what the passes read (shape_constants.example_value)
-        if earlier_calls is not None:
+        if earlier_calls is not None and _owns_its_storage(value, gm, node):
             earlier_calls[key] = value
     return why
+
+
+def _owns_its_storage(value: Any, gm: torch.fx.GraphModule, node: Node) -> bool:
+    """Whether each output tensor in ``value`` is a tensor of its own: not a view, sharing storage with no other
+    output and no input. Only such outputs are reused as fresh tensors: a pass reading an example value's storage
+    (the attention pass's V copy) sees the same for every layer."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._pytree import tree_leaves
+
+    inputs = [operand_value(gm, n) for n in node.all_input_nodes]
+    storages = {StorageWeakRef(t.untyped_storage()) for t in inputs if isinstance(t, torch.Tensor)}
+    for leaf in tree_leaves(value):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        storage = StorageWeakRef(leaf.untyped_storage())
+        if leaf._is_view() or storage in storages:
+            return False
+        storages.add(storage)
+    return True
 
 
 def _our_op_outputs(gm: torch.fx.GraphModule) -> dict | None:
