@@ -70,9 +70,8 @@ class SizePinningGuards(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
-        if "[guard added]" not in message or not re.search(r"Eq\(s\w+, \d+\)", message):
-            return
-        if "[guard suppressed]" in message:
+        if "[guard added]" not in message or "[guard suppressed]" in message \
+                or not re.search(r"Eq\(s\w+, \d+\)", message):
             return
         frames = [f"    {frame.filename.split('site-packages/')[-1]}:{frame.lineno} {frame.name}"
                   for frame in traceback.extract_stack()[:-1] if any(part in frame.filename for part in self._FRAMES)]

@@ -35,7 +35,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.split_module import split_module
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from kernel_pytorch.passes.graph_utils import block_of, module_path_of
+from kernel_pytorch.passes.graph_utils import block_of, layout_of, module_path_of
 
 __all__ = ["compile_blocks_once", "compile_per_block"]
 
@@ -151,10 +151,8 @@ def _structure(partition: torch.fx.GraphModule, inputs: list[Any]) -> tuple:
 
 def _input_signature(value: Any, index: int, storages: dict[StorageWeakRef, int]) -> tuple:
     if not isinstance(value, torch.Tensor):
-        return ("value", type(value).__name__, str(value))
-    shares = storages.setdefault(StorageWeakRef(value.untyped_storage()), index)
-    return ("tensor", str(tuple(value.shape)), str(value.stride()), str(value.storage_offset()), str(value.dtype),
-            str(value.device), shares)
+        return layout_of(value)
+    return (*layout_of(value), storages.setdefault(StorageWeakRef(value.untyped_storage()), index))
 
 
 def _target_name(node: torch.fx.Node) -> str:

@@ -43,6 +43,7 @@ from kernel_pytorch.verify.numerics import NoiseAwareCheck, unless_out_of_memory
 
 __all__ = ["GraphOptimizer", "GuardedGraph", "CompilerChoice"]
 
+
 class _PassRaised(Exception):
     """A skippable pass raised while every pass ran on one copy of the graph (``GraphOptimizer._apply``)."""
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
 __all__ = [
+    "layout_of",
     "block_of",
     "blocks_reordering",
     "calls_per_block",
@@ -313,8 +314,8 @@ def _our_op_outputs(gm: torch.fx.GraphModule) -> dict | None:
 
 def _our_op_call_key(gm: torch.fx.GraphModule, node: Node) -> tuple | None:
     """What the output layout of a call of one of our ops (:func:`_is_our_op`) depends on: the op and each
-    argument's layout (shape, strides, dtype, device; symbolic sizes by expression) or value; None for other
-    targets, or an argument without an example value."""
+    argument's :func:`layout_of` (and a tensor's ``requires_grad``); None for other targets, or an argument without
+    an example value."""
     if not _is_our_op(node.target):
         return None
     missing: list[Node] = []
@@ -323,13 +324,19 @@ def _our_op_call_key(gm: torch.fx.GraphModule, node: Node) -> tuple | None:
         value = operand_value(gm, argument)
         if value is None:
             missing.append(argument)
-        if isinstance(value, torch.Tensor):
-            return ("tensor", str(tuple(value.shape)), str(value.stride()), str(value.dtype), str(value.device),
-                    value.requires_grad)
-        return ("value", str(value))
+        return (*layout_of(value), value.requires_grad) if isinstance(value, torch.Tensor) else layout_of(value)
 
     arguments = torch.fx.node.map_arg((node.args, dict(node.kwargs)), layout)
     return None if missing else (node.target, repr(arguments))
+
+
+def layout_of(value: Any) -> tuple:
+    """What a compilation or an op's output layout can depend on in a value: a tensor's shape, strides, storage
+    offset, dtype and device (symbolic sizes by their expressions); anything else by its type and text."""
+    if not isinstance(value, torch.Tensor):
+        return ("value", type(value).__name__, str(value))
+    return ("tensor", str(tuple(value.shape)), str(value.stride()), str(value.storage_offset()), str(value.dtype),
+            str(value.device))
 
 
 def _is_our_op(target: Any) -> bool:
