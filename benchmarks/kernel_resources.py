@@ -47,18 +47,19 @@ class Variant:
     notes: str = field(default="", compare=False)
 
 
-def _gemv(name: str, notes: str = "", num_stages: int = 3, **constexprs) -> Variant:
+def _gemv(name: str, notes: str = "", num_stages: int = 3, num_warps: int = 4, **constexprs) -> Variant:
     base = dict(NUM_W=3, HAS_BIAS=False, USE_DOT=False, IEEE=False, UPCAST=False, NORM=False, HAS_RESIDUAL=False,
                 GATED=False, KIND=0, BLOCK_M=16, BLOCK_N=8, BLOCK_K=512)
     pointers = {p: "*bf16" for p in ("X", "R", "H", "NW", "W0", "W1", "W2", "B0", "B1", "B2", "OUT")}
     return Variant(name, "kernel_pytorch.ops.decode_linear", "_grouped_gemv_kernel", {**base, **constexprs}, pointers,
-                   floats=("eps",), num_stages=num_stages, notes=notes)
+                   floats=("eps",), num_warps=num_warps, num_stages=num_stages, notes=notes)
 
 
 def _committed_gated_gemv(name: str, rows: int) -> Variant:
-    """The fused norm + SwiGLU launch at the tile ``decode_linear.gemv_tile`` gives it for ``rows`` token rows."""
-    tile = DL.gemv_tile(rows, gated=True, normed=True)
-    return _gemv(name, "the committed tile", num_stages=tile.num_stages, NUM_W=2, NORM=True, HAS_RESIDUAL=True,
+    """The fused norm + SwiGLU launch at the tile ``decode_linear.gemv_tile`` gives it for ``rows`` token rows of the
+    1b model (5632 gate rows)."""
+    tile = DL.gemv_tile(rows, 5632, gated=True, normed=True)
+    return _gemv(name, "the committed tile", num_stages=tile.num_stages, num_warps=tile.num_warps, NUM_W=2, NORM=True, HAS_RESIDUAL=True,
                  GATED=True, USE_DOT=rows > 1, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
 
 

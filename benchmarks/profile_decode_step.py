@@ -5,7 +5,9 @@ benchmarks/decode.py.
 
     python benchmarks/profile_decode_step.py [--layers 16] [--prompt 512] [--steps 10] [--no-reference] [--out DIR]
 
-The steps run without CUDA graphs (the profiler sees the same kernels a replay runs), after a warm-up.
+The steps run without CUDA graphs (the profiler sees the same kernels a replay runs), after a warm-up; ``optimize``'s
+step is compiled as ``generate()`` compiles it on CUDA (each distinct layer once, our Triton ops opaque to Inductor),
+its prefill uncompiled.
 """
 
 from __future__ import annotations
@@ -70,7 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-reference", action="store_true", help="profile optimize's step only")
     args = parser.parse_args(argv)
     model = kernel_pytorch.optimize(llama(args.layers))
-    ours = DecodeLane(model, ModelCalls.of(model, model._kernel_pytorch.graph_optimizer), 1, 1024, cuda_graphs=False)
+    # compiled as generate() compiles on CUDA: each distinct layer once, our ops opaque (the prefill uncompiled)
+    calls = ModelCalls.of(model, model._kernel_pytorch.graph_optimizer, compile_prefill=False, compile_layers_once=True,
+                          steps_replayed=True)
+    ours = DecodeLane(model, calls, 1, 1024, cuda_graphs=False)
     sections = [profile_lane(ours, args.prompt, args.steps, "optimize")]
     if not args.no_reference:
         reference = llama(args.layers)

@@ -8,12 +8,13 @@ Candidates per shape: ``cublas``: one ``F.linear`` per weight (what a transforme
 ``cublas_packed``: one ``F.linear`` on the weights concatenated beforehand (what packing the parameters into one
 tensor would give); ``gemv <tile>``: the grouped kernel, every tile of the sweep; for the q/k/v and gate/up
 shapes also ``fused <tile>``: the decode_fusion launch (RMSNorm with a residual before, and for gate/up the
-SwiGLU after; ops/decode_fused_linear.py) at the default tile and with half its rows. Writes
-tune_decode_linear.json (``--cold``: tune_decode_linear_cold.json).
+SwiGLU after; ops/decode_fused_linear.py) at the default tile, with half and twice its rows or K tile, and with the
+other warp count. Writes tune_decode_linear.json (``--cold``: tune_decode_linear_cold.json).
 
 ``--cold``: the calls captured in one CUDA graph rotate over copies of the weights that together exceed twice the
-50 MB L2, so each call reads its weights from HBM, as a decode step does (weights read once per token); without
-it, weights of up to ~32 MB stay in L2 between replays.
+L2 (``kernel_pytorch.timing.weight_copies``, as the decode passes time their candidates), so each call reads its
+weights from HBM, as a decode step does (weights read once per token); without it, weights of up to ~32 MB stay in
+the H100's 50 MB L2 between replays.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import argparse
 import itertools
 import json
 import sys
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import environment  # noqa: E402
 from kernel_pytorch.ops import decode_linear as DL  # noqa: E402
-from kernel_pytorch.timing import fastest_cuda_graph_ms  # noqa: E402
+from kernel_pytorch.timing import fastest_cuda_graph_ms, rotating, weight_copies  # noqa: E402
 
 # name: (out features of each weight, in features)
 SHAPES = {
@@ -44,21 +44,14 @@ SHAPES = {
 TILES = [DL.GemvTile(n, k, w, s) for n, k, w, s in itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (3, 5))]
 
 
-_L2_BYTES = 50 * 2**20
 _CALLS_PER_GRAPH = 8
 
 
 def _weight_sets(sizes: tuple[int, ...], k: int, cold: bool) -> list[list[torch.Tensor]]:
     """One set of weights, or (cold) enough copies that one graph's calls read over twice the L2 between them."""
-    bytes_per_set = sum(sizes) * k * 2
-    copies = max(_CALLS_PER_GRAPH, -(-2 * _L2_BYTES // bytes_per_set)) if cold else 1
-    return [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in sizes] for _ in range(copies)]
-
-
-def _rotating(fn: Callable[[list], object], sets: list) -> Callable[[], object]:
-    """A zero-argument call of ``fn`` on the next of ``sets`` each time (a captured graph records one per call)."""
-    turn = itertools.cycle(sets)
-    return lambda: fn(next(turn))
+    def make() -> list[torch.Tensor]:
+        return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in sizes]
+    return weight_copies(make, sum(sizes) * k * 2, torch.device("cuda")) if cold else [make()]
 
 
 def measure(sizes: tuple[int, ...], k: int, rows: int, cold: bool) -> dict:
@@ -66,8 +59,8 @@ def measure(sizes: tuple[int, ...], k: int, rows: int, cold: bool) -> dict:
     sets = _weight_sets(sizes, k, cold)
     weights = sets[0]
     packed_sets = [torch.cat(ws) for ws in sets]
-    candidates = {"cublas": _rotating(lambda ws: [F.linear(x, w) for w in ws], sets),
-                  "cublas_packed": _rotating(lambda w: F.linear(x, w), packed_sets)}
+    candidates = {"cublas": rotating(lambda ws: [F.linear(x, w) for w in ws], sets),
+                  "cublas_packed": rotating(lambda w: F.linear(x, w), packed_sets)}
     reference = F.linear(x.float(), packed_sets[0].float())
     errors = {}
     for tile in TILES:
@@ -76,9 +69,9 @@ def measure(sizes: tuple[int, ...], k: int, rows: int, cold: bool) -> dict:
         name = f"gemv n{tile.block_n} k{tile.block_k} w{tile.num_warps} s{tile.num_stages}"
         out = DL.grouped_gemv(x, weights, None, tile)[0]
         errors[name] = float((out.float() - reference).norm() / reference.norm())
-        candidates[name] = _rotating(lambda ws, tile=tile: DL.grouped_gemv(x, ws, None, tile), sets)
+        candidates[name] = rotating(lambda ws, tile=tile: DL.grouped_gemv(x, ws, None, tile), sets)
     candidates.update(_fused_candidates(x, sizes, sets))
-    ms = fastest_cuda_graph_ms(candidates, rounds=3, calls_per_graph=_CALLS_PER_GRAPH).ms
+    ms = fastest_cuda_graph_ms(candidates, rounds=3, calls_per_graph=max(_CALLS_PER_GRAPH, len(sets))).ms
     bytes_read = sum(w.numel() for w in weights) * 2
     best = min((name for name in ms if name.startswith("gemv")), key=ms.get)
     return {"ms": ms, "max_rel_error": max(errors.values()), "best_gemv": best, "weight_copies": len(sets),
@@ -87,15 +80,18 @@ def measure(sizes: tuple[int, ...], k: int, rows: int, cold: bool) -> dict:
 
 def _fused_candidates(x: torch.Tensor, sizes: tuple[int, ...], sets: list) -> dict:
     """The decode_fusion launch for q/k/v (3 weights: norm + residual) and gate/up (2 equal weights: norm + residual
-    + SwiGLU), at the default tile and with half its rows."""
+    + SwiGLU), at the default tile, with half and twice its rows or K tile, and with the other warp count."""
     if len(sizes) == 1:
         return {}
     gated = len(sizes) == 2
     norm = DL.NormInput(torch.ones(x.shape[-1], device="cuda", dtype=x.dtype), 1e-6, False, torch.randn_like(x))
-    default = DL.gemv_tile(x.shape[0], gated=gated, normed=True)
-    rows = default.block_n * 2 if gated else max(default.block_n // 2, 1)
-    tiles = {"default": default, "double rows" if gated else "half rows": replace(default, block_n=rows)}
-    return {f"fused {label}": _rotating(lambda ws, tile=tile: DL.grouped_gemv(
+    default = DL.gemv_tile(x.shape[0], sizes[0] if gated else sum(sizes), gated=gated, normed=True)
+    tiles = {"default": default, "half rows": replace(default, block_n=max(default.block_n // 2, 1)),
+             "double rows": replace(default, block_n=default.block_n * 2),
+             f"{12 - default.num_warps} warps": replace(default, num_warps=12 - default.num_warps),
+             "half K tile": replace(default, block_k=default.block_k // 2),
+             "double K tile": replace(default, block_k=default.block_k * 2)}
+    return {f"fused {label}": rotating(lambda ws, tile=tile: DL.grouped_gemv(
         x, ws, None, tile, norm=norm, activation="silu" if gated else None), sets) for label, tile in tiles.items()}
 
 

@@ -18,17 +18,21 @@ timed per call, it lost everywhere, even where compiled it wins).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from kernel_pytorch.errors import first_line
 
 __all__ = ["fastest_cuda_ms", "fastest_cuda_graph_ms", "captured_calls", "median_cuda_ms", "median_ms",
-           "measurement_compiles", "Timings", "GRAPH_TIME", "PER_CALL"]
+           "measurement_compiles", "weight_copies", "rotating", "Timings", "GRAPH_TIME", "PER_CALL"]
+
+_Copy = TypeVar("_Copy")
 
 GRAPH_TIME = "GPU time (CUDA graph)"
 PER_CALL = "per call"
@@ -177,6 +181,22 @@ def captured_calls(candidates: Mapping[str, Callable[[], object]], warmup: int,
             raise
         graphs[name] = graph
     return graphs
+
+
+def weight_copies(make: Callable[[], _Copy], bytes_per_copy: int, device: torch.device) -> list[_Copy]:
+    """Copies of a candidate's weights (``make()`` each, ``bytes_per_copy`` bytes), enough that reading them in turn
+    reads over twice the device's L2 cache. Timed on the next copy each call (:func:`rotating`, with
+    ``calls_per_graph`` at least the copies' number), a call reads its weights from memory, as a decode step reads
+    each weight once per token; weights reused call after call stay in the H100's 50 MB L2, and a decision timed
+    that way picked the kernel that was slower in the step (docs/kernels.md, "Decode GEMV")."""
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    return [make() for _ in range(max(2, -(-2 * l2_bytes // max(bytes_per_copy, 1))))]
+
+
+def rotating(fn: Callable[[_Copy], object], copies: Sequence[_Copy]) -> Callable[[], object]:
+    """A call of ``fn`` on the next of ``copies`` each time (one CUDA graph captures a copy per call)."""
+    turn = itertools.cycle(copies)
+    return lambda: fn(next(turn))
 
 
 def _require_positive(**counts: int) -> None:

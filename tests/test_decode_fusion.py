@@ -134,7 +134,7 @@ def test_gpu_kernel_matches_the_unfused_ops(dtype, case):
 # ---------------------------------------------------------------------------------------------- the pass
 
 _PASSES = ("normalize", "norms", "horizontal_gemm", "activations", "rope", "decode_attention", "attention",
-           "decode_linear", "decode_fusion")
+           "decode_linear", "decode_fusion", "decode_rope_cache")
 
 
 def _run_passes(gm, example, training=False):
@@ -247,7 +247,8 @@ def test_a_norm_read_by_more_than_the_launch_and_training_graphs_are_left_alone(
 
 def test_the_committed_decode_tiles_do_not_spill_on_an_h100():
     """Compiled for sm_90a here (Triton and its ptxas, no GPU): a tile that spills registers reads local memory in
-    its inner loop, and one of 192 registers fits 2 programs per SM instead of 6 (the first fused gate/up tile)."""
+    its inner loop, and one of 192 registers fits 2 programs of 4 warps per SM instead of 6 (the first fused gate/up
+    tile): a third of the warps, and of the loads, in flight."""
     from benchmarks import kernel_resources
 
     committed = [v for v in kernel_resources.VARIANTS if "committed" in v.notes]
@@ -255,5 +256,6 @@ def test_the_committed_decode_tiles_do_not_spill_on_an_h100():
     for variant in committed:
         found = kernel_resources.resources(variant)
         assert found["spill_bytes"] == 0 and found["stack_bytes"] == 0, (variant.name, found)
-    one_row = kernel_resources.resources(next(v for v in committed if "1 row" in v.name))
-    assert one_row["programs_per_sm"] >= 4, one_row
+    one_row = next(v for v in committed if "1 row" in v.name)
+    found = kernel_resources.resources(one_row)
+    assert found["programs_per_sm"] * one_row.num_warps >= 16, (one_row.num_warps, found)

@@ -123,9 +123,11 @@ def test_transformers_decode_steps_write_the_cache_in_the_rope_launch(family):
     with torch.no_grad():
         result = _run(gm, example)
         layers = model.config.num_hidden_layers
-        assert len(result.rewrites) == layers
+        assert len(result.rewrites) == layers + 1  # and one line for the counters
         assert sum(n.target is RC.decode_rope_cache for n in gm.graph.nodes) == layers
-        assert not any(n.target == "index_copy_" for n in gm.graph.nodes)
+        assert not any(n.target in ("index_copy_", "add_") for n in gm.graph.nodes)
+        advances = [n for n in gm.graph.nodes if n.target is torch._foreach_add_]
+        assert len(advances) == 1 and len(advances[0].args[0]) == layers
         ours, theirs = _copied(example), _copied(example)
         torch.testing.assert_close(gm(*ours)[0], original(*theirs)[0], rtol=1e-5, atol=1e-5)
         for mine, reference in zip(ours, theirs):  # the caches (and their counters) after the step
@@ -186,4 +188,50 @@ def test_a_positions_tensor_shared_by_the_layers_pairs_each_layers_own_writes():
         ours, theirs = _copied(example), _copied(example)
         torch.testing.assert_close(gm(*ours)[0], original(*theirs)[0], rtol=1e-6, atol=1e-6)
         for mine, reference in zip(ours, theirs):
+            torch.testing.assert_close(mine, reference, rtol=1e-6, atol=1e-6)
+
+
+class _LayersCountingTokens(nn.Module):
+    """transformers' StaticLayer.update for two layers at one new token: each layer's write position is its counter,
+    advanced in place; ``shared``: both layers count in one tensor; ``read_after``: the first counter is read again
+    after its advance."""
+
+    def __init__(self, shared: bool = False, read_after: bool = False):
+        super().__init__()
+        self.shared, self.read_after = shared, read_after
+
+    def forward(self, q, k, v, cos, sin, counters, caches):
+        outputs = []
+        for layer in range(2):
+            counter = counters[0 if self.shared else layer]
+            positions = torch.arange(1) + counter
+            counter.add_(1)
+            q_rot = q * cos + _rotate_half(q) * sin
+            k_rot = k * cos + _rotate_half(k) * sin
+            caches[2 * layer].index_copy_(2, positions, k_rot)
+            caches[2 * layer + 1].index_copy_(2, positions, v)
+            outputs.append(q_rot * (layer + 1))
+        if self.read_after:
+            outputs.append(counters[0] * 1.0)
+        return outputs[0] + outputs[1] + (outputs[2] if self.read_after else 0)
+
+
+@pytest.mark.parametrize("shared, read_after, moved", [(False, False, 2), (True, False, 1), (False, True, 1)])
+def test_cache_counters_are_read_by_the_launches_and_advanced_together(shared, read_after, moved):
+    """A shared counter: the second layer's positions read it after the first layer's advance, which stays; the
+    second advance, after which nothing reads it, moves. A counter read after its advance keeps it."""
+    q, k, v, cos, sin, _, _ = _inputs("decode-1x1-full-rotary", torch.float32, "cpu")
+    counters = [torch.tensor(3), torch.tensor(3)]
+    caches = [torch.randn(1, 2, 10, 16) for _ in range(4)]
+    gm, example = capture_graph(_LayersCountingTokens(shared, read_after), (q, k, v, cos, sin, counters, caches))
+    original = clone_graph_module(gm)
+    with torch.no_grad():
+        result = _run(gm, example)
+        advances = [n for n in gm.graph.nodes if n.target is torch._foreach_add_]
+        assert sum(len(n.args[0]) for n in advances) == moved
+        assert sum(n.target == "add_" for n in gm.graph.nodes) == 2 - moved
+        assert len(result.rewrites) == 2 + (moved > 0)
+        ours, theirs = _copied(example), _copied(example)
+        torch.testing.assert_close(gm(*ours), original(*theirs), rtol=1e-6, atol=1e-6)
+        for mine, reference in zip(ours, theirs):  # the caches and the counters after the step
             torch.testing.assert_close(mine, reference, rtol=1e-6, atol=1e-6)

@@ -42,25 +42,31 @@ class GemvTile:
     num_stages: int
 
 
-# Tiles by token rows, the fastest on average over the weight shapes of benchmarks/decode.py's 1b and 7b models
-# (benchmarks/tune_decode_linear.py; the sweep's results: docs/kernels.md, "Decode GEMV").
+# Tiles by token rows, the fastest in all over the weight shapes of benchmarks/decode.py's 1b and 7b models, each weight
+# read from memory as in a decode step (benchmarks/tune_decode_linear.py --cold; docs/kernels.md, "Decode GEMV").
 _TILE_ONE_ROW = GemvTile(block_n=8, block_k=512, num_warps=4, num_stages=3)
-_TILE_ROWS = GemvTile(block_n=32, block_k=512, num_warps=4, num_stages=3)
-# The K tile of a fused (normed or gated) launch of several rows: tl.dot tiles of the input, its residual and one or
-# two weights spilled 2-21 KB per thread at K 512 for sm_90a (benchmarks/kernel_resources.py), none at 128; 32-bit
-# ones at 512 overflowed the H100's shared memory.
-_FUSED_DOT_BLOCK_K = 128
+_TILE_ROWS = GemvTile(block_n=32, block_k=512, num_warps=4, num_stages=5)
+# One token row on at most this many programs (the o and down projections), or a gated launch: 8 warps a program keep
+# more loads in flight per SM; with more programs (q/k/v of a 7B model, the head) 4 warps read faster. A gated
+# program's two weight tiles took 194 registers a thread at 4 warps (2 programs an SM), 80 at 8.
+_FEW_PROGRAMS = 512
+# The K tile of a fused launch of several rows: tl.dot tiles of the input, its residual and one or two weights spilled
+# 2-21 KB per thread at K 512 for sm_90a (benchmarks/kernel_resources.py); a normed one none at 128, a gated one at 64.
+_NORMED_DOT_BLOCK_K = 128
+_GATED_DOT_BLOCK_K = 64
 
 
-def gemv_tile(rows: int, *, gated: bool = False, normed: bool = False) -> GemvTile:
-    """The tile for ``rows`` token rows. ``gated`` (a program reduces the same rows of two weights): half the rows,
-    which keeps the tile's bytes, program count and registers (192 registers per thread at the full rows: 2
-    programs per SM instead of 6). Fused launches of several rows: a K tile of ``_FUSED_DOT_BLOCK_K``."""
+def gemv_tile(rows: int, outputs: int, *, gated: bool = False, normed: bool = False,
+              element_size: int = 2) -> GemvTile:
+    """The tile for ``rows`` token rows and ``outputs`` weight rows in all (a gated launch: the gate's) of
+    ``element_size``-byte operands."""
     tile = _TILE_ONE_ROW if rows == 1 else _TILE_ROWS
-    if gated:
-        tile = replace(tile, block_n=max(tile.block_n // 2, 1))
+    if element_size > 2:  # 32-bit tiles of 5 stages took 393 KB of shared memory, over the H100's 227 KB
+        tile = replace(tile, num_stages=min(tile.num_stages, 3))
+    if rows == 1 and (gated or tu.cdiv(outputs, tile.block_n) <= _FEW_PROGRAMS):
+        tile = replace(tile, num_warps=8)
     if rows > 1 and (gated or normed):
-        tile = replace(tile, block_k=min(tile.block_k, _FUSED_DOT_BLOCK_K))
+        tile = replace(tile, block_k=min(tile.block_k, _GATED_DOT_BLOCK_K if gated else _NORMED_DOT_BLOCK_K))
     return tile
 
 
@@ -215,7 +221,8 @@ def grouped_gemv(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]
     rows, k = x.shape
     sizes = [w.shape[0] for w in weights]
     gated = activation is not None
-    tile = tile or gemv_tile(rows, gated=gated, normed=norm is not None)
+    tile = tile or gemv_tile(rows, sizes[0] if gated else sum(sizes), gated=gated, normed=norm is not None,
+                             element_size=x.element_size())
     out = x.new_empty((rows, sizes[0] if gated else sum(sizes)))
     blocks = [tu.cdiv(n, tile.block_n) for n in sizes]
     unused = tu.unused_pointer(x)

@@ -15,7 +15,8 @@ by nothing else (the norm's optional residual sum ``h`` may have any readers), a
 outputs are split and read only by one ``gated_activation`` (or whose one packed gate/up output is read only by
 ``gated_activation_packed``: its weight's two row halves become the gate and up weights, as views). Norms computing
 FP8 scales are left alone. Decided by measurement on CUDA: the fused launch against the unfused ones at the group's
-shapes, timed as CUDA-graph replays; the faster is kept and the report says so.
+shapes, timed as CUDA-graph replays on weights read from memory (``timing.weight_copies``); the faster is kept and the
+report says so.
 """
 
 from __future__ import annotations
@@ -140,19 +141,21 @@ def _measured(rows: int, sizes: tuple[int, ...], k: int, bias: bool, norm: tuple
               activation: str | None, dtype: torch.dtype, device_index: int) -> tuple[bool, str]:
     """(whether the fused launch wins, the timings) at one launch's shapes; ``norm``: (residual, cast before
     the weight) or None."""
-    from kernel_pytorch.timing import fastest_cuda_graph_ms
+    from kernel_pytorch.timing import fastest_cuda_graph_ms, rotating, weight_copies
 
     device = torch.device("cuda", device_index)
     x, r = (torch.randn(rows, k, device=device, dtype=dtype) for _ in range(2))
-    weights = [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for n in sizes]
+    copies = weight_copies(lambda: [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for n in sizes],
+                           sum(sizes) * k * x.element_size(), device)
     biases = [torch.randn(n, device=device, dtype=dtype) for n in sizes] if bias else None
     normed = None if norm is None else gemv.NormInput(torch.rand(k, device=device, dtype=dtype) + 0.5, 1e-6, norm[1],
                                                       r if norm[0] else None)
     fused_norm = {} if normed is None else dict(norm_weight=normed.weight, eps=normed.eps, residual=normed.residual,
                                                 cast_before_weight=normed.cast_before_weight)
     timings = fastest_cuda_graph_ms({
-        "unfused": lambda: unfused(x, normed, weights, biases, activation or "", gemv.grouped_linear),
-        "fused": lambda: decode_fused_linear(x, weights, biases, activation=activation, **fused_norm)})
+        "unfused": rotating(lambda ws: unfused(x, normed, ws, biases, activation or "", gemv.grouped_linear), copies),
+        "fused": rotating(lambda ws: decode_fused_linear(x, ws, biases, activation=activation, **fused_norm), copies)},
+        calls_per_graph=max(8, len(copies)))
     return timings.faster("fused", "unfused"), timings.in_microseconds()
 
 

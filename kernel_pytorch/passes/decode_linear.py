@@ -14,8 +14,8 @@ tensor would change the model's storage).
 Matched: ``F.linear`` in an inference graph whose input has at most ``MAX_ROWS`` token rows, all static sizes
 (a step compiled for batch 1; a graph with a symbolic batch serves up to 32 rows and is left alone), 2-D weights
 and biases of the input's dtype. Decided by measurement on CUDA: each group's kernel against one ``F.linear``
-per weight (cuBLAS), timed as CUDA-graph replays at the group's shapes (``timing.fastest_cuda_graph_ms``); the
-faster is kept and the report says so. Runs after ``fp8``: a linear the FP8 pass converted is no ``F.linear``.
+per weight (cuBLAS), timed as CUDA-graph replays at the group's shapes on weights read from memory
+(``timing.fastest_cuda_graph_ms``, ``timing.weight_copies``); the faster is kept and the report says so. Runs after ``fp8``: a linear the FP8 pass converted is no ``F.linear``.
 """
 
 from __future__ import annotations
@@ -95,15 +95,18 @@ def _has_bias(linear: Node) -> bool:
 def _measured(rows: int, sizes: tuple[int, ...], k: int, bias: bool, dtype: torch.dtype,
               device_index: int) -> tuple[bool, str]:
     """(whether the kernel wins, the timings) for one group's shapes on a GPU."""
-    from kernel_pytorch.timing import fastest_cuda_graph_ms
+    from kernel_pytorch.timing import fastest_cuda_graph_ms, rotating, weight_copies
 
     device = torch.device("cuda", device_index)
     x = torch.randn(rows, k, device=device, dtype=dtype)
-    weights = [torch.randn(n, k, device=device, dtype=dtype) for n in sizes]
+    copies = weight_copies(lambda: [torch.randn(n, k, device=device, dtype=dtype) for n in sizes],
+                           sum(sizes) * k * x.element_size(), device)
     biases = [torch.randn(n, device=device, dtype=dtype) for n in sizes] if bias else None
     timings = fastest_cuda_graph_ms({
-        "cuBLAS": lambda: [F.linear(x, w, biases[i] if biases else None) for i, w in enumerate(weights)],
-        "gemv": lambda: gemv.grouped_linear(x, weights, biases)})
+        "cuBLAS": rotating(lambda ws: [F.linear(x, w, biases[i] if biases else None) for i, w in enumerate(ws)],
+                           copies),
+        "gemv": rotating(lambda ws: gemv.grouped_linear(x, ws, biases), copies)},
+        calls_per_graph=max(8, len(copies)))
     return timings.faster("gemv", "cuBLAS"), timings.in_microseconds()
 
 

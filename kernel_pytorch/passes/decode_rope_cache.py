@@ -11,7 +11,8 @@ cache, the next ``index_copy_`` after it at the same positions writing v into an
 sequence dim of at most ``MAX_TOKENS``), inference graphs. The fused call takes the place of the v copy; the
 match is refused if anything reads or writes a cache between the two copies or reads the rotated q before that
 place. Not timed: the fused launch reads and writes the same bytes minus the rotated k's round trip, in one launch
-where the unfused ops take three or four.
+where the unfused ops take three or four. The layers' cache counters behind the positions are then read by the
+launches and advanced together at the step's end (:mod:`~kernel_pytorch.passes.cache_counters`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.fx import Node
 from kernel_pytorch.ops.decode_rope_cache import decode_rope_cache
 from kernel_pytorch.ops.rope import apply_rope
 from kernel_pytorch.passes.base import PassContext, PassResult
+from kernel_pytorch.passes.cache_counters import advance_counters_together
 from kernel_pytorch.passes.decode_base import DecodeStepPass
 from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of, nodes_between, set_example_value
 from kernel_pytorch.passes.registry import register_pass
@@ -109,6 +111,7 @@ class DecodeRopeCachePass(DecodeStepPass):
     description = "a decode step's RoPE and KV-cache write (index_copy_) -> one launch"
 
     def rewrite_step(self, gm: torch.fx.GraphModule, ctx: PassContext, result: PassResult) -> PassResult:
+        launches = []
         for rope in [n for n in gm.graph.nodes if n.target is apply_rope]:
             match = _match(rope)
             if match is None:
@@ -118,12 +121,19 @@ class DecodeRopeCachePass(DecodeStepPass):
                 result.skip(location, "a cache is read or written between the k and v copies, or the rotated q "
                                       "is read before them")
                 continue
-            _rewrite(gm, match)
+            launches.append(_rewrite(gm, match))
             result.rewrite(location, "apply_rope + k/v index_copy_ -> decode_rope_cache")
+        moved = advance_counters_together(gm, launches, _POSITIONS_ARG)
+        if moved:
+            result.rewrite("(model)", f"{moved} cache counters read by the RoPE launches, advanced in one launch at "
+                                      "the step's end")
         return result
 
 
-def _rewrite(gm: torch.fx.GraphModule, match: _Match) -> None:
+_POSITIONS_ARG = 7  # decode_rope_cache(q, k, v, cos, sin, k_cache, v_cache, cache_position)
+
+
+def _rewrite(gm: torch.fx.GraphModule, match: _Match) -> Node:
     graph = gm.graph
     args = inspect.signature(apply_rope).bind(*match.rope.args, **match.rope.kwargs).arguments
     keys, positions, _ = _cache_write(match.write_k)
@@ -135,3 +145,4 @@ def _rewrite(gm: torch.fx.GraphModule, match: _Match) -> None:
     set_example_value(gm, fused)
     match.q_rot.replace_all_uses_with(fused)
     erase_unused(graph, [match.write_k, match.write_v, match.q_rot, match.k_rot, match.rope])
+    return fused
