@@ -31,13 +31,15 @@ FUSED = importlib.import_module("kernel_pytorch.ops.decode_fused_linear")
 tu = importlib.import_module("kernel_pytorch.ops.triton_utils")
 
 # (token rows, out features per weight, in features, bias, norm: None | (residual, cast before weight[, weight
-# offset: Gemma's 1 + w]), activation)
+# offset: Gemma's 1 + w]), activation[, block_n: weight rows a program, as the pass may pick])
 CASES = {
     "qkv-1row-residual-hf-rounding": (1, (40, 9, 9), 700, False, (True, True), None),
     "gate_up-3rows-bias-residual-silu": (3, (24, 24), 100, True, (True, False), "silu"),
     "gate_up-1row-gelu_tanh-no-norm": (1, (24, 24), 100, False, None, "gelu_tanh"),
     "lm_head-2rows-norm-no-residual": (2, (33,), 64, False, (False, True), None),
     "gate_up-1row-residual-gemma-offset-gelu_tanh": (1, (24, 24), 100, False, (True, False, 1.0), "gelu_tanh"),
+    "qkv-1row-residual-16-rows-a-program": (1, (40, 9, 9), 700, False, (True, False), None, 16),
+    "gate_up-1row-residual-silu-16-rows-a-program": (1, (40, 40), 300, False, (True, False), "silu", 16),
 }
 # The kernel against the unfused ops, which round at the same places: float32 differs by summation order; 16-bit
 # by an occasional rounding flip of a normed input or a projection (Triton's interpreter also rounds bf16 its own way).
@@ -50,12 +52,12 @@ def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _inputs(case: str, dtype: torch.dtype, device):
-    rows, sizes, k, bias, norm, activation = CASES[case]
+    rows, sizes, k, bias, norm, activation, *block_n = CASES[case]
     torch.manual_seed(len(case))
     x = torch.randn(1, rows, k, device=device, dtype=dtype)
     weights = [(torch.randn(n, k, device=device) / k**0.5).to(dtype) for n in sizes]
     options = {"biases": [torch.randn(n, device=device, dtype=dtype) for n in sizes] if bias else None,
-               "activation": activation}
+               "activation": activation, "block_n": block_n[0] if block_n else 0}
     if norm is not None:
         options.update(norm_weight=(torch.rand(k, device=device) + 0.5).to(dtype), eps=1e-5,
                        residual=torch.randn(1, rows, k, device=device, dtype=dtype) if norm[0] else None,
@@ -122,6 +124,8 @@ def test_bad_arguments_get_a_clear_error():
         FUSED.decode_fused_linear(x, [w], residual=torch.randn(1, 8))
     with pytest.raises(ValueError, match="needs norm_weight"):
         FUSED.decode_fused_linear(x, [w], norm_weight_offset=1.0)
+    with pytest.raises(ValueError, match="not a power of two"):
+        FUSED.decode_fused_linear(x, [w], block_n=12)
 
 
 @pytest.mark.gpu
@@ -247,8 +251,8 @@ def test_a_norm_read_by_more_than_the_launch_and_training_graphs_are_left_alone(
 
 def test_the_committed_decode_tiles_do_not_spill_on_an_h100():
     """Compiled for sm_90a here (Triton and its ptxas, no GPU): a tile that spills registers reads local memory in
-    its inner loop, and one of 192 registers fits 2 programs of 4 warps per SM instead of 6 (the first fused gate/up
-    tile): a third of the warps, and of the loads, in flight."""
+    its inner loop. (Occupancy is not asserted: read from memory, the one-row gated tile of 194 registers, 2 programs
+    an SM, read faster than the others tried, results/tune_decode_linear_cold.json.)"""
     from benchmarks import kernel_resources
 
     committed = [v for v in kernel_resources.VARIANTS if "committed" in v.notes]
@@ -256,6 +260,4 @@ def test_the_committed_decode_tiles_do_not_spill_on_an_h100():
     for variant in committed:
         found = kernel_resources.resources(variant)
         assert found["spill_bytes"] == 0 and found["stack_bytes"] == 0, (variant.name, found)
-    one_row = next(v for v in committed if "1 row" in v.name)
-    found = kernel_resources.resources(one_row)
-    assert found["programs_per_sm"] * one_row.num_warps >= 16, (one_row.num_warps, found)
+

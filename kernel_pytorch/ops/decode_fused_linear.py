@@ -57,28 +57,32 @@ def unfused(x: Tensor, norm: Optional[gemv.NormInput], weights: list[Tensor], bi
 @torch.library.triton_op("kernel_pytorch::decode_fused_linear", mutates_args=())
 def _decode_fused_linear_op(x: Tensor, residual: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
                             cast_before_weight: bool, weights: list[Tensor], biases: list[Tensor],
-                            activation: str, norm_weight_offset: float = 0.0) -> tuple[Tensor, Tensor]:
-    """``biases``: one per weight or empty; ``activation``: '' or a key of ACTIVATION_KINDS. Returns (out, h),
-    h empty without a residual (an op's output may not alias its input)."""
+                            activation: str, norm_weight_offset: float = 0.0,
+                            block_n: int = 0) -> tuple[Tensor, Tensor]:
+    """``biases``: one per weight or empty; ``activation``: '' or a key of ACTIVATION_KINDS; ``block_n``: as
+    :func:`~kernel_pytorch.ops.decode_linear.grouped_gemv`'s. Returns (out, h), h empty without a residual (an op's
+    output may not alias its input)."""
     norm = (gemv.NormInput(norm_weight, eps, cast_before_weight, residual, norm_weight_offset)
             if norm_weight is not None else None)
     usable = gemv.use_triton_kernel(x, weights) and (norm is None or norm_weight.is_contiguous()) and (
         residual is None or (residual.shape == x.shape and residual.stride(-1) == 1 and residual.dtype == x.dtype))
     if not usable:
         return unfused(x, norm, weights, biases or None, activation)
-    out, h = gemv.grouped_gemv(x, weights, biases or None, norm=norm, activation=activation or None)
+    out, h = gemv.grouped_gemv(x, weights, biases or None, norm=norm, activation=activation or None, block_n=block_n)
     return out, (h if h is not None else x.new_empty(0))
 
 
 def decode_fused_linear(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]] = None, *,
                         norm_weight: Optional[Tensor] = None, eps: float = 1e-6, residual: Optional[Tensor] = None,
                         cast_before_weight: bool = False, activation: Optional[str] = None,
-                        norm_weight_offset: float = 0.0):
+                        norm_weight_offset: float = 0.0, block_n: int = 0):
     """``grouped_linear(x, weights, biases)`` for a few token rows, one launch (module docstring), with
 
     - ``norm_weight``: the input normed first, ``rms_norm(x, norm_weight, eps, residual, cast_before_weight=...,
       weight_offset=norm_weight_offset)``; with ``residual`` the result is ``(output, x + residual)``;
-    - ``activation`` (two weights of one shape: gate, up): ``act(gate) * up`` instead of the concatenation.
+    - ``activation`` (two weights of one shape: gate, up): ``act(gate) * up`` instead of the concatenation;
+    - ``block_n``: the weight rows each program of the launch reduces (a power of two; 0: the default tile's), which
+      the decode_fusion pass picks by measurement.
 
     ``x`` (..., K) of at most MAX_ROWS rows. Inference only.
 
@@ -95,12 +99,14 @@ def decode_fused_linear(x: Tensor, weights: list[Tensor], biases: Optional[list[
                          f"and one of {sorted(ACTIVATION_KINDS)}")
     if biases is not None and len(biases) != len(weights):
         raise ValueError(f"decode_fused_linear: {len(biases)} biases for {len(weights)} weights")
+    if block_n and (block_n < 1 or block_n & (block_n - 1)):
+        raise ValueError(f"decode_fused_linear: block_n={block_n} is not a power of two")
     if (residual is not None or norm_weight_offset) and norm_weight is None:
         raise ValueError("decode_fused_linear: a residual or a weight offset belongs to the norm; it needs norm_weight")
     lead, k = x.shape[:-1], x.shape[-1]
     flat_residual = residual.reshape(-1, k) if residual is not None else None
     out, h = _decode_fused_linear_op(x.reshape(-1, k), flat_residual, norm_weight, float(eps), bool(cast_before_weight),
                                      list(weights), list(biases) if biases is not None else [], activation or "",
-                                     float(norm_weight_offset))
+                                     float(norm_weight_offset), int(block_n))
     out = out.view(*lead, out.shape[-1])
     return (out, h.view(*lead, k)) if residual is not None else out

@@ -46,14 +46,14 @@ class GemvTile:
 # read from memory as in a decode step (benchmarks/tune_decode_linear.py --cold; docs/kernels.md, "Decode GEMV").
 _TILE_ONE_ROW = GemvTile(block_n=8, block_k=512, num_warps=4, num_stages=3)
 _TILE_ROWS = GemvTile(block_n=32, block_k=512, num_warps=4, num_stages=5)
-# One token row on at most this many programs (the o and down projections), or a gated launch: 8 warps a program keep
-# more loads in flight per SM; with more programs (q/k/v of a 7B model, the head) 4 warps read faster. A gated
-# program's two weight tiles took 194 registers a thread at 4 warps (2 programs an SM), 80 at 8.
+# One plain launch of one token row on at most this many programs (the o and down projections): 8 warps a program
+# keep more loads in flight per SM; with more programs (q/k/v of a 7B model, the head), or fused (normed or gated),
+# 4 warps read faster.
 _FEW_PROGRAMS = 512
 # The K tile of a fused launch of several rows: tl.dot tiles of the input, its residual and one or two weights spilled
-# 2-21 KB per thread at K 512 for sm_90a (benchmarks/kernel_resources.py); a normed one none at 128, a gated one at 64.
-_NORMED_DOT_BLOCK_K = 128
-_GATED_DOT_BLOCK_K = 64
+# 2-21 KB per thread at K 512 for sm_90a (benchmarks/kernel_resources.py), none at 128 with half the rows for a gated
+# one (which read slower than the unfused launches at 8 rows, results/tune_decode_linear_cold.json).
+_FUSED_DOT_BLOCK_K = 128
 
 
 def gemv_tile(rows: int, outputs: int, *, gated: bool = False, normed: bool = False,
@@ -63,10 +63,12 @@ def gemv_tile(rows: int, outputs: int, *, gated: bool = False, normed: bool = Fa
     tile = _TILE_ONE_ROW if rows == 1 else _TILE_ROWS
     if element_size > 2:  # 32-bit tiles of 5 stages took 393 KB of shared memory, over the H100's 227 KB
         tile = replace(tile, num_stages=min(tile.num_stages, 3))
-    if rows == 1 and (gated or tu.cdiv(outputs, tile.block_n) <= _FEW_PROGRAMS):
+    fused = gated or normed
+    if rows == 1 and not fused and tu.cdiv(outputs, tile.block_n) <= _FEW_PROGRAMS:
         tile = replace(tile, num_warps=8)
-    if rows > 1 and (gated or normed):
-        tile = replace(tile, block_k=min(tile.block_k, _GATED_DOT_BLOCK_K if gated else _NORMED_DOT_BLOCK_K))
+    if rows > 1 and fused:
+        tile = replace(tile, block_k=min(tile.block_k, _FUSED_DOT_BLOCK_K),
+                       block_n=tile.block_n // 2 if gated else tile.block_n)
     return tile
 
 
@@ -214,15 +216,18 @@ class NormInput:
 
 
 def grouped_gemv(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]], tile: GemvTile | None = None,
-                 norm: Optional[NormInput] = None, activation: Optional[str] = None) -> tuple[Tensor, Optional[Tensor]]:
+                 norm: Optional[NormInput] = None, activation: Optional[str] = None,
+                 block_n: int = 0) -> tuple[Tensor, Optional[Tensor]]:
     """The Triton launch: x (M, K) contiguous rows, weights (Ni, K) contiguous; with ``norm`` the input is
     normed first (and h = x + residual returned second, else None); with ``activation`` two weights (gate, up)
-    give act(gate) * up. ``tile``: :func:`gemv_tile`'s for the launch, unless given."""
+    give act(gate) * up. ``tile``: :func:`gemv_tile`'s for the launch, unless given; ``block_n`` (a power of two),
+    unless 0: the weight rows a program reduces, in place of the tile's."""
     rows, k = x.shape
     sizes = [w.shape[0] for w in weights]
     gated = activation is not None
     tile = tile or gemv_tile(rows, sizes[0] if gated else sum(sizes), gated=gated, normed=norm is not None,
                              element_size=x.element_size())
+    tile = replace(tile, block_n=block_n) if block_n else tile
     out = x.new_empty((rows, sizes[0] if gated else sum(sizes)))
     blocks = [tu.cdiv(n, tile.block_n) for n in sizes]
     unused = tu.unused_pointer(x)

@@ -14,9 +14,9 @@ Matched: a ``grouped_linear`` (the decode_linear pass's GEMV launch) whose input
 by nothing else (the norm's optional residual sum ``h`` may have any readers), and/or whose two equal-shape
 outputs are split and read only by one ``gated_activation`` (or whose one packed gate/up output is read only by
 ``gated_activation_packed``: its weight's two row halves become the gate and up weights, as views). Norms computing
-FP8 scales are left alone. Decided by measurement on CUDA: the fused launch against the unfused ones at the group's
-shapes, timed as CUDA-graph replays on weights read from memory (``timing.weight_copies``); the faster is kept and the
-report says so.
+FP8 scales are left alone. Decided by measurement on CUDA: the fused launch (at one token row also with twice its
+tile's weight rows a program) against the unfused ones at the group's shapes, timed as CUDA-graph replays on weights
+read from memory (``timing.weight_copies``); the fastest is kept and the report says so.
 """
 
 from __future__ import annotations
@@ -138,9 +138,11 @@ def _packed_gated_after(launch: Node) -> _Gated | None:
 
 @functools.lru_cache(maxsize=256)
 def _measured(rows: int, sizes: tuple[int, ...], k: int, bias: bool, norm: tuple[bool, bool] | None,
-              activation: str | None, dtype: torch.dtype, device_index: int) -> tuple[bool, str]:
-    """(whether the fused launch wins, the timings) at one launch's shapes; ``norm``: (residual, cast before
-    the weight) or None."""
+              activation: str | None, dtype: torch.dtype, device_index: int) -> tuple[bool, int, str]:
+    """(whether a fused launch wins, its ``block_n`` (0: the default tile's), the timings) at one launch's shapes;
+    ``norm``: (residual, cast before the weight) or None. At one token row the fused launch is also timed with twice
+    the default tile's rows a program: each program reads its whole input, residual and norm weight besides its
+    weight rows, and which count reads fastest differed by shape (q/k/v of the 1B and 7B models, H100)."""
     from kernel_pytorch.timing import fastest_cuda_graph_ms, rotating, weight_copies
 
     device = torch.device("cuda", device_index)
@@ -152,17 +154,24 @@ def _measured(rows: int, sizes: tuple[int, ...], k: int, bias: bool, norm: tuple
                                                       r if norm[0] else None)
     fused_norm = {} if normed is None else dict(norm_weight=normed.weight, eps=normed.eps, residual=normed.residual,
                                                 cast_before_weight=normed.cast_before_weight)
-    timings = fastest_cuda_graph_ms({
-        "unfused": rotating(lambda ws: unfused(x, normed, ws, biases, activation or "", gemv.grouped_linear), copies),
-        "fused": rotating(lambda ws: decode_fused_linear(x, ws, biases, activation=activation, **fused_norm), copies)},
-        calls_per_graph=max(8, len(copies)))
-    return timings.faster("fused", "unfused"), timings.in_microseconds()
+    default_rows = gemv.gemv_tile(rows, sizes[0] if activation else sum(sizes), gated=activation is not None,
+                                  normed=normed is not None, element_size=x.element_size()).block_n
+    rows_tried = {"fused": 0} | ({f"fused {2 * default_rows} rows": 2 * default_rows} if rows == 1 else {})
+    candidates = {"unfused": rotating(lambda ws: unfused(x, normed, ws, biases, activation or "", gemv.grouped_linear),
+                                      copies)}
+    candidates.update({name: rotating(lambda ws, block_n=block_n: decode_fused_linear(
+        x, ws, biases, activation=activation, block_n=block_n, **fused_norm), copies)
+        for name, block_n in rows_tried.items()})
+    timings = fastest_cuda_graph_ms(candidates, calls_per_graph=max(8, len(copies)))
+    fastest = min(rows_tried, key=lambda name: timings.ms.get(name, float("inf")))
+    return timings.faster(fastest, "unfused"), rows_tried[fastest], timings.in_microseconds()
 
 
-def _decision(launch: Node, norm: _Norm | None, gated: _Gated | None) -> tuple[bool, str]:
+def _decision(launch: Node, norm: _Norm | None, gated: _Gated | None) -> tuple[bool, int, str]:
+    """(whether to fuse, the fused launch's ``block_n``, why)."""
     x_value = example_value(launch.args[0])
     if x_value.device.type != "cuda":
-        return True, "the unfused ops' native paths off CUDA"
+        return True, 0, "the unfused ops' native paths off CUDA"
     weights = [example_value(w) for w in launch.args[1]]
     sizes = tuple(int(w.shape[0]) for w in weights)
     if gated is not None and gated.split is None:  # a packed gate/up weight: timed as its two halves
@@ -192,22 +201,23 @@ class DecodeFusionPass(DecodeStepPass):
             location = module_path_of(launch, "(model)")
             what = " + ".join(part for part, found in (("rms_norm", norm), ("grouped_linear", True),
                                                       (f"gated {gated.kind if gated else ''}", gated)) if found)
-            chosen, how = _decision(launch, norm, gated)
+            chosen, block_n, how = _decision(launch, norm, gated)
             if not chosen:
                 result.skip(location, f"{what}: the unfused launches kept, faster here ({how})")
                 continue
-            _rewrite(gm, launch, norm, gated)
+            _rewrite(gm, launch, norm, gated, block_n)
             result.rewrite(location, f"{what} -> decode_fused_linear: {how}")
         return result
 
 
-def _rewrite(gm: torch.fx.GraphModule, launch: Node, norm: _Norm | None, gated: _Gated | None) -> None:
+def _rewrite(gm: torch.fx.GraphModule, launch: Node, norm: _Norm | None, gated: _Gated | None, block_n: int) -> None:
     graph, stack = gm.graph, launch.meta.get("nn_module_stack", {})
     x, weights, biases = launch.args
     if gated is not None and gated.split is None:
         weights, biases = _halves(gm, launch, weights[0], gated.gate_first), biases and _halves(
             gm, launch, biases[0], gated.gate_first)
     kwargs: dict[str, Any] = {"activation": gated.kind if gated else None}
+    kwargs.update({"block_n": block_n} if block_n else {})
     if norm is not None:
         x = norm.x
         kwargs.update(norm_weight=norm.weight, eps=norm.eps, residual=norm.residual,
