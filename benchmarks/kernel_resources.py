@@ -59,8 +59,9 @@ def _committed_gated_gemv(name: str, rows: int) -> Variant:
     """The fused norm + SwiGLU launch at the tile ``decode_linear.gemv_tile`` gives it for ``rows`` token rows of the
     1b model (5632 gate rows)."""
     tile = DL.gemv_tile(rows, 5632, gated=True, normed=True)
-    return _gemv(name, "the committed tile", num_stages=tile.num_stages, num_warps=tile.num_warps, NUM_W=2, NORM=True, HAS_RESIDUAL=True,
-                 GATED=True, USE_DOT=rows > 1, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
+    return _gemv(name, "the committed tile", num_stages=tile.num_stages, num_warps=tile.num_warps, NUM_W=2,
+                 NORM=True, HAS_RESIDUAL=True, GATED=True, USE_DOT=rows > 1, BLOCK_N=tile.block_n,
+                 BLOCK_K=tile.block_k)
 
 
 VARIANTS = (

@@ -194,18 +194,19 @@ def test_a_positions_tensor_shared_by_the_layers_pairs_each_layers_own_writes():
 class _LayersCountingTokens(nn.Module):
     """transformers' StaticLayer.update for two layers at one new token: each layer's write position is its counter,
     advanced in place; ``shared``: both layers count in one tensor; ``read_after``: the first counter is read again
-    after its advance."""
+    after its advance; ``one_positions``: both layers write at the first layer's positions."""
 
-    def __init__(self, shared: bool = False, read_after: bool = False):
+    def __init__(self, shared: bool = False, read_after: bool = False, one_positions: bool = False):
         super().__init__()
-        self.shared, self.read_after = shared, read_after
+        self.shared, self.read_after, self.one_positions = shared, read_after, one_positions
 
     def forward(self, q, k, v, cos, sin, counters, caches):
         outputs = []
         for layer in range(2):
             counter = counters[0 if self.shared else layer]
-            positions = torch.arange(1) + counter
-            counter.add_(1)
+            if layer == 0 or not self.one_positions:
+                positions = torch.arange(1) + counter
+                counter.add_(1)
             q_rot = q * cos + _rotate_half(q) * sin
             k_rot = k * cos + _rotate_half(k) * sin
             caches[2 * layer].index_copy_(2, positions, k_rot)
@@ -216,20 +217,23 @@ class _LayersCountingTokens(nn.Module):
         return outputs[0] + outputs[1] + (outputs[2] if self.read_after else 0)
 
 
-@pytest.mark.parametrize("shared, read_after, moved", [(False, False, 2), (True, False, 1), (False, True, 1)])
-def test_cache_counters_are_read_by_the_launches_and_advanced_together(shared, read_after, moved):
+@pytest.mark.parametrize("shared, read_after, one_positions, moved", [
+    (False, False, False, 2), (True, False, False, 1), (False, True, False, 1), (False, False, True, 1)])
+def test_cache_counters_are_read_by_the_launches_and_advanced_together(shared, read_after, one_positions, moved):
     """A shared counter: the second layer's positions read it after the first layer's advance, which stays; the
-    second advance, after which nothing reads it, moves. A counter read after its advance keeps it."""
+    second advance, after which nothing reads it, moves. A counter read after its advance keeps it. One positions
+    tensor for both layers: the first launch reads the counter, the second the positions."""
     q, k, v, cos, sin, _, _ = _inputs("decode-1x1-full-rotary", torch.float32, "cpu")
     counters = [torch.tensor(3), torch.tensor(3)]
     caches = [torch.randn(1, 2, 10, 16) for _ in range(4)]
-    gm, example = capture_graph(_LayersCountingTokens(shared, read_after), (q, k, v, cos, sin, counters, caches))
+    model = _LayersCountingTokens(shared, read_after, one_positions)
+    gm, example = capture_graph(model, (q, k, v, cos, sin, counters, caches))
     original = clone_graph_module(gm)
     with torch.no_grad():
         result = _run(gm, example)
         advances = [n for n in gm.graph.nodes if n.target is torch._foreach_add_]
         assert sum(len(n.args[0]) for n in advances) == moved
-        assert sum(n.target == "add_" for n in gm.graph.nodes) == 2 - moved
+        assert sum(n.target == "add_" for n in gm.graph.nodes) == (1 if one_positions else 2) - moved
         assert len(result.rewrites) == 2 + (moved > 0)
         ours, theirs = _copied(example), _copied(example)
         torch.testing.assert_close(gm(*ours), original(*theirs), rtol=1e-6, atol=1e-6)

@@ -146,3 +146,19 @@ def test_median_ms_off_cuda_times_each_call_on_the_host_clock():
 
     ms = timing.median_ms(sleep_2ms, torch.device("cpu"), warmup=1, runs=3)
     assert len(calls) == 4 and ms >= 2.0  # the warm-up untimed, then the median of three calls that each slept 2 ms
+
+
+def test_weight_copies_read_over_twice_the_l2_and_rotating_calls_take_them_in_turn(monkeypatch):
+    class _Properties:
+        L2_cache_size = 50 * 2**20
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _Properties())
+    made = []
+    copies = timing.weight_copies(lambda: made.append(len(made)) or made[-1], 8 * 2**20, torch.device("cuda"))
+    assert copies == list(range(13))  # ceil(100 MB / 8 MB)
+    assert len(timing.weight_copies(lambda: 0, 300 * 2**20, torch.device("cuda"))) == 2  # one over the L2: two
+    seen = []
+    call = timing.rotating(seen.append, ["a", "b", "c"])
+    for _ in range(5):
+        call()
+    assert seen == ["a", "b", "c", "a", "b"]

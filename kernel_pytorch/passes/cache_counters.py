@@ -83,7 +83,8 @@ def _is_arange_one(node: Node) -> bool:
 def _only_advance(counter: Node, positions: Node, order: dict[Node, int]) -> Node | None:
     """The one ``counter.add_(n)`` (n an int, result unused) among the counter's users after ``positions``; None if
     anything else uses the counter after it."""
-    later = [user for user in counter.users if order[user] > order[positions]]
+    after = len(order)  # a read this pass inserted (a positions node shared by two launches) comes after positions
+    later = [user for user in counter.users if order.get(user, after) > order[positions]]
     if len(later) != 1:
         return None
     advance = later[0]

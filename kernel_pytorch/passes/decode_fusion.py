@@ -210,7 +210,8 @@ class DecodeFusionPass(DecodeStepPass):
         return result
 
 
-def _rewrite(gm: torch.fx.GraphModule, launch: Node, norm: _Norm | None, gated: _Gated | None, block_n: int) -> None:
+def _rewrite(gm: torch.fx.GraphModule, launch: Node, norm: _Norm | None, gated: _Gated | None,
+             block_n: int) -> None:
     graph, stack = gm.graph, launch.meta.get("nn_module_stack", {})
     x, weights, biases = launch.args
     if gated is not None and gated.split is None:

@@ -15,7 +15,8 @@ Matched: ``F.linear`` in an inference graph whose input has at most ``MAX_ROWS``
 (a step compiled for batch 1; a graph with a symbolic batch serves up to 32 rows and is left alone), 2-D weights
 and biases of the input's dtype. Decided by measurement on CUDA: each group's kernel against one ``F.linear``
 per weight (cuBLAS), timed as CUDA-graph replays at the group's shapes on weights read from memory
-(``timing.fastest_cuda_graph_ms``, ``timing.weight_copies``); the faster is kept and the report says so. Runs after ``fp8``: a linear the FP8 pass converted is no ``F.linear``.
+(``timing.fastest_cuda_graph_ms``, ``timing.weight_copies``); the faster is kept and the report says so. Runs after
+``fp8``: a linear the FP8 pass converted is no ``F.linear``.
 """
 
 from __future__ import annotations
