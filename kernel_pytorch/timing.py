@@ -190,7 +190,7 @@ def weight_copies(make: Callable[[], _Copy], bytes_per_copy: int, device: torch.
     each weight once per token; weights reused call after call stay in the H100's 50 MB L2, and a decision timed
     that way picked the kernel that was slower in the step (docs/kernels.md, "Decode GEMV")."""
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
-    return [make() for _ in range(max(2, -(-2 * l2_bytes // max(bytes_per_copy, 1))))]
+    return [make() for _ in range(max(1, -(-2 * l2_bytes // max(bytes_per_copy, 1))))]  # one of twice the L2 or more
 
 
 def rotating(fn: Callable[[_Copy], object], copies: Sequence[_Copy]) -> Callable[[], object]:
