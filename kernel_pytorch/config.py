@@ -261,6 +261,13 @@ class GenerationConfig(ConfigModel):
         "(docs/usage.md)."
     )
 
+    symbolic_batch_gemv: bool = Field(
+        False, description="Experimental: the decode step graph for batches above 1 (its batch a symbolic size) also "
+        "gets the grouped GEMV kernel for its linears, timed against cuBLAS at 2, 8 and 16 rows and kept for calls "
+        "of up to the most rows it won at (cuBLAS above). Adds those timings and the kernel's several-row "
+        "compiles to the warm-up."
+    )
+
     @field_validator("batch_buckets")
     @classmethod
     def _ascending(cls, value: tuple[int, ...]) -> tuple[int, ...]:

@@ -72,12 +72,25 @@ def test_native_path_matches_float64(case):
     check(case, torch.float32)
 
 
+@interp
+@pytest.mark.parametrize("max_rows, launches", [(2, {}), (3, {"grouped_gemv": 1})])
+def test_interp_calls_over_max_rows_take_f_linear(gemv_on_cpu, max_rows, launches):
+    torch.manual_seed(0)
+    x, weights = torch.randn(3, 64), [torch.randn(24, 64), torch.randn(8, 64)]
+    out = DL.grouped_linear(x, weights, max_rows=max_rows)
+    expected = torch.cat([F.linear(x.double(), w.double()) for w in weights], -1)
+    assert rel(out, expected) < TOL[torch.float32]
+    assert gemv_on_cpu == launches
+
+
 def test_bad_weight_counts_get_a_clear_error():
     x = torch.randn(1, 8)
     with pytest.raises(ValueError, match="1 to 3 weights"):
         DL.grouped_linear(x, [torch.randn(4, 8)] * 4)
     with pytest.raises(ValueError, match="2 biases for 1 weights"):
         DL.grouped_linear(x, [torch.randn(4, 8)], [torch.randn(4)] * 2)
+    with pytest.raises(ValueError, match="max_rows=17 is outside 1 to 16"):
+        DL.grouped_linear(x, [torch.randn(4, 8)], max_rows=17)
 
 
 # ---------------------------------------------------------------------------------------------- the pass
@@ -141,12 +154,24 @@ def test_gpu_kernel_matches_float64(dtype, case):
     check(case, dtype, cuda_device())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_rows", [2, 16])
+def test_gpu_calls_over_max_rows_match_float64(max_rows):
+    torch.manual_seed(0)
+    device = cuda_device()
+    x = torch.randn(3, 256, device=device, dtype=torch.bfloat16)
+    weights = [torch.randn(24, 256, device=device, dtype=torch.bfloat16) for _ in range(2)]
+    out = DL.grouped_linear(x, weights, max_rows=max_rows)  # 3 rows: F.linear at 2, the kernel at 16
+    expected = torch.cat([F.linear(x.double(), w.double()) for w in weights], -1)
+    assert rel(out, expected) < TOL[torch.bfloat16]
+
+
 # ------------------------------------------------------------------------------- transformers decode steps
 
-def _step_graph(model: nn.Module, within_capture=None):
-    """The graph of ``model``'s decode step as a generation lane compiles it (batch 1, one token), with its inputs.
-    ``within_capture(gm, example_inputs)`` runs inside the backend, where TorchDynamo's tracing context is, on the
-    prefill's graph and then on the step's."""
+def _step_graph(model: nn.Module, within_capture=None, batch: int = 1):
+    """The graph of ``model``'s decode step as a generation lane compiles it (batch 1, one token; a batch above 1 is a
+    symbolic size), with its inputs. ``within_capture(gm, example_inputs)`` runs inside the backend, where
+    TorchDynamo's tracing context is, on the prefill's graph and then on the step's."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -155,11 +180,11 @@ def _step_graph(model: nn.Module, within_capture=None):
             within_capture(gm, example_inputs)
         return gm.forward
 
-    lane = DecodeLane(model, ModelCalls.of(model, backend), 1, 256, cuda_graphs=False)
-    prompt = torch.randint(6, 128, (1, 9))
+    lane = DecodeLane(model, ModelCalls.of(model, backend), batch, 256, cuda_graphs=False)
+    prompt = torch.randint(6, 128, (batch, 9))
     with torch.no_grad():
         lane.prefill(prompt, torch.ones_like(prompt))
-        lane.step(torch.tensor([7]))
+        lane.step(torch.full((batch,), 7))
     gm, example = graphs[-1]
     return gm, [int(e.node.hint) if isinstance(e, torch.SymInt) else e for e in example]  # sizes: their values
 
@@ -187,4 +212,23 @@ def test_transformers_decode_steps_get_grouped_launches(family, groups_per_layer
         # per layer: q/k/v (or Phi-3's packed qkv_proj), o, gate/up (or gate_up_proj), down; and the LM head
         assert launches == sorted(groups_per_layer * layers + [1])
         assert not any(n.target is F.linear for n in gm.graph.nodes)
+        torch.testing.assert_close(gm(*example)[0], original(*example)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_a_step_of_symbolic_batch_gets_grouped_launches_only_with_the_option(enabled):
+    model = causal_lm("llama")
+    gm, example = _step_graph(model, batch=2)
+    original = clone_graph_module(gm)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    config = OptimizeConfig(generation={"symbolic_batch_gemv": enabled})
+    ctx = PassContext(hardware=detect_hardware("cpu"), config=config, training=False,
+                      example_inputs=dict(zip(names, example)))
+    with torch.no_grad():
+        PassManager([get_pass("normalize"), get_pass("decode_linear"), get_pass("decode_fusion")]).run(gm, ctx)
+        launches = [n for n in gm.graph.nodes if n.target is DL.grouped_linear]
+        layers = model.config.num_hidden_layers
+        assert len(launches) == (4 * layers + 1 if enabled else 0)  # q/k/v, o, gate/up, down; the head
+        assert not any(n.target is importlib.import_module("kernel_pytorch.ops.decode_fused_linear").decode_fused_linear
+                       for n in gm.graph.nodes)  # not fused at a symbolic batch
         torch.testing.assert_close(gm(*example)[0], original(*example)[0], rtol=1e-5, atol=1e-5)

@@ -262,17 +262,21 @@ def use_triton_kernel(x: Tensor, weights: list[Tensor]) -> bool:
 
 
 @torch.library.triton_op("kernel_pytorch::grouped_linear", mutates_args=())
-def _grouped_linear_op(x: Tensor, weights: list[Tensor], biases: list[Tensor]) -> Tensor:
-    """``biases``: one per weight, or empty for none (the schema has no optional lists)."""
-    if use_triton_kernel(x, weights):
+def _grouped_linear_op(x: Tensor, weights: list[Tensor], biases: list[Tensor], max_rows: int = MAX_ROWS) -> Tensor:
+    """``biases``: one per weight, or empty for none (the schema has no optional lists). A symbolic row count (a
+    fake run of a graph whose batch is symbolic) takes the native path: comparing it with ``max_rows`` would guard
+    the graph to one side; the output's shape is the same either way."""
+    if isinstance(x.shape[0], int) and x.shape[0] <= max_rows and use_triton_kernel(x, weights):
         return grouped_gemv(x, weights, biases or None)[0]
     return grouped_linear_native(x, weights, biases or None)
 
 
-def grouped_linear(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]] = None) -> Tensor:
+def grouped_linear(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]] = None,
+                   max_rows: int = MAX_ROWS) -> Tensor:
     """``cat([F.linear(x, w, b) for w, b in zip(weights, biases)], -1)`` for a few token rows, one launch
-    (module docstring). ``x`` (..., K) with at most MAX_ROWS rows in all; 1 to MAX_WEIGHTS weights (Ni, K) of
-    x's dtype; ``biases`` None or one per weight. Inference only.
+    (module docstring). ``x`` (..., K); 1 to MAX_WEIGHTS weights (Ni, K) of x's dtype; ``biases`` None or one per
+    weight. Calls of more than ``max_rows`` (at most MAX_ROWS) rows in all run ``F.linear`` per weight instead
+    (a graph whose batch is symbolic serves several). Inference only.
 
     >>> x = torch.randn(1, 1, 64)
     >>> wq, wk, wv = torch.randn(64, 64), torch.randn(16, 64), torch.randn(16, 64)
@@ -283,6 +287,9 @@ def grouped_linear(x: Tensor, weights: list[Tensor], biases: Optional[list[Tenso
         raise ValueError(f"grouped_linear takes 1 to {MAX_WEIGHTS} weights, got {len(weights)}")
     if biases is not None and len(biases) != len(weights):
         raise ValueError(f"grouped_linear: {len(biases)} biases for {len(weights)} weights")
+    if not 1 <= max_rows <= MAX_ROWS:
+        raise ValueError(f"grouped_linear: max_rows={max_rows} is outside 1 to {MAX_ROWS}")
     lead = x.shape[:-1]
-    out = _grouped_linear_op(x.reshape(-1, x.shape[-1]), list(weights), list(biases) if biases is not None else [])
+    out = _grouped_linear_op(x.reshape(-1, x.shape[-1]), list(weights), list(biases) if biases is not None else [],
+                             max_rows)
     return out.view(*lead, out.shape[-1])

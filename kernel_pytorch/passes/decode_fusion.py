@@ -37,7 +37,8 @@ from kernel_pytorch.ops.decode_fused_linear import decode_fused_linear, unfused
 from kernel_pytorch.ops.rms_norm import rms_norm
 from kernel_pytorch.passes.base import PassContext, PassResult
 from kernel_pytorch.passes.decode_base import DecodeStepPass
-from kernel_pytorch.passes.graph_utils import erase_unused, module_path_of, nodes_between, set_example_value
+from kernel_pytorch.passes.graph_utils import (erase_unused, gemm_rows, module_path_of, nodes_between,
+                                              set_example_value)
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import example_value
 
@@ -195,6 +196,8 @@ class DecodeFusionPass(DecodeStepPass):
 
     def rewrite_step(self, gm: torch.fx.GraphModule, ctx: PassContext, result: PassResult) -> PassResult:
         for launch in [n for n in gm.graph.nodes if n.target is gemv.grouped_linear]:
+            if gemm_rows(launch.args[0], static_only=True) is None:
+                continue  # a symbolic batch (generation.symbolic_batch_gemv): timed per row count, not fused
             norm, gated = _norm_before(launch), _gated_after(launch)
             if norm is None and gated is None:
                 continue

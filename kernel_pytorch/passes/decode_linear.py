@@ -12,8 +12,10 @@ copy: horizontal_gemm's concatenation does not pay at a few tokens, and packing 
 tensor would change the model's storage).
 
 Matched: ``F.linear`` in an inference graph whose input has at most ``MAX_ROWS`` token rows, all static sizes
-(a step compiled for batch 1; a graph with a symbolic batch serves up to 32 rows and is left alone), 2-D weights
-and biases of the input's dtype. Decided by measurement on CUDA: each group's kernel against one ``F.linear``
+(a step compiled for batch 1), 2-D weights and biases of the input's dtype. A graph whose rows are a symbolic size
+(the step for batches above 1, which serves up to 32 rows) is left alone unless
+``generation.symbolic_batch_gemv`` is on: then each group is timed at ``SYMBOLIC_ROWS`` and the kernel serves calls
+of up to the most rows it won at (``grouped_linear(max_rows=...)``), cuBLAS the larger ones. Decided by measurement on CUDA: each group's kernel against one ``F.linear``
 per weight (cuBLAS), timed as CUDA-graph replays at the group's shapes on weights read from memory
 (``timing.fastest_cuda_graph_ms``, ``timing.weight_copies``); the faster is kept and the report says so. Runs after
 ``fp8``: a linear the FP8 pass converted is no ``F.linear``.
@@ -38,13 +40,20 @@ from kernel_pytorch.passes.horizontal_gemm import (NodeBuilder, linears_by_input
 from kernel_pytorch.passes.registry import register_pass
 from kernel_pytorch.passes.shape_constants import example_value
 
-__all__ = ["DecodeLinearPass"]
+__all__ = ["DecodeLinearPass", "SYMBOLIC_ROWS"]
 
 
-def _rows(x: Node) -> int | None:
-    """Token rows of a linear's input when every size is static and there are at most MAX_ROWS."""
+# Row counts a graph whose rows are symbolic (a decode step for batches above 1) is timed at, with the option on.
+SYMBOLIC_ROWS = (2, 8, 16)
+
+
+def _rows(x: Node, symbolic: bool = False) -> tuple[int, ...] | None:
+    """The row counts to time a linear's launch at: its token rows when every size is static and there are at most
+    MAX_ROWS; with ``symbolic``, ``SYMBOLIC_ROWS`` for rows that are a symbolic size. None otherwise."""
     rows = gemm_rows(x, static_only=True)
-    return rows if rows is not None and 0 < rows <= gemv.MAX_ROWS else None
+    if rows is not None:
+        return (rows,) if 0 < rows <= gemv.MAX_ROWS else None
+    return SYMBOLIC_ROWS if symbolic and gemm_rows(x) is not None else None
 
 
 def _linear_operands(node: Node) -> tuple[Node, Node | None] | None:
@@ -64,14 +73,14 @@ def _linear_operands(node: Node) -> tuple[Node, Node | None] | None:
     return weight, bias
 
 
-def _groups(graph: torch.fx.Graph) -> list[list[Node]]:
+def _groups(graph: torch.fx.Graph, symbolic: bool) -> list[list[Node]]:
     """Linears by input, in graph order, chunked into groups of at most MAX_WEIGHTS that agree on having a
     bias and have no in-place write or grad/autocast switch between them."""
     groups = []
     for linears in linears_by_input(graph, min_linears=1).values():
         current: list[Node] = []
         for linear in linears:
-            if _rows(linear.args[0]) is None or _linear_operands(linear) is None:
+            if _rows(linear.args[0], symbolic) is None or _linear_operands(linear) is None:
                 continue
             if modified_in_place(linear):  # split's views may not be written: a group of its own
                 groups.append([linear])
@@ -111,13 +120,21 @@ def _measured(rows: int, sizes: tuple[int, ...], k: int, bias: bool, dtype: torc
     return timings.faster("gemv", "cuBLAS"), timings.in_microseconds()
 
 
-def _decision(group: list[Node], rows: int) -> tuple[bool, str]:
+def _decision(group: list[Node], rows: tuple[int, ...]) -> tuple[int, str]:
+    """(the most rows the kernel serves, 0 for none; why): the largest of ``rows`` up to which it measured faster
+    than cuBLAS at every count timed."""
     x_value = example_value(group[0].args[0])
     if x_value.device.type != "cuda":
-        return True, "F.linear per weight off CUDA"
+        return gemv.MAX_ROWS, "F.linear per weight off CUDA"
     sizes = tuple(int(example_value(n.args[1]).shape[0]) for n in group)
     k = int(example_value(group[0].args[1]).shape[1])
-    return _measured(rows, sizes, k, _has_bias(group[0]), x_value.dtype, x_value.device.index or 0)
+    served, lost, reasons = 0, False, []
+    for count in rows:
+        wins, timings = _measured(count, sizes, k, _has_bias(group[0]), x_value.dtype, x_value.device.index or 0)
+        reasons.append(timings if len(rows) == 1 else f"{count} rows: {timings}")
+        lost = lost or not wins
+        served = served if lost else count
+    return served, "; ".join(reasons)
 
 
 # ---------------------------------------------------------------------------------------------- the pass
@@ -131,20 +148,24 @@ class DecodeLinearPass(DecodeStepPass):
     description = "linears of a few token rows (decode steps) -> one grouped GEMV launch per input"
 
     def rewrite_step(self, gm: torch.fx.GraphModule, ctx: PassContext, result: PassResult) -> PassResult:
-        for group in _groups(gm.graph):
-            rows = _rows(group[0].args[0])
+        symbolic = ctx.config.generation.symbolic_batch_gemv
+        for group in _groups(gm.graph, symbolic):
+            rows = _rows(group[0].args[0], symbolic)
             location = module_path_of(group[0], "(model)")
             names = " + ".join(module_path_of(n, "linear").rpartition(".")[2] for n in group)
-            chosen, how = _decision(group, rows)
-            if not chosen:
-                result.skip(location, f"{names} ({rows} rows): cuBLAS kept, faster here ({how})")
+            what = f"{names} ({rows[0]} rows)" if len(rows) == 1 else f"{names} (symbolic rows)"
+            served, how = _decision(group, rows)
+            if not served:
+                result.skip(location, f"{what}: cuBLAS kept, faster here ({how})")
                 continue
-            _rewrite(gm, group)
-            result.rewrite(location, f"{names} ({rows} rows) -> grouped_linear: {how}")
+            symbolic_rows = len(rows) > 1
+            _rewrite(gm, group, served if symbolic_rows else gemv.MAX_ROWS)
+            up_to = f" up to {served} rows, cuBLAS above" if symbolic_rows else ""
+            result.rewrite(location, f"{what} -> grouped_linear{up_to}: {how}")
         return result
 
 
-def _rewrite(gm: torch.fx.GraphModule, group: list[Node]) -> None:
+def _rewrite(gm: torch.fx.GraphModule, group: list[Node], max_rows: int) -> None:
     for member in group[1:]:
         for operand in member.args[1:3]:
             if isinstance(operand, Node) and operand.op == "get_attr":
@@ -152,7 +173,8 @@ def _rewrite(gm: torch.fx.GraphModule, group: list[Node]) -> None:
     build = NodeBuilder(gm, group[0], group[0].meta.get("nn_module_stack", {}))
     weights = [n.args[1] for n in group]
     biases = [n.args[2] for n in group] if _has_bias(group[0]) else None
-    fused = build.call(gemv.grouped_linear, (group[0].args[0], weights, biases))
+    arguments = (group[0].args[0], weights, biases) + ((max_rows,) if max_rows < gemv.MAX_ROWS else ())
+    fused = build.call(gemv.grouped_linear, arguments)
     if len(group) == 1:
         group[0].replace_all_uses_with(fused)
     else:
