@@ -22,12 +22,14 @@ from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls
 from kernel_pytorch.hardware import detect_hardware
 from kernel_pytorch.passes import PassContext, PassManager, get_pass
 from kernel_pytorch.passes.graph_utils import clone_graph_module
+from kernel_pytorch.passes.shape_constants import example_value
 
 from .conftest import capture_graph
 from .generation_models import causal_lm
 from .triton_interpreter import INTERPRETED, cuda_device, interp, run_interpreted_tests
 
 DL = importlib.import_module("kernel_pytorch.ops.decode_linear")
+FUSED = importlib.import_module("kernel_pytorch.ops.decode_fused_linear")
 tu = importlib.import_module("kernel_pytorch.ops.triton_utils")
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -229,6 +231,23 @@ def test_a_step_of_symbolic_batch_gets_grouped_launches_only_with_the_option(ena
         launches = [n for n in gm.graph.nodes if n.target is DL.grouped_linear]
         layers = model.config.num_hidden_layers
         assert len(launches) == (4 * layers + 1 if enabled else 0)  # q/k/v, o, gate/up, down; the head
-        assert not any(n.target is importlib.import_module("kernel_pytorch.ops.decode_fused_linear").decode_fused_linear
-                       for n in gm.graph.nodes)  # not fused at a symbolic batch
+        assert not any(n.target is FUSED.decode_fused_linear for n in gm.graph.nodes)  # not fused at a symbolic batch
         torch.testing.assert_close(gm(*example)[0], original(*example)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefill_of_symbolic_length_keeps_cublas_with_the_option():
+    graphs = []
+    model = causal_lm("llama")
+    lane = DecodeLane(model, ModelCalls.of(model, lambda gm, inputs: graphs.append((gm, inputs)) or gm.forward),
+                      2, 256, cuda_graphs=False)
+    with torch.no_grad():
+        lane.prefill(torch.randint(6, 128, (2, 40)), torch.ones(2, 40, dtype=torch.long))
+    gm, example = graphs[0]
+    example = [int(e.node.hint) if isinstance(e, torch.SymInt) else e for e in example]
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    ctx = PassContext(hardware=detect_hardware("cpu"), config=OptimizeConfig(generation={"symbolic_batch_gemv": True}),
+                      training=False, example_inputs=dict(zip(names, example)))
+    with torch.no_grad():
+        PassManager([get_pass("normalize"), get_pass("decode_linear")]).run(gm, ctx)
+    launched = [example_value(n.args[0]).shape for n in gm.graph.nodes if n.target is DL.grouped_linear]
+    assert all(shape[1] == 1 for shape in launched), launched  # at most the head on the last position

@@ -12,18 +12,19 @@ copy: horizontal_gemm's concatenation does not pay at a few tokens, and packing 
 tensor would change the model's storage).
 
 Matched: ``F.linear`` in an inference graph whose input has at most ``MAX_ROWS`` token rows, all static sizes
-(a step compiled for batch 1), 2-D weights and biases of the input's dtype. A graph whose rows are a symbolic size
-(the step for batches above 1, which serves up to 32 rows) is left alone unless
-``generation.symbolic_batch_gemv`` is on: then each group is timed at ``SYMBOLIC_ROWS`` and the kernel serves calls
-of up to the most rows it won at (``grouped_linear(max_rows=...)``), cuBLAS the larger ones. Decided by measurement on CUDA: each group's kernel against one ``F.linear``
-per weight (cuBLAS), timed as CUDA-graph replays at the group's shapes on weights read from memory
-(``timing.fastest_cuda_graph_ms``, ``timing.weight_copies``); the faster is kept and the report says so. Runs after
-``fp8``: a linear the FP8 pass converted is no ``F.linear``.
+(a step compiled for batch 1), 2-D weights and biases of the input's dtype. A graph whose batch is a symbolic size
+(the step for batches above 1, which serves up to 32 rows) is left alone unless ``generation.symbolic_batch_gemv``
+is on: then each group is timed at ``SYMBOLIC_ROWS`` and the kernel serves calls of up to the most rows it won at
+(``grouped_linear(max_rows=...)``), cuBLAS the larger ones. Decided by measurement on CUDA: each group's kernel
+against one ``F.linear`` per weight (cuBLAS), timed as CUDA-graph replays at the group's shapes on weights read from
+memory (``timing.fastest_cuda_graph_ms``, ``timing.weight_copies``); the faster is kept and the report says so. Runs
+after ``fp8``: a linear the FP8 pass converted is no ``F.linear``.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import operator
 
 import torch
@@ -38,7 +39,7 @@ from kernel_pytorch.passes.graph_utils import erase_unused, gemm_rows, module_pa
 from kernel_pytorch.passes.horizontal_gemm import (NodeBuilder, linears_by_input, modified_in_place,
                                                   reordering_barrier, replace_by_part)
 from kernel_pytorch.passes.registry import register_pass
-from kernel_pytorch.passes.shape_constants import example_value
+from kernel_pytorch.passes.shape_constants import example_value, static_int
 
 __all__ = ["DecodeLinearPass", "SYMBOLIC_ROWS"]
 
@@ -49,11 +50,16 @@ SYMBOLIC_ROWS = (2, 8, 16)
 
 def _rows(x: Node, symbolic: bool = False) -> tuple[int, ...] | None:
     """The row counts to time a linear's launch at: its token rows when every size is static and there are at most
-    MAX_ROWS; with ``symbolic``, ``SYMBOLIC_ROWS`` for rows that are a symbolic size. None otherwise."""
+    MAX_ROWS; with ``symbolic``, ``SYMBOLIC_ROWS`` for a symbolic batch (the first size) of at most MAX_ROWS tokens
+    each (a prefill's symbolic length is left alone). None otherwise."""
     rows = gemm_rows(x, static_only=True)
     if rows is not None:
         return (rows,) if 0 < rows <= gemv.MAX_ROWS else None
-    return SYMBOLIC_ROWS if symbolic and gemm_rows(x) is not None else None
+    value = example_value(x)
+    if not symbolic or not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return None
+    tokens = [static_int(size) for size in value.shape[1:-1]]
+    return SYMBOLIC_ROWS if None not in tokens and math.prod(tokens) <= gemv.MAX_ROWS else None
 
 
 def _linear_operands(node: Node) -> tuple[Node, Node | None] | None:
