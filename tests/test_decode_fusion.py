@@ -260,4 +260,3 @@ def test_the_committed_decode_tiles_do_not_spill_on_an_h100():
     for variant in committed:
         found = kernel_resources.resources(variant)
         assert found["spill_bytes"] == 0 and found["stack_bytes"] == 0, (variant.name, found)
-
