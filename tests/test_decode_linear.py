@@ -188,7 +188,29 @@ def _step_graph(model: nn.Module, within_capture=None, batch: int = 1):
         lane.prefill(prompt, torch.ones_like(prompt))
         lane.step(torch.full((batch,), 7))
     gm, example = graphs[-1]
-    return gm, [int(e.node.hint) if isinstance(e, torch.SymInt) else e for e in example]  # sizes: their values
+    return gm, _hinted(example)
+
+
+def _prefill_graph(model: nn.Module, batch: int, tokens: int):
+    """The graph of ``model``'s prefill of ``tokens`` (a symbolic length) as a generation lane compiles it, with its
+    inputs."""
+    graphs = []
+    lane = DecodeLane(model, ModelCalls.of(model, lambda gm, inputs: graphs.append((gm, inputs)) or gm.forward),
+                      batch, 256, cuda_graphs=False)
+    with torch.no_grad():
+        lane.prefill(torch.randint(6, 128, (batch, tokens)), torch.ones(batch, tokens, dtype=torch.long))
+    gm, example = graphs[0]
+    return gm, _hinted(example)
+
+
+def _hinted(example: list) -> list:
+    return [int(e.node.hint) if isinstance(e, torch.SymInt) else e for e in example]  # sizes: their values
+
+
+def _context(gm: torch.fx.GraphModule, example: list, config: OptimizeConfig | None = None) -> PassContext:
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return PassContext(hardware=detect_hardware("cpu"), config=config or OptimizeConfig(), training=False,
+                       example_inputs=dict(zip(names, example)))
 
 
 def _phi3() -> nn.Module:
@@ -204,9 +226,7 @@ def test_transformers_decode_steps_get_grouped_launches(family, groups_per_layer
     model = _phi3() if family == "phi3" else causal_lm(family)
     gm, example = _step_graph(model)
     original = clone_graph_module(gm)
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    ctx = PassContext(hardware=detect_hardware("cpu"), config=OptimizeConfig(), training=False,
-                      example_inputs=dict(zip(names, example)))
+    ctx = _context(gm, example)
     with torch.no_grad():
         PassManager([get_pass("normalize"), get_pass("decode_linear")]).run(gm, ctx)
         launches = sorted(len(n.args[1]) for n in gm.graph.nodes if n.target is DL.grouped_linear)
@@ -222,10 +242,7 @@ def test_a_step_of_symbolic_batch_gets_grouped_launches_only_with_the_option(ena
     model = causal_lm("llama")
     gm, example = _step_graph(model, batch=2)
     original = clone_graph_module(gm)
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    config = OptimizeConfig(generation={"symbolic_batch_gemv": enabled})
-    ctx = PassContext(hardware=detect_hardware("cpu"), config=config, training=False,
-                      example_inputs=dict(zip(names, example)))
+    ctx = _context(gm, example, OptimizeConfig(generation={"symbolic_batch_gemv": enabled}))
     with torch.no_grad():
         PassManager([get_pass("normalize"), get_pass("decode_linear"), get_pass("decode_fusion")]).run(gm, ctx)
         launches = [n for n in gm.graph.nodes if n.target is DL.grouped_linear]
@@ -236,17 +253,8 @@ def test_a_step_of_symbolic_batch_gets_grouped_launches_only_with_the_option(ena
 
 
 def test_a_prefill_of_symbolic_length_keeps_cublas_with_the_option():
-    graphs = []
-    model = causal_lm("llama")
-    lane = DecodeLane(model, ModelCalls.of(model, lambda gm, inputs: graphs.append((gm, inputs)) or gm.forward),
-                      2, 256, cuda_graphs=False)
-    with torch.no_grad():
-        lane.prefill(torch.randint(6, 128, (2, 40)), torch.ones(2, 40, dtype=torch.long))
-    gm, example = graphs[0]
-    example = [int(e.node.hint) if isinstance(e, torch.SymInt) else e for e in example]
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    ctx = PassContext(hardware=detect_hardware("cpu"), config=OptimizeConfig(generation={"symbolic_batch_gemv": True}),
-                      training=False, example_inputs=dict(zip(names, example)))
+    gm, example = _prefill_graph(causal_lm("llama"), batch=2, tokens=40)
+    ctx = _context(gm, example, OptimizeConfig(generation={"symbolic_batch_gemv": True}))
     with torch.no_grad():
         PassManager([get_pass("normalize"), get_pass("decode_linear")]).run(gm, ctx)
     launched = [example_value(n.args[0]).shape for n in gm.graph.nodes if n.target is DL.grouped_linear]

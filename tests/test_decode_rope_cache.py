@@ -136,16 +136,9 @@ def test_transformers_decode_steps_write_the_cache_in_the_rope_launch(family):
 
 
 def test_prefills_and_training_graphs_are_left_alone():
-    from .test_decode_linear import DecodeLane, ModelCalls
+    from .test_decode_linear import _prefill_graph
 
-    graphs = []
-    model = causal_lm("llama")
-    lane = DecodeLane(model, ModelCalls.of(model, lambda gm, inputs: graphs.append((gm, inputs)) or gm.forward),
-                      1, 256, cuda_graphs=False)
-    with torch.no_grad():
-        lane.prefill(torch.randint(6, 128, (1, 40)), torch.ones(1, 40, dtype=torch.long))
-    gm, example = graphs[0]
-    example = [int(e.node.hint) if isinstance(e, torch.SymInt) else e for e in example]
+    gm, example = _prefill_graph(causal_lm("llama"), batch=1, tokens=40)
     with torch.no_grad():
         assert not _run(gm, example).rewrites  # 40 tokens, a symbolic length: the RoPE kernel's tiles stay
     gm, example = _step_graph(causal_lm("llama"))

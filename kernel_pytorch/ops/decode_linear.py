@@ -255,18 +255,18 @@ def grouped_linear_native(x: Tensor, weights: list[Tensor], biases: Optional[lis
     return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
 
 
-def use_triton_kernel(x: Tensor, weights: list[Tensor]) -> bool:
-    """Whether the Triton GEMV serves ``x`` (M, K) and ``weights``: a GPU, few rows, contiguous operands, one dtype."""
-    return (tu.use_triton(x) and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(-1) == 1
-            and all(w.dtype == x.dtype and w.is_contiguous() for w in weights))
+def use_triton_kernel(x: Tensor, weights: list[Tensor], max_rows: int = MAX_ROWS) -> bool:
+    """Whether the Triton GEMV serves ``x`` (M, K) and ``weights``: a GPU, at most ``max_rows`` rows, contiguous
+    operands, one dtype. A symbolic row count (a fake run of a graph whose batch is symbolic) is not served:
+    comparing it would guard the graph to one side, and the output's shape is the same either way."""
+    return (tu.use_triton(x) and x.dim() == 2 and isinstance(x.shape[0], int) and x.shape[0] <= max_rows
+            and x.stride(-1) == 1 and all(w.dtype == x.dtype and w.is_contiguous() for w in weights))
 
 
 @torch.library.triton_op("kernel_pytorch::grouped_linear", mutates_args=())
 def _grouped_linear_op(x: Tensor, weights: list[Tensor], biases: list[Tensor], max_rows: int = MAX_ROWS) -> Tensor:
-    """``biases``: one per weight, or empty for none (the schema has no optional lists). A symbolic row count (a
-    fake run of a graph whose batch is symbolic) takes the native path: comparing it with ``max_rows`` would guard
-    the graph to one side; the output's shape is the same either way."""
-    if isinstance(x.shape[0], int) and x.shape[0] <= max_rows and use_triton_kernel(x, weights):
+    """``biases``: one per weight, or empty for none (the schema has no optional lists)."""
+    if use_triton_kernel(x, weights, max_rows):
         return grouped_gemv(x, weights, biases or None)[0]
     return grouped_linear_native(x, weights, biases or None)
 

@@ -60,7 +60,7 @@ def advance_counters_together(gm: torch.fx.GraphModule, launches: list[Node], po
 
 def _counter_of(positions: Node) -> Node | None:
     """``counter`` of ``positions = arange(1) + counter`` (either order): a one-element integer graph input."""
-    if positions.op != "call_function" or positions.target not in (operator.add, torch.add) or positions.kwargs:
+    if positions.op != "call_function" or positions.target is not operator.add:  # normalize's one spelling of +
         return None
     if len(positions.args) != 2 or not all(isinstance(a, Node) for a in positions.args):
         return None

@@ -38,6 +38,7 @@ from kernel_pytorch.passes.shape_constants import example_value, static_int
 __all__ = ["DecodeRopeCachePass", "MAX_TOKENS"]
 
 MAX_TOKENS = 16  # new tokens per sequence of a decode step (a prefill keeps the RoPE kernel's row tiles)
+_POSITIONS_ARG = 7  # decode_rope_cache(q, k, v, cos, sin, k_cache, v_cache, cache_position)
 
 
 @dataclass
@@ -128,9 +129,6 @@ class DecodeRopeCachePass(DecodeStepPass):
             result.rewrite("(model)", f"{moved} cache counters read by the RoPE launches, advanced in one launch at "
                                       "the step's end")
         return result
-
-
-_POSITIONS_ARG = 7  # decode_rope_cache(q, k, v, cos, sin, k_cache, v_cache, cache_position)
 
 
 def _rewrite(gm: torch.fx.GraphModule, match: _Match) -> Node:
