@@ -1,9 +1,10 @@
 """Where one decode step of ``optimize``'s generation loop spends its GPU time: the torch profiler's kernel table
-for a 1B-class Llama (benchmarks/decode.py's ``1b``) at batch 1, next to the same step compiled by plain
+for a Llama of benchmarks/decode.py's sizes (``1b`` or ``7b``) at batch 1, next to the same step compiled by plain
 ``torch.compile``, with the kernel count per step and the prefill's time. A diagnosis tool for
 benchmarks/decode.py.
 
-    python benchmarks/profile_decode_step.py [--layers 16] [--prompt 512] [--steps 10] [--no-reference] [--out DIR]
+    python benchmarks/profile_decode_step.py [--size 1b|7b] [--layers N] [--prompt 512] [--steps 10] [--no-reference]
+                                             [--out DIR]
 
 The steps run without CUDA graphs (the profiler sees the same kernels a replay runs), after a warm-up; ``optimize``'s
 step is compiled as ``generate()`` compiles it on CUDA (each distinct layer once, our Triton ops opaque to Inductor),
@@ -22,13 +23,14 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernel_pytorch  # noqa: E402
+from benchmarks.decode import MODEL_SIZES  # noqa: E402
 from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls  # noqa: E402
 
 
-def llama(layers: int) -> torch.nn.Module:
+def llama(size: str, layers: int | None) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(num_hidden_layers=layers, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
-                         intermediate_size=5632, vocab_size=32000, max_position_embeddings=8192)
+    sizes = dict(MODEL_SIZES[size], **({"num_hidden_layers": layers} if layers else {}))
+    config = LlamaConfig(**sizes, max_position_embeddings=8192)
     with torch.device("cuda"):
         return LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
@@ -65,20 +67,21 @@ _SEQUENCE_SHOWN = 40  # the embedding, the first two layers and a bit: the per-l
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--size", choices=list(MODEL_SIZES), default="1b", help="benchmarks/decode.py's model sizes")
+    parser.add_argument("--layers", type=int, default=None, help="default: the size's")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-reference", action="store_true", help="profile optimize's step only")
     args = parser.parse_args(argv)
-    model = kernel_pytorch.optimize(llama(args.layers))
+    model = kernel_pytorch.optimize(llama(args.size, args.layers))
     # compiled as generate() compiles on CUDA: each distinct layer once, our ops opaque (the prefill uncompiled)
     calls = ModelCalls.of(model, model._kernel_pytorch.graph_optimizer, compile_prefill=False, compile_layers_once=True,
                           steps_replayed=True)
     ours = DecodeLane(model, calls, 1, 1024, cuda_graphs=False)
     sections = [profile_lane(ours, args.prompt, args.steps, "optimize")]
     if not args.no_reference:
-        reference = llama(args.layers)
+        reference = llama(args.size, args.layers)
         plain = DecodeLane(reference, ModelCalls.of(reference, "inductor"), 1, 1024, cuda_graphs=False)
         sections.append(profile_lane(plain, args.prompt, args.steps, "torch.compile (inductor)"))
     text = "\n\n".join(sections)

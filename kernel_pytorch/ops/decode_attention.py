@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernel_pytorch.ops import triton_utils as tu
+from kernel_pytorch.ops.programmatic_launch import pdl_arguments, wait_for_previous_grid
 from kernel_pytorch.ops.triton_utils import tl
 
 __all__ = ["decode_attention", "decode_splits", "TRITON_DTYPES"]
@@ -74,12 +75,13 @@ def _decode_split_kernel(
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, sm_b, sm_h, sm_n,
     kv_heads, kv_len, split_len, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (sequence, cache head, split): the running max ``m``, sum ``l`` and weighted values ``acc`` of its
     ``GROUP`` query heads over the split's positions, in the log2 domain. MASK_KIND: 0 none, 1 bool,
     2 additive. IEEE: float32 products without TF32. UPCAST: 16-bit operands multiplied in float32 (Triton's
-    interpreter, whose 16-bit ``dot`` is wrong)."""
+    interpreter, whose 16-bit ``dot`` is wrong). PDL: see ops/programmatic_launch.py."""
+    wait_for_previous_grid(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -113,6 +115,9 @@ def _decode_split_kernel(
             n_ok = n < end
             k = tl.load(K + b * sk_b + kv_head * sk_h + n[:, None] * sk_n + d[None, :] * sk_d,
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            # V's load is issued with K's, before the scores: one memory round trip a block instead of two
+            v = tl.load(V + b * sv_b + kv_head * sv_h + n[:, None] * sv_n + d[None, :] * sv_d,
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
             if IEEE:
@@ -128,8 +133,6 @@ def _decode_split_kernel(
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(scores - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + b * sv_b + kv_head * sv_h + n[:, None] * sv_n + d[None, :] * sv_d,
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             if UPCAST:
                 p = p.to(v.dtype).to(tl.float32)  # the rounding the GPU path does, then a float32 product
                 v = v.to(tl.float32)
@@ -146,9 +149,10 @@ def _decode_split_kernel(
 
 @tu.jit
 def _decode_combine_kernel(M_IN, L_IN, ACC_IN, OUT, so_b, so_h, so_d, q_heads, num_splits,
-                           HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """One (sequence, query head) and ``BLOCK_D`` of its features: the splits' partials weighed by
     ``2^(m_s - max m)``, normalized once."""
+    wait_for_previous_grid(PDL)
     pid = tl.program_id(0)
     b = pid // q_heads
     h = pid % q_heads
@@ -190,11 +194,12 @@ def decode_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: f
             kv_heads, kv_len, split_len, scale * _LOG2E,
             GROUP=group, HEAD_DIM=head_dim, MASK_KIND=mask_kind, IEEE=q.dtype == torch.float32,
             UPCAST=q.device.type != "cuda",
-            BLOCK_G=block_g, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, num_warps=4)
+            BLOCK_G=block_g, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, num_warps=4, **pdl_arguments(q))
         combine_d = min(block_d, _COMBINE_BLOCK_D)
         tu.launch(_decode_combine_kernel)[(batch * q_heads, tu.cdiv(head_dim, combine_d))](
             partial, sums, acc, out, out.stride(0), out.stride(1), out.stride(3), q_heads, splits,
-            HEAD_DIM=head_dim, BLOCK_S=max(2, tu.next_power_of_2(splits)), BLOCK_D=combine_d, num_warps=4)
+            HEAD_DIM=head_dim, BLOCK_S=max(2, tu.next_power_of_2(splits)), BLOCK_D=combine_d, num_warps=4,
+            **pdl_arguments(q))
     return out
 
 

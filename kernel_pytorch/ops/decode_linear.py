@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernel_pytorch.ops import triton_utils as tu
+from kernel_pytorch.ops.programmatic_launch import pdl_arguments, wait_for_previous_grid
 from kernel_pytorch.ops.activations import ACTIVATION_KINDS, _act  # _act: the activations' formulas, one copy
 from kernel_pytorch.ops.triton_utils import tl
 
@@ -99,7 +100,7 @@ def _grouped_gemv_kernel(
     NUM_W: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
     KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM_OFFSET: tl.constexpr = 0.0,
+    NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False,
 ):
     """One program: ``BLOCK_N`` rows of one weight (programs [0, blocks0) are W0's, then W1's, then W2's),
     reduced over all of K for the M token rows. USE_DOT: tensor cores (M > 1); else FMAs into a
@@ -108,7 +109,9 @@ def _grouped_gemv_kernel(
     NORM: the input is RMSNorm(x (+ R)) with weight NW, in one pass: the products take h * NW, each row's sum
     of squares accumulates beside them, and 1 / sqrt(mean(h²) + eps) scales the sums at the end; program 0
     stores h = x + R to H. GATED: W0 (gate) and W1 (up) rows of the same index in one program, the output
-    act(gate) * up (KIND as in ops/activations.py), each projection rounded as the unfused ops round it."""
+    act(gate) * up (KIND as in ops/activations.py), each projection rounded as the unfused ops round it.
+    PDL: see ops/programmatic_launch.py."""
+    wait_for_previous_grid(PDL)
     pid = tl.program_id(0)
     w_ptr = W0
     b_ptr = B0
@@ -246,7 +249,8 @@ def grouped_gemv(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]
             UPCAST=x.device.type != "cuda", NORM=norm is not None, HAS_RESIDUAL=residual is not None,
             GATED=gated, NORM_OFFSET=float(norm.weight_offset) if norm is not None else 0.0,
             KIND=ACTIVATION_KINDS[activation] if gated else 0, BLOCK_M=max(16, tu.next_power_of_2(rows)),
-            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages)
+            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
+            **pdl_arguments(x))
     return out, h
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from kernel_pytorch.ops import triton_utils as tu
+from kernel_pytorch.ops.programmatic_launch import pdl_arguments, wait_for_previous_grid
 from kernel_pytorch.ops.rope import apply_rope
 from kernel_pytorch.ops.triton_utils import tl
 
@@ -35,10 +36,12 @@ def _rope_cache_kernel(
     n_q_rows, heads_q, heads_k, seq,
     sq0, sq1, sq2, sk0, sk1, sk2, sv0, sv1, sv2, skc0, skc1, skc2, svc0, svc1, svc2, sc0, sc2,
     head_dim, half,
-    HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program r < n_q_rows: q row r = (b, h, s) -> QO row r. Else k row (b, h, s) -> KC[b, h, POS[s]], and
-    V's row -> VC[b, h, POS[s]]. cos / sin rows at b * sc0 + s * sc2 (broadcast over heads)."""
+    V's row -> VC[b, h, POS[s]]. cos / sin rows at b * sc0 + s * sc2 (broadcast over heads). PDL: see
+    ops/programmatic_launch.py."""
+    wait_for_previous_grid(PDL)
     row = tl.program_id(0)
     is_q = row < n_q_rows
     r = tl.where(is_q, row, row - n_q_rows).to(tl.int64)
@@ -105,7 +108,7 @@ def rope_cache_fwd(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
             cos4.stride(0), cos4.stride(2), head_dim, rotary // 2, HAS_PASS=rotary < head_dim,
             BLOCK_H=tu.next_power_of_2(rotary // 2), BLOCK_P=tu.next_power_of_2(max(head_dim - rotary, 1)),
-            BLOCK_D=tu.next_power_of_2(head_dim), num_warps=1)
+            BLOCK_D=tu.next_power_of_2(head_dim), num_warps=1, **pdl_arguments(q))
     return out
 
 

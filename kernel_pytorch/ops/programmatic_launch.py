@@ -1,0 +1,66 @@
+"""Programmatic dependent launch (PDL, NVIDIA sm_90 and newer) for the decode step's chain of short launches.
+
+At batch 1 a decode step is a chain of launches of a few microseconds each (a layer's GEMVs, its RoPE and
+cache write, its attention), and between two of them the GPU drains one grid and ramps up the next. A kernel
+launched with the PDL attribute may be scheduled while the grid before it still runs: its programs start, then
+wait (``griddepcontrol.wait``) until that grid has finished and its writes are visible, and only then read or
+write anything, so nothing happens earlier than it would without PDL; what overlaps is the launch and the
+programs' start. Each kernel then lets the next one launch (``griddepcontrol.launch_dependents``).
+
+Only launches our own code makes carry the attribute: an op's body running eagerly, as the ops do in
+``generate()``'s decode step, where they are opaque to Inductor. Inductor's generated launcher drops Triton's
+launch options, so a kernel it launches compiles without the wait (``pdl_arguments`` gives ``PDL=False``
+under ``wrap_triton``). A kernel compiled with the wait but launched without the attribute waits for nothing
+(the instruction is then a no-op), and a launch without the attribute waits for the whole grid before it.
+
+``KERNEL_PYTORCH_PDL=0`` turns it off (the A/B switch of benchmarks/decode.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+from torch._library.triton import is_wrap_triton_enabled
+from torch._subclasses.fake_tensor import is_fake
+
+from kernel_pytorch.ops import triton_utils as tu
+from kernel_pytorch.ops.triton_utils import tl
+
+__all__ = ["ENABLED", "pdl_arguments", "wait_for_previous_grid"]
+
+ENABLED = os.environ.get("KERNEL_PYTORCH_PDL", "1") != "0"
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # Triton before 3.4, or none: PDL is never on, so the kernels never reach these names
+    gdc_launch_dependents = gdc_wait = None
+
+
+@functools.cache
+def _device_supports_pdl(device_index: int) -> bool:
+    """sm_90 or newer on CUDA (not ROCm), with a Triton whose launcher takes ``launch_pdl``."""
+    if gdc_wait is None or torch.version.hip is not None:
+        return False
+    from triton.backends.nvidia.compiler import CUDAOptions
+    fields = {field.name for field in dataclasses.fields(CUDAOptions)}
+    return "launch_pdl" in fields and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_arguments(tensor: torch.Tensor) -> dict:
+    """The launch's keyword arguments for a kernel that calls :func:`wait_for_previous_grid` (``PDL``): with
+    PDL, ``PDL=True`` and Triton's ``launch_pdl=True``; otherwise ``PDL=False`` alone."""
+    on = (ENABLED and tu.HAS_TRITON and tensor.is_cuda and not is_fake(tensor) and not is_wrap_triton_enabled()
+          and _device_supports_pdl(tensor.get_device()))
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@tu.jit
+def wait_for_previous_grid(PDL: tl.constexpr):
+    """First thing in a kernel launched by :func:`pdl_arguments`: wait for the grid before it, then let the
+    next launch start (module docstring). Nothing with ``PDL`` off."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
