@@ -262,10 +262,10 @@ class GenerationConfig(ConfigModel):
     )
 
     symbolic_batch_gemv: bool = Field(
-        False, description="Experimental: the decode step graph for batches above 1 (its batch a symbolic size) also "
-        "gets the grouped GEMV kernel for its linears, timed against cuBLAS at 2, 8 and 16 rows and kept for calls "
-        "of up to the most rows it won at (cuBLAS above). Adds those timings and the kernel's several-row "
-        "compiles to the warm-up."
+        True, description="The decode step graph for batches above 1 (its batch a symbolic size) also gets the "
+        "grouped GEMV kernel for its linears, timed against cuBLAS at 16, 8 and 2 rows (from the most down) and kept "
+        "for calls of up to the first count it won at (cuBLAS above). Adds those timings and the kernel's "
+        "several-row compiles to the warm-up; False leaves that graph's linears to cuBLAS."
     )
 
     @field_validator("batch_buckets")

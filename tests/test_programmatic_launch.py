@@ -1,6 +1,6 @@
 """Programmatic dependent launch (kernel_pytorch/ops/programmatic_launch.py): when a launch carries it, and on the
 GPU a chain of PDL launches, each reading the one before it, replayed from a CUDA graph on fresh inputs against
-float64 (a kernel that read before the previous grid finished would read the replay before's values)."""
+float64 (a kernel that read its input before the previous grid finished would read the replay before's values)."""
 
 from __future__ import annotations
 
@@ -34,16 +34,21 @@ def test_fake_tensors_launch_without_pdl():
 
 
 @pytest.mark.gpu
-def test_gpu_launches_carry_pdl_only_when_made_directly(monkeypatch):
+def test_gpu_launches_carry_pdl_only_when_made_directly_under_capture(monkeypatch):
     x = torch.ones(2, device=cuda_device())
     supported = torch.cuda.get_device_capability()[0] >= 9
+    seen = {}
     with set_wrap_triton_enabled(False):  # as PyTorch runs a triton_op's body eagerly
-        assert PL.pdl_arguments(x) == ({"PDL": True, "launch_pdl": True} if supported else {"PDL": False})
-        monkeypatch.setattr(PL, "ENABLED", False)
-        assert PL.pdl_arguments(x) == {"PDL": False}
-    monkeypatch.setattr(PL, "ENABLED", True)
-    with set_wrap_triton_enabled(True):  # Inductor's generated code launches it: its launcher drops the option
-        assert PL.pdl_arguments(x) == {"PDL": False}
+        seen["eager"] = PL.pdl_arguments(x)
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            seen["captured"] = PL.pdl_arguments(x)
+            with set_wrap_triton_enabled(True):  # Inductor's generated code launches it: its launcher drops the option
+                seen["wrapped"] = PL.pdl_arguments(x)
+            monkeypatch.setattr(PL, "ENABLED", False)
+            seen["switched off"] = PL.pdl_arguments(x)
+    off = {"PDL": False}
+    assert seen == {"eager": off, "captured": {"PDL": True, "launch_pdl": True} if supported else off,
+                    "wrapped": off, "switched off": off}
 
 
 @pytest.mark.gpu

@@ -110,8 +110,8 @@ def _grouped_gemv_kernel(
     of squares accumulates beside them, and 1 / sqrt(mean(h²) + eps) scales the sums at the end; program 0
     stores h = x + R to H. GATED: W0 (gate) and W1 (up) rows of the same index in one program, the output
     act(gate) * up (KIND as in ops/activations.py), each projection rounded as the unfused ops round it.
-    PDL: see ops/programmatic_launch.py."""
-    wait_for_previous_grid(PDL)
+    PDL (ops/programmatic_launch.py): with one row, the first chunk of the weights is read before the wait for the
+    previous grid, which wrote the input but never the weights."""
     pid = tl.program_id(0)
     w_ptr = W0
     b_ptr = B0
@@ -137,43 +137,31 @@ def _grouped_gemv_kernel(
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
     k_step = tl.arange(0, BLOCK_K)
-    write_h = pid == 0
+    if not USE_DOT:  # several rows (tl.dot): a chunk held over the wait spilled the gated tile's registers
+        w, w_up = _weight_chunk(w_ptr, W1, rows, row_ok, k_step, K, GATED)
+    wait_for_previous_grid(PDL)
     if USE_DOT:
-        x_rows, r_rows, h_rows, m_mask = m[:, None] * sx_m, m[:, None] * sr_m, m[:, None] * sh_m, m_ok[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         squares = tl.zeros([BLOCK_M], tl.float32)  # reduced per chunk: a (BLOCK_M, BLOCK_K) sum spilled registers
-    else:
-        partial = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        partial_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    else:  # acc, up: (BLOCK_N, BLOCK_K) float32 partials, summed once after the loop
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         squares = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + k_step
-        k_ok = kk < K
-        w_mask = row_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=w_mask, other=0.0)
-        if GATED:
-            w_up = tl.load(W1 + rows[:, None] * K + kk[None, :], mask=w_mask, other=0.0)
-        if USE_DOT:
-            x, sq = _input_chunk(X, R, H, NW, x_rows + kk[None, :], r_rows + kk[None, :], h_rows + kk[None, :],
-                                 kk[None, :], K, m_mask & k_ok[None, :], write_h, NORM, HAS_RESIDUAL, NORM_OFFSET)
-            x = x.to(X.dtype.element_ty)
-            if NORM:
-                squares += tl.sum(sq, axis=1)
-            acc = _dot(acc, x, w, IEEE, UPCAST)
-            if GATED:
-                up = _dot(up, x, w_up, IEEE, UPCAST)
-        else:
-            x, sq = _input_chunk(X, R, H, NW, kk, kk, kk, kk, K, k_ok, write_h, NORM, HAS_RESIDUAL, NORM_OFFSET)
-            x = x.to(tl.float32)
-            if NORM:
-                squares += sq
-            partial += w.to(tl.float32) * x[None, :]
-            if GATED:
-                partial_up += w_up.to(tl.float32) * x[None, :]
+    k_start = 0
     if not USE_DOT:
-        acc = tl.sum(partial, 1)[None, :]
-        up = tl.sum(partial_up, 1)[None, :]
+        acc, up, squares = _accumulate_chunk(acc, up, squares, w, w_up, k_step, X, R, H, NW, m, m_ok, sx_m, sr_m, sh_m,
+                                             K, pid == 0, USE_DOT, IEEE, UPCAST, NORM, HAS_RESIDUAL, GATED, NORM_OFFSET)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
+        kk = k0 + k_step
+        w, w_up = _weight_chunk(w_ptr, W1, rows, row_ok, kk, K, GATED)
+        acc, up, squares = _accumulate_chunk(acc, up, squares, w, w_up, kk, X, R, H, NW, m, m_ok, sx_m, sr_m, sh_m,
+                                             K, pid == 0, USE_DOT, IEEE, UPCAST, NORM, HAS_RESIDUAL, GATED,
+                                             NORM_OFFSET)
+    if not USE_DOT:
+        acc = tl.sum(acc, 1)[None, :]
+        up = tl.sum(up, 1)[None, :]
     if NORM:
         # .to: Inductor passes a Python-float eps as float64, which would make the sums float64
         if USE_DOT:
@@ -191,6 +179,44 @@ def _grouped_gemv_kernel(
         gate = out.to(tl.float32)
         out = (_act(gate, KIND) * up.to(OUT.dtype.element_ty).to(tl.float32)).to(OUT.dtype.element_ty)
     tl.store(OUT + m[:, None] * so_m + (column + rows)[None, :], out, mask=m_ok[:, None] & row_ok[None, :])
+
+
+@tu.jit
+def _weight_chunk(w_ptr, W1, rows, row_ok, kk, K, GATED: tl.constexpr):
+    """Columns ``kk`` of the program's weight rows, and of W1's (the up projection) when GATED (else w again)."""
+    w_mask = row_ok[:, None] & (kk < K)[None, :]
+    w = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=w_mask, other=0.0)
+    w_up = w
+    if GATED:
+        w_up = tl.load(W1 + rows[:, None] * K + kk[None, :], mask=w_mask, other=0.0)
+    return w, w_up
+
+
+@tu.jit
+def _accumulate_chunk(acc, up, squares, w, w_up, kk, X, R, H, NW, m, m_ok, sx_m, sr_m, sh_m, K, write_h,
+                      USE_DOT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, NORM: tl.constexpr,
+                      HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, NORM_OFFSET: tl.constexpr):
+    """The products of input columns ``kk`` with a weight chunk, added to the kernel's accumulators."""
+    k_ok = kk < K
+    if USE_DOT:
+        x, sq = _input_chunk(X, R, H, NW, m[:, None] * sx_m + kk[None, :], m[:, None] * sr_m + kk[None, :],
+                             m[:, None] * sh_m + kk[None, :], kk[None, :], K, m_ok[:, None] & k_ok[None, :], write_h,
+                             NORM, HAS_RESIDUAL, NORM_OFFSET)
+        x = x.to(X.dtype.element_ty)
+        if NORM:
+            squares += tl.sum(sq, axis=1)
+        acc = _dot(acc, x, w, IEEE, UPCAST)
+        if GATED:
+            up = _dot(up, x, w_up, IEEE, UPCAST)
+    else:
+        x, sq = _input_chunk(X, R, H, NW, kk, kk, kk, kk, K, k_ok, write_h, NORM, HAS_RESIDUAL, NORM_OFFSET)
+        x = x.to(tl.float32)
+        if NORM:
+            squares += sq
+        acc += w.to(tl.float32) * x[None, :]
+        if GATED:
+            up += w_up.to(tl.float32) * x[None, :]
+    return acc, up, squares
 
 
 @tu.jit

@@ -4,14 +4,16 @@ At batch 1 a decode step is a chain of launches of a few microseconds each (a la
 cache write, its attention), and between two of them the GPU drains one grid and ramps up the next. A kernel
 launched with the PDL attribute may be scheduled while the grid before it still runs: its programs start, then
 wait (``griddepcontrol.wait``) until that grid has finished and its writes are visible, and only then read or
-write anything, so nothing happens earlier than it would without PDL; what overlaps is the launch and the
-programs' start. Each kernel then lets the next one launch (``griddepcontrol.launch_dependents``).
+write their inputs, so nothing the grid before writes is read earlier than without PDL; what overlaps is the
+launch, the programs' start and, in the decode GEMV, the first chunk of the weights. Each kernel then lets the
+next one launch (``griddepcontrol.launch_dependents``).
 
-Only launches our own code makes carry the attribute: an op's body running eagerly, as the ops do in
-``generate()``'s decode step, where they are opaque to Inductor. Inductor's generated launcher drops Triton's
-launch options, so a kernel it launches compiles without the wait (``pdl_arguments`` gives ``PDL=False``
-under ``wrap_triton``). A kernel compiled with the wait but launched without the attribute waits for nothing
-(the instruction is then a no-op), and a launch without the attribute waits for the whole grid before it.
+Which launches carry the attribute: those our own code makes (an op's body running eagerly, as the ops do in
+``generate()``'s decode step, where they are opaque to Inductor) while a CUDA graph is being captured. Inductor's
+generated launcher drops Triton's launch options (``PDL=False`` under ``wrap_triton``). Only under capture,
+because the GEMV reads weights before its wait: in a captured decode step or prefill nothing writes a weight,
+while an eager call may follow the very copy that loaded it (``load_state_dict``). A launch without the
+attribute waits for the whole grid before it, as any launch does.
 
 ``KERNEL_PYTORCH_PDL=0`` turns it off (the A/B switch of benchmarks/decode.py).
 """
@@ -51,16 +53,17 @@ def _device_supports_pdl(device_index: int) -> bool:
 
 def pdl_arguments(tensor: torch.Tensor) -> dict:
     """The launch's keyword arguments for a kernel that calls :func:`wait_for_previous_grid` (``PDL``): with
-    PDL, ``PDL=True`` and Triton's ``launch_pdl=True``; otherwise ``PDL=False`` alone."""
+    PDL (module docstring: a direct launch under CUDA-graph capture), ``PDL=True`` and Triton's
+    ``launch_pdl=True``; otherwise ``PDL=False`` alone."""
     on = (ENABLED and tu.HAS_TRITON and tensor.is_cuda and not is_fake(tensor) and not is_wrap_triton_enabled()
-          and _device_supports_pdl(tensor.get_device()))
+          and torch.cuda.is_current_stream_capturing() and _device_supports_pdl(tensor.get_device()))
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 @tu.jit
 def wait_for_previous_grid(PDL: tl.constexpr):
-    """First thing in a kernel launched by :func:`pdl_arguments`: wait for the grid before it, then let the
-    next launch start (module docstring). Nothing with ``PDL`` off."""
+    """In a kernel launched with :func:`pdl_arguments`, before it reads anything but weights or writes anything:
+    wait for the grid before it, then let the next launch start (module docstring). Nothing with ``PDL`` off."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -14,8 +14,8 @@ tensor would change the model's storage).
 Matched: ``F.linear`` in an inference graph whose input has at most ``MAX_ROWS`` token rows, all static sizes
 (a step compiled for batch 1), 2-D weights and biases of the input's dtype. A graph whose batch is a symbolic size
 (the step for batches above 1, which serves up to 32 rows) is left alone unless ``generation.symbolic_batch_gemv``
-is on: then each group is timed at ``SYMBOLIC_ROWS`` and the kernel serves calls of up to the most rows it won at
-(``grouped_linear(max_rows=...)``), cuBLAS the larger ones. Decided by measurement on CUDA: each group's kernel
+is on: then each group is timed at ``SYMBOLIC_ROWS`` from the most down, and the kernel serves calls of up to the
+first count it won at (``grouped_linear(max_rows=...)``), cuBLAS the larger ones. Decided by measurement on CUDA: each group's kernel
 against one ``F.linear`` per weight (cuBLAS), timed as CUDA-graph replays at the group's shapes on weights read from
 memory (``timing.fastest_cuda_graph_ms``, ``timing.weight_copies``); the faster is kept and the report says so. Runs
 after ``fp8``: a linear the FP8 pass converted is no ``F.linear``.
@@ -127,20 +127,21 @@ def _measured(rows: int, sizes: tuple[int, ...], k: int, bias: bool, dtype: torc
 
 
 def _decision(group: list[Node], rows: tuple[int, ...]) -> tuple[int, str]:
-    """(the most rows the kernel serves, 0 for none; why): the largest of ``rows`` up to which it measured faster
-    than cuBLAS at every count timed."""
+    """(the most rows the kernel serves, 0 for none; why): timed from the most of ``rows`` down, the first count at
+    which it measured faster than cuBLAS. Fewer rows read the same weights, and both launches' times were flat
+    from 2 to 16 rows on an H100 (docs/kernels.md): one timing a group where the kernel wins at the most."""
     x_value = example_value(group[0].args[0])
     if x_value.device.type != "cuda":
         return gemv.MAX_ROWS, "F.linear per weight off CUDA"
     sizes = tuple(int(example_value(n.args[1]).shape[0]) for n in group)
     k = int(example_value(group[0].args[1]).shape[1])
-    served, lost, reasons = 0, False, []
-    for count in rows:
+    reasons = []
+    for count in sorted(rows, reverse=True):
         wins, timings = _measured(count, sizes, k, _has_bias(group[0]), x_value.dtype, x_value.device.index or 0)
         reasons.append(timings if len(rows) == 1 else f"{count} rows: {timings}")
-        lost = lost or not wins
-        served = served if lost else count
-    return served, "; ".join(reasons)
+        if wins:
+            return count, "; ".join(reasons)
+    return 0, "; ".join(reasons)
 
 
 # ---------------------------------------------------------------------------------------------- the pass
