@@ -262,10 +262,11 @@ class GenerationConfig(ConfigModel):
     )
 
     symbolic_batch_gemv: bool = Field(
-        True, description="The decode step graph for batches above 1 (its batch a symbolic size) also gets the "
-        "grouped GEMV kernel for its linears, timed against cuBLAS at 16, 8 and 2 rows (from the most down) and kept "
-        "for calls of up to the first count it won at (cuBLAS above). Adds those timings and the kernel's "
-        "several-row compiles to the warm-up; False leaves that graph's linears to cuBLAS."
+        False, description="Experimental: the decode step graph for batches above 1 (its batch a symbolic size) also "
+        "gets the grouped GEMV kernel for its linears, timed against cuBLAS at 16, 8 and 2 rows (from the most down) "
+        "and kept for calls of up to the first count it won at (cuBLAS above, through the op's own F.linear calls). "
+        "Adds those timings and the kernel's several-row compiles to the warm-up (docs/usage.md has its "
+        "measurements)."
     )
 
     @field_validator("batch_buckets")

@@ -63,6 +63,19 @@ def test_interp_kernel_matches_float64(gemv_on_cpu, dtype, case):
     assert gemv_on_cpu == {"grouped_gemv": 1}
 
 
+@interp
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_interp_weights_read_before_the_wait_match_float64(gemv_on_cpu, monkeypatch, gated):
+    """The one-row kernel's first weight chunk read before its PDL wait (as under CUDA-graph capture)."""
+    monkeypatch.setattr(DL, "read_weights_early", lambda x: True)
+    torch.manual_seed(1)
+    x, weights = torch.randn(1, 700), [torch.randn(40, 700), torch.randn(40, 700)]
+    out, _ = DL.grouped_gemv(x, weights, None, activation="silu" if gated else None)
+    gate, up = (F.linear(x.double(), w.double()) for w in weights)
+    expected = F.silu(gate.float()).double() * up if gated else torch.cat([gate, up], -1)
+    assert rel(out, expected) < TOL[torch.float32]
+
+
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_* tests itself")
 @pytest.mark.skipif(not tu.HAS_TRITON, reason="Triton is not installed: no kernels to interpret")
 def test_triton_kernels_in_a_subprocess(interpreted_tests):

@@ -23,7 +23,7 @@ def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def test_cpu_tensors_launch_without_pdl():
-    assert PL.pdl_arguments(torch.ones(2)) == {"PDL": False}
+    assert PL.pdl_arguments(torch.ones(2)) == {"PDL": False} and not PL.read_weights_early(torch.ones(2))
 
 
 def test_fake_tensors_launch_without_pdl():
@@ -34,21 +34,22 @@ def test_fake_tensors_launch_without_pdl():
 
 
 @pytest.mark.gpu
-def test_gpu_launches_carry_pdl_only_when_made_directly_under_capture(monkeypatch):
+def test_gpu_direct_launches_carry_pdl_and_read_weights_early_only_under_capture(monkeypatch):
     x = torch.ones(2, device=cuda_device())
     supported = torch.cuda.get_device_capability()[0] >= 9
     seen = {}
     with set_wrap_triton_enabled(False):  # as PyTorch runs a triton_op's body eagerly
-        seen["eager"] = PL.pdl_arguments(x)
+        seen["eager"] = PL.pdl_arguments(x), PL.read_weights_early(x)
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            seen["captured"] = PL.pdl_arguments(x)
+            seen["captured"] = PL.pdl_arguments(x), PL.read_weights_early(x)
             with set_wrap_triton_enabled(True):  # Inductor's generated code launches it: its launcher drops the option
-                seen["wrapped"] = PL.pdl_arguments(x)
+                seen["wrapped"] = PL.pdl_arguments(x), PL.read_weights_early(x)
             monkeypatch.setattr(PL, "ENABLED", False)
-            seen["switched off"] = PL.pdl_arguments(x)
-    off = {"PDL": False}
-    assert seen == {"eager": off, "captured": {"PDL": True, "launch_pdl": True} if supported else off,
-                    "wrapped": off, "switched off": off}
+            seen["switched off"] = PL.pdl_arguments(x), PL.read_weights_early(x)
+    on, off = {"PDL": True, "launch_pdl": True}, {"PDL": False}
+    expected = {"eager": (on, False), "captured": (on, True)} if supported else \
+        {"eager": (off, False), "captured": (off, False)}
+    assert seen == {**expected, "wrapped": (off, False), "switched off": (off, False)}
 
 
 @pytest.mark.gpu

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernel_pytorch.ops import triton_utils as tu
-from kernel_pytorch.ops.programmatic_launch import pdl_arguments, wait_for_previous_grid
+from kernel_pytorch.ops.programmatic_launch import pdl_arguments, read_weights_early, wait_for_previous_grid
 from kernel_pytorch.ops.activations import ACTIVATION_KINDS, _act  # _act: the activations' formulas, one copy
 from kernel_pytorch.ops.triton_utils import tl
 
@@ -94,9 +94,10 @@ def _input_chunk(X, R, H, NW, x_offsets, r_offsets, h_offsets, kk, K, mask, writ
     return x, h * h
 
 
-@tu.jit
+@tu.jit(do_not_specialize=["early_weights"])  # 0 or 1: one compiled kernel for both, not one specialized to 1
 def _grouped_gemv_kernel(
     X, R, H, NW, W0, W1, W2, B0, B1, B2, OUT, M, K, N0, N1, N2, sx_m, sr_m, sh_m, so_m, blocks0, blocks01, eps,
+    early_weights,
     NUM_W: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
     KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -110,8 +111,9 @@ def _grouped_gemv_kernel(
     of squares accumulates beside them, and 1 / sqrt(mean(h²) + eps) scales the sums at the end; program 0
     stores h = x + R to H. GATED: W0 (gate) and W1 (up) rows of the same index in one program, the output
     act(gate) * up (KIND as in ops/activations.py), each projection rounded as the unfused ops round it.
-    PDL (ops/programmatic_launch.py): with one row, the first chunk of the weights is read before the wait for the
-    previous grid, which wrote the input but never the weights."""
+    PDL (ops/programmatic_launch.py): the wait for the previous grid. With one row and ``early_weights``, the first
+    chunk of the weights is read before that wait (:func:`~kernel_pytorch.ops.programmatic_launch.read_weights_early`:
+    the grid before never writes them), else after it."""
     pid = tl.program_id(0)
     w_ptr = W0
     b_ptr = B0
@@ -138,8 +140,12 @@ def _grouped_gemv_kernel(
     m_ok = m < M
     k_step = tl.arange(0, BLOCK_K)
     if not USE_DOT:  # several rows (tl.dot): a chunk held over the wait spilled the gated tile's registers
-        w, w_up = _weight_chunk(w_ptr, W1, rows, row_ok, k_step, K, GATED)
+        early = tl.full([BLOCK_N], early_weights, tl.int32) != 0
+        w, w_up = _weight_chunk(w_ptr, W1, rows, row_ok & early, k_step, K, GATED)
     wait_for_previous_grid(PDL)
+    if not USE_DOT:  # masked loads move no bytes: each chunk element is read once, before or after the wait
+        late, late_up = _weight_chunk(w_ptr, W1, rows, row_ok & ~early, k_step, K, GATED)
+        w, w_up = w + late, w_up + late_up
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -270,7 +276,7 @@ def grouped_gemv(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]
             x, residual if residual is not None else unused, h if h is not None else unused,
             norm.weight if norm is not None else unused, *padded, *bias_args, out, rows, k, *counts, x.stride(0),
             residual.stride(0) if residual is not None else 0, h.stride(0) if h is not None else 0, out.stride(0),
-            blocks[0], sum(blocks[:2]), float(norm.eps) if norm is not None else 0.0,
+            blocks[0], sum(blocks[:2]), float(norm.eps) if norm is not None else 0.0, int(read_weights_early(x)),
             NUM_W=len(weights), HAS_BIAS=bool(biases), USE_DOT=rows > 1, IEEE=x.dtype == torch.float32,
             UPCAST=x.device.type != "cuda", NORM=norm is not None, HAS_RESIDUAL=residual is not None,
             GATED=gated, NORM_OFFSET=float(norm.weight_offset) if norm is not None else 0.0,

@@ -5,15 +5,17 @@ cache write, its attention), and between two of them the GPU drains one grid and
 launched with the PDL attribute may be scheduled while the grid before it still runs: its programs start, then
 wait (``griddepcontrol.wait``) until that grid has finished and its writes are visible, and only then read or
 write their inputs, so nothing the grid before writes is read earlier than without PDL; what overlaps is the
-launch, the programs' start and, in the decode GEMV, the first chunk of the weights. Each kernel then lets the
-next one launch (``griddepcontrol.launch_dependents``).
+launch and the programs' start. Each kernel then lets the next one launch (``griddepcontrol.launch_dependents``).
 
-Which launches carry the attribute: those our own code makes (an op's body running eagerly, as the ops do in
-``generate()``'s decode step, where they are opaque to Inductor) while a CUDA graph is being captured. Inductor's
-generated launcher drops Triton's launch options (``PDL=False`` under ``wrap_triton``). Only under capture,
-because the GEMV reads weights before its wait: in a captured decode step or prefill nothing writes a weight,
-while an eager call may follow the very copy that loaded it (``load_state_dict``). A launch without the
-attribute waits for the whole grid before it, as any launch does.
+Which launches carry the attribute: those our own code makes on sm_90 or newer (an op's body running eagerly, as
+the ops do in ``generate()``'s decode step and prefills, where they are opaque to Inductor). Inductor's generated
+launcher drops Triton's launch options (``PDL=False`` under ``wrap_triton``). A launch without the attribute waits
+for the whole grid before it, as any launch does.
+
+The decode GEMV also reads the first chunk of its weights before the wait, but only while a CUDA graph is being
+captured (:func:`read_weights_early`): in a captured decode step or prefill no kernel writes a weight, while an eager
+call may follow the very copy that wrote one (``load_state_dict``). That choice is a runtime argument of the kernel,
+so both kinds of launch share one compiled kernel.
 
 ``KERNEL_PYTORCH_PDL=0`` turns it off (the A/B switch of benchmarks/decode.py).
 """
@@ -31,7 +33,7 @@ from torch._subclasses.fake_tensor import is_fake
 from kernel_pytorch.ops import triton_utils as tu
 from kernel_pytorch.ops.triton_utils import tl
 
-__all__ = ["ENABLED", "pdl_arguments", "wait_for_previous_grid"]
+__all__ = ["ENABLED", "pdl_arguments", "read_weights_early", "wait_for_previous_grid"]
 
 ENABLED = os.environ.get("KERNEL_PYTORCH_PDL", "1") != "0"
 
@@ -51,19 +53,28 @@ def _device_supports_pdl(device_index: int) -> bool:
     return "launch_pdl" in fields and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def _pdl(tensor: torch.Tensor) -> bool:
+    """Whether a launch for ``tensor`` now carries the PDL attribute (module docstring)."""
+    return (ENABLED and tu.HAS_TRITON and tensor.is_cuda and not is_fake(tensor) and not is_wrap_triton_enabled()
+            and _device_supports_pdl(tensor.get_device()))
+
+
 def pdl_arguments(tensor: torch.Tensor) -> dict:
     """The launch's keyword arguments for a kernel that calls :func:`wait_for_previous_grid` (``PDL``): with
-    PDL (module docstring: a direct launch under CUDA-graph capture), ``PDL=True`` and Triton's
-    ``launch_pdl=True``; otherwise ``PDL=False`` alone."""
-    on = (ENABLED and tu.HAS_TRITON and tensor.is_cuda and not is_fake(tensor) and not is_wrap_triton_enabled()
-          and torch.cuda.is_current_stream_capturing() and _device_supports_pdl(tensor.get_device()))
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    PDL, ``PDL=True`` and Triton's ``launch_pdl=True``; otherwise ``PDL=False`` alone."""
+    return {"PDL": True, "launch_pdl": True} if _pdl(tensor) else {"PDL": False}
+
+
+def read_weights_early(tensor: torch.Tensor) -> bool:
+    """Whether a PDL launch for ``tensor`` may read weights before its wait: under CUDA-graph capture only."""
+    return _pdl(tensor) and torch.cuda.is_current_stream_capturing()
 
 
 @tu.jit
 def wait_for_previous_grid(PDL: tl.constexpr):
-    """In a kernel launched with :func:`pdl_arguments`, before it reads anything but weights or writes anything:
-    wait for the grid before it, then let the next launch start (module docstring). Nothing with ``PDL`` off."""
+    """In a kernel launched with :func:`pdl_arguments`, before it reads anything the grid before may write (anything
+    but weights) or writes anything: wait for that grid, then let the next launch start (module docstring).
+    Nothing with ``PDL`` off."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -35,9 +35,12 @@ except ImportError:  # macOS / Windows wheels: the ops run their native PyTorch 
     tl = types.SimpleNamespace(constexpr=Any)
 
 
-def jit(fn):
-    """``triton.jit``, or the plain function where Triton is not installed (it is then never launched)."""
-    return triton.jit(fn) if HAS_TRITON else fn
+def jit(fn=None, **options):
+    """``triton.jit`` (with its ``options``, e.g. ``do_not_specialize``), or the plain function where Triton is not
+    installed (it is then never launched)."""
+    if fn is None:
+        return lambda function: jit(function, **options)
+    return triton.jit(fn, **options) if HAS_TRITON else fn
 
 
 def launch(kernel):
