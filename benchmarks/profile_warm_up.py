@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     with timed_compiles(records), SizePinningGuards() if args.guards else contextlib.nullcontext():
         options = dict(args.optimize)  # its "generation", if any, joins --generation
         generation = {"enabled": True, **args.generation, **options.pop("generation", {})}
-        model = kernel_pytorch.optimize(llama(args.layers), **options, generation=generation)
+        model = kernel_pytorch.optimize(llama("1b", args.layers), **options, generation=generation)
         warm_up_before = dynamo_snapshot()
         started = time.perf_counter()
         with contextlib.nullcontext() if args.no_host_profile or args.no_warm_up_profile else profiler:
