@@ -368,15 +368,18 @@ def generation_lines(report: dict) -> list[str]:
     return lines[:40]
 
 
-_DECODE_PASSES = ("decode_attention", "decode_linear", "decode_fusion", "decode_rope_cache")
+# The passes that pick kernels: the decode passes (the steps' kernels) and attention (the prefills' kernel, which
+# decides much of a long prompt's time to first token).
+_KERNEL_CHOICE_PASSES = ("attention", "decode_attention", "decode_linear", "decode_fusion", "decode_rope_cache")
 
 
 def decode_kernel_lines(report: dict) -> list[str]:
-    """What the decode passes did, each distinct line once with its count (one per layer and graph otherwise)."""
+    """What the kernel-choosing passes did (:data:`_KERNEL_CHOICE_PASSES`), each distinct line once with its count
+    (one per layer and graph otherwise)."""
     counts: dict[str, int] = {}
     for kind, text_key in (("rewrites", "replacement"), ("skipped", "reason")):
         for record in report.get(kind, []):
-            if record.get("pass_name") in _DECODE_PASSES:
+            if record.get("pass_name") in _KERNEL_CHOICE_PASSES:
                 line = f"{record['pass_name']} {'skip' if kind == 'skipped' else 'rewrite'}: {record.get(text_key)}"
                 counts[line] = counts.get(line, 0) + 1
     return [f"{count} x {line}" for line, count in counts.items()]

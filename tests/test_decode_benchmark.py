@@ -166,10 +166,12 @@ def test_generation_lines_of_a_report():
 
 def test_decode_kernel_lines_count_each_decision_once():
     rewrite = {"pass_name": "decode_linear", "replacement": "q_proj + k_proj + v_proj (1 rows) -> grouped_linear"}
-    report = {"rewrites": [rewrite, dict(rewrite), {"pass_name": "norms", "replacement": "RMSNorm"}],
+    report = {"rewrites": [rewrite, dict(rewrite), {"pass_name": "norms", "replacement": "RMSNorm"},
+                           {"pass_name": "attention", "replacement": "attention (cudnn)"}],
               "skipped": [{"pass_name": "decode_attention", "reason": "SDPA kept, faster here"}]}
     assert decode.decode_kernel_lines(report) == [
         "2 x decode_linear rewrite: q_proj + k_proj + v_proj (1 rows) -> grouped_linear",
+        "1 x attention rewrite: attention (cudnn)",
         "1 x decode_attention skip: SDPA kept, faster here"]
 
 
