@@ -11,9 +11,14 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-# GPU_TESTS: which test files (default: all); "none" runs no tests. GPU_TESTS_TIMEOUT: their seconds (default 300)
+# GPU_TESTS: which test files (default: all); "none" runs no tests. GPU_TESTS_TIMEOUT: their seconds (default 300).
+# GPU_TEST_WORKERS: pytest-xdist processes sharing the GPU (default 1; its wheel in .whl: device-wheels.sh pytest-xdist
+# execnet), for tests that check numerics only: most of a cold run is Triton and Inductor compiling, one core each.
 if [ "${GPU_TESTS:-tests}" != none ]; then
-  timeout "${GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -30
+  workers=()
+  if [ "${GPU_TEST_WORKERS:-1}" -gt 1 ]; then workers=(-n "$GPU_TEST_WORKERS" --dist loadgroup); fi
+  timeout "${GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider "${workers[@]}" ${GPU_TESTS:-tests} 2>&1 \
+    | tee "$OUT/pytest_gpu.txt" | tail -30
 fi
 for step in "$@"; do
   case "$step" in
