@@ -256,7 +256,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = N
 
 def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
     if q.dim() != 4 or q.shape[2] != 1:
-        raise ValueError(f"decode_attention takes one query token per head, q of shape (B, H, 1, D); got {tuple(q.shape)}")
+        raise ValueError(f"decode_attention takes one query token per head, q of shape (B, H, 1, D); "
+                         f"got {tuple(q.shape)}")
     if k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         raise ValueError(f"decode_attention: k and v must be (B, Hkv, L, D) like q (B, H, 1, D); "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
