@@ -124,6 +124,9 @@ def fastest_cuda_graph_ms(candidates: Mapping[str, Callable[[], object]], rounds
     (after ``warmup`` calls on a side stream), the graph's replays timed between CUDA events, ``runs`` per
     round, in interleaved rounds keeping each candidate's best round (as :func:`fastest_cuda_ms`).
 
+    A candidate made by :func:`rotating` raises ``calls_per_graph`` to its number of copies, so that a graph
+    reads each copy (and every candidate's graph holds as many calls).
+
     If any candidate cannot be captured (it synchronizes with the host, or runs on the CPU), all of them are
     timed per call instead, and :attr:`Timings.fallback` says why: one candidate's GPU time against
     another's time per call would compare different things.
@@ -131,6 +134,7 @@ def fastest_cuda_graph_ms(candidates: Mapping[str, Callable[[], object]], rounds
     if not candidates:
         raise ValueError("fastest_cuda_graph_ms: no candidates to time")
     _require_positive(rounds=rounds, warmup=warmup, runs=runs, calls_per_graph=calls_per_graph)
+    calls_per_graph = max([calls_per_graph] + [len(c) for c in candidates.values() if isinstance(c, _Rotating)])
     if not torch.cuda.is_available():
         raise RuntimeError("fastest_cuda_graph_ms times CUDA graphs: it needs a CUDA GPU, and none is available")
     try:
@@ -185,8 +189,8 @@ def captured_calls(candidates: Mapping[str, Callable[[], object]], warmup: int,
 
 def weight_copies(make: Callable[[], _Copy], bytes_per_copy: int, device: torch.device) -> list[_Copy]:
     """Copies of a candidate's weights (``make()`` each, ``bytes_per_copy`` bytes), enough that reading them in turn
-    reads over twice the device's L2 cache. Timed on the next copy each call (:func:`rotating`, with
-    ``calls_per_graph`` at least the copies' number), a call reads its weights from memory, as a decode step reads
+    reads over twice the device's L2 cache. Timed on the next copy each call (:func:`rotating`), a call reads its
+    weights from memory, as a decode step reads
     each weight once per token; weights reused call after call stay in the H100's 50 MB L2, and a decision timed
     that way picked the kernel that was slower in the step (docs/kernels.md, "Decode GEMV")."""
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
@@ -194,9 +198,22 @@ def weight_copies(make: Callable[[], _Copy], bytes_per_copy: int, device: torch.
 
 
 def rotating(fn: Callable[[_Copy], object], copies: Sequence[_Copy]) -> Callable[[], object]:
-    """A call of ``fn`` on the next of ``copies`` each time (one CUDA graph captures a copy per call)."""
-    turn = itertools.cycle(copies)
-    return lambda: fn(next(turn))
+    """A call of ``fn`` on the next of ``copies`` each time (one CUDA graph captures a copy per call:
+    :func:`fastest_cuda_graph_ms` captures at least as many calls as there are copies)."""
+    return _Rotating(fn, copies)
+
+
+class _Rotating:
+    """:func:`rotating`'s calls; ``len``: its number of copies."""
+
+    def __init__(self, fn: Callable[[_Copy], object], copies: Sequence[_Copy]):
+        self._fn, self._turn, self._copies = fn, itertools.cycle(copies), len(copies)
+
+    def __call__(self) -> object:
+        return self._fn(next(self._turn))
+
+    def __len__(self) -> int:
+        return self._copies
 
 
 def _require_positive(**counts: int) -> None:

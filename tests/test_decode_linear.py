@@ -67,7 +67,7 @@ def test_interp_kernel_matches_float64(gemv_on_cpu, dtype, case):
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_interp_weights_read_before_the_wait_match_float64(gemv_on_cpu, monkeypatch, gated):
     """The one-row kernel's first weight chunk read before its PDL wait (as under CUDA-graph capture)."""
-    monkeypatch.setattr(DL, "read_weights_early", lambda x: True)
+    monkeypatch.setattr(DL, "read_weights_early", lambda launch: True)
     torch.manual_seed(1)
     x, weights = torch.randn(1, 700), [torch.randn(40, 700), torch.randn(40, 700)]
     out, _ = DL.grouped_gemv(x, weights, None, activation="silu" if gated else None)

@@ -23,7 +23,8 @@ def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def test_cpu_tensors_launch_without_pdl():
-    assert PL.pdl_arguments(torch.ones(2)) == {"PDL": False} and not PL.read_weights_early(torch.ones(2))
+    assert PL.pdl_arguments(torch.ones(2)) == {"PDL": False}
+    assert not PL.read_weights_early(PL.pdl_arguments(torch.ones(2)))
 
 
 def test_fake_tensors_launch_without_pdl():
@@ -38,14 +39,19 @@ def test_gpu_direct_launches_carry_pdl_and_read_weights_early_only_under_capture
     x = torch.ones(2, device=cuda_device())
     supported = torch.cuda.get_device_capability()[0] >= 9
     seen = {}
+
+    def launch_of_x() -> tuple[dict, bool]:
+        launch = PL.pdl_arguments(x)
+        return launch, PL.read_weights_early(launch)
+
     with set_wrap_triton_enabled(False):  # as PyTorch runs a triton_op's body eagerly
-        seen["eager"] = PL.pdl_arguments(x), PL.read_weights_early(x)
+        seen["eager"] = launch_of_x()
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            seen["captured"] = PL.pdl_arguments(x), PL.read_weights_early(x)
+            seen["captured"] = launch_of_x()
             with set_wrap_triton_enabled(True):  # Inductor's generated code launches it: its launcher drops the option
-                seen["wrapped"] = PL.pdl_arguments(x), PL.read_weights_early(x)
+                seen["wrapped"] = launch_of_x()
             monkeypatch.setattr(PL, "ENABLED", False)
-            seen["switched off"] = PL.pdl_arguments(x), PL.read_weights_early(x)
+            seen["switched off"] = launch_of_x()
     on, off = {"PDL": True, "launch_pdl": True}, {"PDL": False}
     expected = {"eager": (on, False), "captured": (on, True)} if supported else \
         {"eager": (off, False), "captured": (off, False)}

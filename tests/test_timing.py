@@ -83,6 +83,23 @@ def test_graph_timer_divides_replays_by_the_calls_captured_and_keeps_the_best_ro
     assert captured == {"names": ["bf16", "fp8"], "warmup": 3, "calls": 8}
 
 
+def test_graph_timer_captures_a_call_per_copy_of_a_rotating_candidate(monkeypatch):
+    captured = {}
+
+    def fake_capture(candidates, warmup, calls_per_graph):
+        captured["calls"] = calls_per_graph
+        return {name: _Replayed(name) for name in candidates}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(timing, "captured_calls", fake_capture)
+    monkeypatch.setattr(timing, "median_cuda_ms", lambda fn, warmup, runs: 13.0)  # ms per replay
+    copies = list(range(13))
+    timed = timing.fastest_cuda_graph_ms({"a": timing.rotating(lambda c: c, copies), "b": lambda: None}, rounds=1)
+    assert captured["calls"] == 13 and timed.ms == {"a": 1.0, "b": 1.0}  # each graph 13 calls, the time per call
+    timing.fastest_cuda_graph_ms({"a": timing.rotating(lambda c: c, copies[:2])}, rounds=1, calls_per_graph=8)
+    assert captured["calls"] == 8  # fewer copies than calls: the calls asked for
+
+
 def test_graph_timer_falls_back_to_per_call_timing_when_capture_fails(monkeypatch):
     def failing_capture(candidates, warmup, calls_per_graph):
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nCUDA kernel errors might "

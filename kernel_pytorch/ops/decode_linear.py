@@ -139,13 +139,6 @@ def _grouped_gemv_kernel(
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
     k_step = tl.arange(0, BLOCK_K)
-    if not USE_DOT:  # several rows (tl.dot): a chunk held over the wait spilled the gated tile's registers
-        early = tl.full([BLOCK_N], early_weights, tl.int32) != 0
-        w, w_up = _weight_chunk(w_ptr, W1, rows, row_ok & early, k_step, K, GATED)
-    wait_for_previous_grid(PDL)
-    if not USE_DOT:  # masked loads move no bytes: each chunk element is read once, before or after the wait
-        late, late_up = _weight_chunk(w_ptr, W1, rows, row_ok & ~early, k_step, K, GATED)
-        w, w_up = w + late, w_up + late_up
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -154,10 +147,16 @@ def _grouped_gemv_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         squares = tl.zeros([BLOCK_K], tl.float32)
+        # several rows (tl.dot) keep their loop: a chunk held over the wait spilled the gated tile's registers
+        early = tl.full([BLOCK_N], early_weights, tl.int32) != 0
+        w, w_up = _weight_chunk(w_ptr, W1, rows, row_ok & early, k_step, K, GATED)
+    wait_for_previous_grid(PDL)
     k_start = 0
-    if not USE_DOT:
-        acc, up, squares = _accumulate_chunk(acc, up, squares, w, w_up, k_step, X, R, H, NW, m, m_ok, sx_m, sr_m, sh_m,
-                                             K, pid == 0, USE_DOT, IEEE, UPCAST, NORM, HAS_RESIDUAL, GATED, NORM_OFFSET)
+    if not USE_DOT:  # masked loads move no bytes: each chunk element is read once, before or after the wait
+        late, late_up = _weight_chunk(w_ptr, W1, rows, row_ok & ~early, k_step, K, GATED)
+        acc, up, squares = _accumulate_chunk(acc, up, squares, w + late, w_up + late_up, k_step, X, R, H, NW, m, m_ok,
+                                             sx_m, sr_m, sh_m, K, pid == 0, USE_DOT, IEEE, UPCAST, NORM, HAS_RESIDUAL,
+                                             GATED, NORM_OFFSET)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         kk = k0 + k_step
@@ -271,18 +270,18 @@ def grouped_gemv(x: Tensor, weights: list[Tensor], biases: Optional[list[Tensor]
     counts = sizes + [0] * (MAX_WEIGHTS - len(sizes))
     residual = norm.residual if norm is not None else None
     h = torch.empty_like(x) if residual is not None else None
+    launch = pdl_arguments(x)
     with tu.device_guard(x):
         tu.launch(_grouped_gemv_kernel)[(blocks[0] if gated else sum(blocks),)](
             x, residual if residual is not None else unused, h if h is not None else unused,
             norm.weight if norm is not None else unused, *padded, *bias_args, out, rows, k, *counts, x.stride(0),
             residual.stride(0) if residual is not None else 0, h.stride(0) if h is not None else 0, out.stride(0),
-            blocks[0], sum(blocks[:2]), float(norm.eps) if norm is not None else 0.0, int(read_weights_early(x)),
+            blocks[0], sum(blocks[:2]), float(norm.eps) if norm is not None else 0.0, int(read_weights_early(launch)),
             NUM_W=len(weights), HAS_BIAS=bool(biases), USE_DOT=rows > 1, IEEE=x.dtype == torch.float32,
             UPCAST=x.device.type != "cuda", NORM=norm is not None, HAS_RESIDUAL=residual is not None,
             GATED=gated, NORM_OFFSET=float(norm.weight_offset) if norm is not None else 0.0,
             KIND=ACTIVATION_KINDS[activation] if gated else 0, BLOCK_M=max(16, tu.next_power_of_2(rows)),
-            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
-            **pdl_arguments(x))
+            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages, **launch)
     return out, h
 
 

@@ -53,21 +53,19 @@ def _device_supports_pdl(device_index: int) -> bool:
     return "launch_pdl" in fields and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def _pdl(tensor: torch.Tensor) -> bool:
-    """Whether a launch for ``tensor`` now carries the PDL attribute (module docstring)."""
-    return (ENABLED and tu.HAS_TRITON and tensor.is_cuda and not is_fake(tensor) and not is_wrap_triton_enabled()
-            and _device_supports_pdl(tensor.get_device()))
-
-
 def pdl_arguments(tensor: torch.Tensor) -> dict:
-    """The launch's keyword arguments for a kernel that calls :func:`wait_for_previous_grid` (``PDL``): with
-    PDL, ``PDL=True`` and Triton's ``launch_pdl=True``; otherwise ``PDL=False`` alone."""
-    return {"PDL": True, "launch_pdl": True} if _pdl(tensor) else {"PDL": False}
+    """The keyword arguments of a launch for ``tensor`` of a kernel that calls :func:`wait_for_previous_grid`
+    (``PDL``): with PDL (module docstring), ``PDL=True`` and Triton's ``launch_pdl=True``; otherwise ``PDL=False``
+    alone. (Without Triton there is no ``gdc_wait`` and no device supports PDL.)"""
+    on = (ENABLED and tensor.is_cuda and not is_fake(tensor) and not is_wrap_triton_enabled()
+          and _device_supports_pdl(tensor.get_device()))
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
-def read_weights_early(tensor: torch.Tensor) -> bool:
-    """Whether a PDL launch for ``tensor`` may read weights before its wait: under CUDA-graph capture only."""
-    return _pdl(tensor) and torch.cuda.is_current_stream_capturing()
+def read_weights_early(launch: dict) -> bool:
+    """Whether a launch with :func:`pdl_arguments`' ``launch`` may read weights before its wait: with PDL, under
+    CUDA-graph capture only."""
+    return launch["PDL"] and torch.cuda.is_current_stream_capturing()
 
 
 @tu.jit

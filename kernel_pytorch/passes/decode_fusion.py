@@ -163,7 +163,7 @@ def _measured(rows: int, sizes: tuple[int, ...], k: int, bias: bool, norm: tuple
     candidates.update({name: rotating(lambda ws, block_n=block_n: decode_fused_linear(
         x, ws, biases, activation=activation, block_n=block_n, **fused_norm), copies)
         for name, block_n in rows_tried.items()})
-    timings = fastest_cuda_graph_ms(candidates, calls_per_graph=max(8, len(copies)))
+    timings = fastest_cuda_graph_ms(candidates)
     fastest = min(rows_tried, key=lambda name: timings.ms.get(name, float("inf")))
     return timings.faster(fastest, "unfused"), rows_tried[fastest], timings.in_microseconds()
 

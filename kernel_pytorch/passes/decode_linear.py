@@ -15,10 +15,10 @@ Matched: ``F.linear`` in an inference graph whose input has at most ``MAX_ROWS``
 (a step compiled for batch 1), 2-D weights and biases of the input's dtype. A graph whose batch is a symbolic size
 (the step for batches above 1, which serves up to 32 rows) is left alone unless ``generation.symbolic_batch_gemv``
 is on: then each group is timed at ``SYMBOLIC_ROWS`` from the most down, and the kernel serves calls of up to the
-first count it won at (``grouped_linear(max_rows=...)``), cuBLAS the larger ones. Decided by measurement on CUDA: each group's kernel
-against one ``F.linear`` per weight (cuBLAS), timed as CUDA-graph replays at the group's shapes on weights read from
-memory (``timing.fastest_cuda_graph_ms``, ``timing.weight_copies``); the faster is kept and the report says so. Runs
-after ``fp8``: a linear the FP8 pass converted is no ``F.linear``.
+first count it won at (``grouped_linear(max_rows=...)``), cuBLAS the larger ones. Decided by measurement on CUDA:
+each group's kernel against one ``F.linear`` per weight (cuBLAS), timed as CUDA-graph replays at the group's shapes on
+weights read from memory (``timing.fastest_cuda_graph_ms``, ``timing.weight_copies``); the faster is kept and the
+report says so. Runs after ``fp8``: a linear the FP8 pass converted is no ``F.linear``.
 """
 
 from __future__ import annotations
@@ -121,8 +121,7 @@ def _measured(rows: int, sizes: tuple[int, ...], k: int, bias: bool, dtype: torc
     timings = fastest_cuda_graph_ms({
         "cuBLAS": rotating(lambda ws: [F.linear(x, w, biases[i] if biases else None) for i, w in enumerate(ws)],
                            copies),
-        "gemv": rotating(lambda ws: gemv.grouped_linear(x, ws, biases), copies)},
-        calls_per_graph=max(8, len(copies)))
+        "gemv": rotating(lambda ws: gemv.grouped_linear(x, ws, biases), copies)})
     return timings.faster("gemv", "cuBLAS"), timings.in_microseconds()
 
 
