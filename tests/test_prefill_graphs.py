@@ -30,7 +30,9 @@ def test_prompts_padded_to_their_buckets_keep_the_tokens(family):
         expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=14, do_sample=False)
         tokens = optimized.generate(input_ids, attention_mask=attention_mask, max_new_tokens=14, do_sample=False)
         assert torch.equal(tokens, expected), (family, batch, length)
-        assert optimized.generate.decoder.lane.next_slot == prompt_bucket(length) + 13  # the padded prompt, then steps
+        # a left-padded batch fills its bucket; an unpadded prompt is padded on the right, its steps overwrite the pad
+        prompt_slots = prompt_bucket(length) if batch > 1 else length
+        assert optimized.generate.decoder.lane.next_slot == prompt_slots + 13, (family, batch, length)
     notes = [note for note in report_of(optimized).notes if "prefills of" in note]
     assert notes and all("run without CUDA graphs: no CUDA graphs on cpu" in note for note in notes), notes
 
@@ -40,8 +42,9 @@ def test_the_cache_holds_the_bucket_where_it_fits_and_the_prompt_where_it_does_n
     roomy, tight = (Decoder(causal_lm("llama"), max_length=length, prefill_graphs=True) for length in (1024, 512))
     roomy.prefill(prompt, max_new_tokens=100)
     tight.prefill(prompt, max_new_tokens=100)  # 512 + 100 tokens would not fit 512
-    assert (roomy.lane.length, roomy.lane.next_slot) == (768, 512)
-    assert (tight.lane.length, tight.lane.next_slot) == (512, 300)
+    # the prompt has no padding: it prefills over its bucket, padded on the right, and the steps go on after it
+    assert (roomy.lane.length, roomy.lane.prefilled_slots, roomy.lane.next_slot) == (768, 512, 300)
+    assert (tight.lane.length, tight.lane.prefilled_slots, tight.lane.next_slot) == (512, 300, 300)
 
 
 def test_warm_up_runs_a_prefill_at_every_bucket_of_each_lane():
@@ -68,8 +71,8 @@ def test_caches_counting_tokens_on_the_host_are_not_replayed_and_say_why():
     graphs = PrefillGraphs(cuda_graphs=True, refusal=reason)
     assert not graphs.cuda_graphs and graphs.failure == reason
     ran = []
-    logits = graphs.run(lambda ids, where: ran.append(ids.shape) or ids.float(), torch.ones(1, 16, dtype=torch.long),
-                        torch.zeros(1, 16, dtype=torch.long), reset=lambda: None)
+    logits = graphs.run(lambda ids, where: ran.append(ids.shape) or ids.float(),
+                        (torch.ones(1, 16, dtype=torch.long), torch.zeros(1, 16, dtype=torch.long)), reset=lambda: None)
     assert ran == [(1, 16)] and logits.shape == (1, 16) and graphs.captured_lengths() == []
 
 
@@ -78,10 +81,10 @@ def test_auto_pads_prompts_only_where_the_steps_replay_cuda_graphs_on_a_cuda_dev
     on_cpu = Decoder(causal_lm("llama"))  # "auto" by default: the CPU has no CUDA graphs, so no padding
     assert not on_cpu.prefill_graphs and on_cpu.prefill_graphs_option == "auto"
     on_cpu.prefill(prompt, max_new_tokens=4)
-    assert on_cpu.lane.next_slot == 20 and on_cpu.lane.prefill_graphs is None
+    assert on_cpu.lane.prefilled_slots == 20 and on_cpu.lane.prefill_graphs is None
     on_cpu.set_prefill_graphs(True)  # forced: padded to the 32-token bucket even here
     assert on_cpu.prefill_graphs and on_cpu.prefill(prompt, max_new_tokens=4) is not None
-    assert on_cpu.lane.next_slot == 32
+    assert on_cpu.lane.prefilled_slots == 32
     on_cpu.set_prefill_graphs("auto")  # back to the option as given (the benchmark's A/B ends so)
     assert not on_cpu.prefill_graphs and on_cpu.prefill_graphs_option == "auto"
     # where the model sits on a CUDA device, "auto" follows generation.cuda_graphs; True and False are kept as given

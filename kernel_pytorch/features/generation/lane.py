@@ -9,6 +9,7 @@ the token buffer, so a token loop is one replay per token with no host work betw
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,8 @@ from torch.fx.experimental import _config as shape_config
 from kernel_pytorch.compiled_call import RecompileLimitWatch, call_module, compiled_entry
 from kernel_pytorch.errors import first_line
 from kernel_pytorch.cuda_graph_capture import capture_after_warm_up
+from kernel_pytorch.features.generation.empty_cache_prefill import (EmptyCachePrefill, empty_cache_refusal,
+                                                                    fill_static_cache, static_layers_refusal)
 from kernel_pytorch.features.generation.sampling import SamplingSettings, draw, warped_scores
 from kernel_pytorch.features.generation.model_calls import (cache_keyword, is_encoder_decoder, new_static_cache,
                                                              takes_logits_to_keep)
@@ -41,6 +44,9 @@ class ModelCalls:
     prefill: Callable[..., Any]
     step: Callable[..., Any]
     encode: Callable[..., Any]  # an encoder-decoder's encoder: ``encode(encoder, **kwargs)``
+    # an unpadded prompt into an empty cache (:class:`EmptyCachePrefill`, its keyword arguments), or None: why not
+    empty_cache_prefill: Callable[..., Any] | None = None
+    empty_cache_refusal: str = ""
 
     @classmethod
     def of(cls, model: nn.Module, backend: GraphOptimizer | None, compile_prefill: bool = True,
@@ -56,8 +62,11 @@ class ModelCalls:
         so Inductor compiles them with our Triton ops opaque (:class:`~kernel_pytorch.capture.CompilerChoice`). A call
         reaching TorchDynamo's recompile limit goes to ``note`` and warns
         (:class:`~kernel_pytorch.compiled_call.RecompileLimitWatch`)."""
+        refusal = empty_cache_refusal(model)
+        empty_cache = None if refusal else EmptyCachePrefill(model)
         if backend is None:
-            return cls(call_module, call_module, call_module)
+            return cls(call_module, call_module, call_module,
+                       functools.partial(call_module, empty_cache) if empty_cache else None, refusal)
 
         def compiled_by(compiled: bool, replayed: bool) -> GraphOptimizer:
             compiler = getattr(backend, "compiler", None)  # a plain dynamo backend (tests) has no options
@@ -71,16 +80,20 @@ class ModelCalls:
         per_step = compiled_by(True, steps_replayed)
         encoder = model.get_encoder() if is_encoder_decoder(model) else None
 
-        def entry(module: nn.Module | None, module_backend: GraphOptimizer, per_request: bool,
+        def entry(module: nn.Module | None, module_backend: GraphOptimizer, any_batch: bool,
                   what: str) -> Callable[..., Any]:
             if module is None:
                 return call_module
             watch = RecompileLimitWatch(f"the generation {what} of {type(model).__name__}", note)
-            return _traced_with_constants(compiled_entry(module, module_backend, dynamic=True), watch,
-                                          any_batch=per_request and prefill_any_batch)
+            return _traced_with_constants(compiled_entry(module, module_backend, dynamic=True), watch, any_batch)
 
-        return cls(entry(model, once_per_request, True, "prefill"), entry(model, per_step, False, "decode step"),
-                   entry(encoder, once_per_request, True, "encoder"))
+        # The empty-cache prefill serves every batch from one graph: it has no mask, whose batch of 1 the masked
+        # prefill's SDPA call guards on (docs/usage.md, prefill_any_batch), so its warm-up traces it once.
+        empty = entry(empty_cache, once_per_request, True, "prefill into an empty cache") if empty_cache else None
+        return cls(entry(model, once_per_request, prefill_any_batch, "prefill"),
+                   entry(model, per_step, False, "decode step"),
+                   entry(encoder, once_per_request, prefill_any_batch, "encoder"),
+                   functools.partial(empty, empty_cache) if empty else None, refusal)
 
 
 def _traced_with_constants(compiled: Callable[..., Any], watch: RecompileLimitWatch,
@@ -185,7 +198,10 @@ class DecodeLane:
         self.mask = torch.zeros(batch, length, dtype=torch.long, device=self.device)
         self.write_index = torch.zeros(1, dtype=torch.long, device=self.device)
         self.next_slot = 0  # write_index as the host knows it: checking the cache is not full needs no sync
+        self.prefilled_slots = 0  # tokens the last prefill ran over: the prompt and its padding
         self.prefill_call, self.step_call, self.encode_call = calls.prefill, calls.step, calls.encode
+        self.empty_cache_prefill = calls.empty_cache_prefill
+        self.empty_cache_refusal = calls.empty_cache_refusal or static_layers_refusal(self._cache_layers())
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[str, torch.Tensor] = {}
@@ -242,16 +258,56 @@ class DecodeLane:
         logits = self._prefill_logits(input_ids, positions)
         self.positions.copy_(positions[:, -1:] + 1)
         self.write_index.fill_(prompt_length)
-        self.next_slot = prompt_length
+        self.next_slot = self.prefilled_slots = prompt_length
         return logits
 
     def _prefill_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.prefill_graphs is None:
             return self._prefill_forward(input_ids, positions)
-        return self.prefill_graphs.run(self._prefill_forward, input_ids, positions, self.cache.reset)
+        return self.prefill_graphs.run(self._prefill_forward, (input_ids, positions), self.cache.reset)
 
     def _prefill_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self._forward(self.prefill_call, input_ids, positions, prefill=True).logits[:, -1]
+
+    @property
+    def takes_unpadded_prompts(self) -> bool:
+        """Whether :meth:`prefill_unpadded` serves this lane (else :attr:`empty_cache_refusal` says why not)."""
+        return not self.empty_cache_refusal
+
+    def prefill_unpadded(self, input_ids: torch.Tensor, slots: int) -> torch.Tensor:
+        """Start a request whose rows have no padding: the prompt (``batch`` x P) runs into an empty cache with causal
+        attention (:mod:`~kernel_pytorch.features.generation.empty_cache_prefill`), right-padded to ``slots`` tokens
+        (its bucket, or P); returns the last real token's logits, as :meth:`prefill` does. The next step is position
+        P, written at slot P over the padding's. The cache is not reset: every slot after the prompt stays masked
+        until a step writes it."""
+        prompt_length = input_ids.shape[1]
+        slots = max(slots, prompt_length, 2)  # one right pad at least: a length of 1 would be a graph of its own
+        if slots >= self.length:
+            raise ValueError(f"a prompt of {slots} tokens does not fit the KV cache of {self.length} tokens")
+        self.hits += 1
+        self.mask.zero_()
+        self.mask[:, :prompt_length] = 1
+        padded = torch.nn.functional.pad(input_ids, (0, slots - prompt_length))
+        positions = torch.arange(slots, device=input_ids.device).repeat(input_ids.shape[0], 1)  # strides as the ids
+        last = torch.full((1,), prompt_length - 1, dtype=torch.long, device=input_ids.device)
+        inputs = (padded, positions, last)
+        if self.prefill_graphs is None:
+            logits = self._empty_cache_prefill_forward(*inputs)
+        else:
+            logits = self.prefill_graphs.run(self._empty_cache_prefill_forward, inputs, lambda: None, "empty cache")
+        self.positions.fill_(prompt_length)
+        self.write_index.fill_(prompt_length)
+        self.next_slot, self.prefilled_slots = prompt_length, slots
+        return logits
+
+    def _empty_cache_prefill_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor
+                                     ) -> torch.Tensor:
+        _own_symbol([input_ids, positions], dim=1)  # the prompt's length (see _mark_sizes)
+        _mark_static([last], dims=(0,))  # one index: not duck-sized with a batch of 1
+        logits, keys, values = self.empty_cache_prefill(input_ids=input_ids, position_ids=positions,
+                                                        last_position=last)
+        fill_static_cache(self._cache_layers(), keys, values, last + 1)
+        return logits
 
     # -- decode steps ----------------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ __all__ = ["PrefillGraphs", "MIN_BUCKET", "prompt_bucket", "buckets_below", "pad
 MIN_BUCKET = 16  # shorter prompts share one graph: a few padded tokens cost less than a graph each
 _WARMUP_RUNS = 2  # before capture: compiles and lets lazily made kernels and workspaces exist
 
-PrefillBody = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input ids, positions) -> last logits
+PrefillBody = Callable[..., torch.Tensor]  # (input ids, positions, ...) -> last logits
 
 
 def prompt_bucket(prompt_length: int) -> int:
@@ -60,49 +60,49 @@ def host_counted_cache(layers: list) -> str:
 
 
 class PrefillGraphs:
-    """One lane's prefill graphs: ``run`` replays the graph of a prompt whose length is a bucket, capturing it at its
-    first use. Other lengths, and every prompt without CUDA graphs (another device, or a capture that failed), run as
-    they are; ``failure`` then says why."""
+    """One lane's prefill graphs: ``run`` replays the graph of a prompt whose length is a bucket, captured at its first
+    use, one per kind of prefill (masked over the static cache, or into an empty cache) and bucket. Other lengths, and
+    every prompt without CUDA graphs (another device, or a capture that failed), run as they are; ``failure`` then
+    says why."""
 
     def __init__(self, cuda_graphs: bool, refusal: str = ""):
         self.cuda_graphs = cuda_graphs and not refusal
         self.failure = refusal
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.inputs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
 
-    def run(self, body: PrefillBody, input_ids: torch.Tensor, positions: torch.Tensor, reset: Callable[[], None]
-            ) -> torch.Tensor:
-        """The prompt's last logits: ``body`` replayed from the bucket's graph. ``reset`` puts the cache back as the
-        prefill expects it (the capture's warm-up runs write it)."""
-        length = input_ids.shape[1]
+    def run(self, body: PrefillBody, inputs: tuple[torch.Tensor, ...], reset: Callable[[], None],
+            kind: str = "masked") -> torch.Tensor:
+        """The prompt's last logits: ``body(*inputs)`` (the first input: the token ids) replayed from the graph of
+        its kind and bucket. ``reset`` puts the cache back as the prefill expects it (the capture's warm-up runs write
+        it)."""
+        length = inputs[0].shape[1]
         if not self.cuda_graphs or length != prompt_bucket(length):
-            return body(input_ids, positions)
-        if length not in self.graphs:
+            return body(*inputs)
+        key = (kind, length)
+        if key not in self.graphs:
             try:
-                self._capture(body, input_ids, positions, reset)
+                self._capture(body, key, inputs, reset)
             except RuntimeError as error:  # an op the capture refuses (a host sync): prefills run as they are
                 self.cuda_graphs, self.failure = False, first_line(error)
                 reset()
-                return body(input_ids, positions)
-        ids, where = self.inputs[length]
-        ids.copy_(input_ids)
-        where.copy_(positions)
-        self.graphs[length].replay()
-        return self.outputs[length]
+                return body(*inputs)
+        for buffer, value in zip(self.inputs[key], inputs, strict=True):
+            buffer.copy_(value)
+        self.graphs[key].replay()
+        return self.outputs[key]
 
     def captured_lengths(self) -> list[int]:
-        """The bucket lengths captured so far."""
-        return sorted(self.graphs)
+        """The bucket lengths captured so far (of either kind)."""
+        return sorted({length for _, length in self.graphs})
 
-    def _capture(self, body: PrefillBody, input_ids: torch.Tensor, positions: torch.Tensor,
+    def _capture(self, body: PrefillBody, key: tuple[str, int], inputs: tuple[torch.Tensor, ...],
                  reset: Callable[[], None]) -> None:
         """Warm up and capture, each run from a reset cache (a run writes the bucket's slots and advances the
         cache's counters). The buckets share one memory pool, apart from the decode steps': a step replay could
         otherwise overwrite the prefill's logits in a block the prefill's capture took after the step's capture had
         freed it."""
-        length = input_ids.shape[1]
-        ids, where = self.inputs.setdefault(length, (input_ids.clone(), positions.clone()))
-        graph, self.outputs[length] = capture_after_warm_up(lambda: body(ids, where), _WARMUP_RUNS, reset,
-                                                            self.graphs)
-        self.graphs[length] = graph
+        buffers = self.inputs.setdefault(key, tuple(t.clone() for t in inputs))
+        graph, self.outputs[key] = capture_after_warm_up(lambda: body(*buffers), _WARMUP_RUNS, reset, self.graphs)
+        self.graphs[key] = graph
