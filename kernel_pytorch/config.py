@@ -245,9 +245,11 @@ class GenerationConfig(ConfigModel):
     )
 
     prefill_graphs: bool | Literal["auto"] = Field(
-        "auto", description="Left-pad a causal LM's prompt (masked) to a power-of-two bucket of at least 16 tokens and "
-        "replay its prefill from a CUDA graph captured per lane and bucket, so that the first token does not wait "
-        "for the host to issue the prefill's launches. The cache then holds the bucket rather than the prompt. "
+        "auto", description="Pad a causal LM's prompt to a power-of-two bucket of at least 16 tokens and replay its "
+        "prefill from a CUDA graph captured per lane and bucket, so that the first token does not wait for the host "
+        "to issue the prefill's launches. A prompt without padding is padded on the right (its prefill into an empty "
+        "cache attends causally, so the padding reaches no real token; decoding overwrites its slots); a left-padded "
+        "batch on the left, masked, and its cache then holds the bucket rather than the prompt. "
         "'auto': on where the decode steps replay CUDA graphs on a CUDA device (elsewhere the padding would only add "
         "work). Models whose cache counts tokens on the host (static sliding-window layers) keep uncaptured "
         "prefills, with a report line."

@@ -32,7 +32,7 @@ def _eager_first_step(model, input_ids, attention_mask):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
-@pytest.mark.parametrize("batch", [1, 3], ids=["unpadded (empty-cache prefill)", "left-padded (masked prefill)"])
+@pytest.mark.parametrize("batch", [1, 3], ids=["one prompt", "left-padded batch"])
 @torch.no_grad()
 def test_first_decode_step_within_bf16_tolerance_of_eager(family, batch):
     model = causal_lm(family).to("cuda", torch.bfloat16)
@@ -135,19 +135,20 @@ def test_warm_up_captures_the_prefill_buckets_of_each_lane():
 
 @torch.no_grad()
 def test_empty_cache_prefill_replays_equal_the_prefill_run_without_graphs():
-    """Unpadded prompts of 9 and 16 tokens (batch 1) and 12 (batch 2) prefill into an empty cache, right-padded to
-    their 16-token bucket: the replayed prefills' logits and the step after each equal the same run without graphs,
-    and are within bf16 tolerance of eager transformers."""
+    """Prompts of 9 and 16 tokens (batch 1) and a left-padded batch of 12 prefill into an empty cache, their rows rolled
+    and right-padded to the 16-token bucket: the replayed prefills' logits and the step after each equal the same run
+    without graphs, and are within bf16 tolerance of eager transformers."""
     model = causal_lm("llama").to("cuda", torch.bfloat16)
     optimized = kernel_pytorch.optimize(copy.deepcopy(model))
-    prompts = [torch.randint(6, 128, (batch, length), device="cuda") for batch, length in [(1, 9), (1, 16), (2, 12)]]
-    expected = [_eager_first_step(model, ids, torch.ones_like(ids)) for ids in prompts]
+    prompts = [tuple(t.cuda() for t in left_padded_prompts(batch, length))
+               for batch, length in [(1, 9), (1, 16), (3, 12)]]
+    expected = [_eager_first_step(model, *prompt) for prompt in prompts]
     runs = []
     for graphs in (False, True):
         decoder = Decoder(optimized, cuda_graphs=graphs, prefill_graphs=True)
         run = []
-        for input_ids, (prefill_expected, first_tokens, step_expected) in zip(prompts, expected):
-            run.append(decoder.prefill(input_ids, max_new_tokens=8).float())
+        for (input_ids, attention_mask), (prefill_expected, first_tokens, step_expected) in zip(prompts, expected):
+            run.append(decoder.prefill(input_ids, attention_mask, max_new_tokens=8).float())
             run.append(decoder.step(first_tokens).float())
             assert rel_err(run[-2], prefill_expected) < _BF16_LOGITS and rel_err(run[-1], step_expected) < _BF16_LOGITS
             assert (decoder.lane.prefilled_slots, decoder.lane.next_slot) == (16, input_ids.shape[1] + 1)

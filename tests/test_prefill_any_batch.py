@@ -1,8 +1,6 @@
 """``generation={"prefill_any_batch": True}`` on the CPU: one prefill graph serves batch 1 and larger batches
 (TorchDynamo compiles a batch-1 call for batch 1 alone otherwise), with the unoptimized model's greedy tokens for three
-families of unlike structure and T5. Every row of these prompts is left-padded: that is the masked prefill over the
-static cache, which the option is about (unpadded prompts prefill into an empty cache, one graph for every batch
-whatever the option: test_generation.py)."""
+families of unlike structure and T5, batch 1 and left-padded batches."""
 
 from __future__ import annotations
 
@@ -26,7 +24,6 @@ def _tokens_and_graphs(model, reference, requests, **extra) -> int:
     before = _graphs()
     for batch, length in requests:
         input_ids, attention_mask = left_padded_prompts(batch, length)
-        input_ids[:, 0], attention_mask[:, 0] = 0, 0  # the first row padded too
         expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=False,
                                       **extra)
         tokens = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=False, **extra)

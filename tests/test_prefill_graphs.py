@@ -30,9 +30,9 @@ def test_prompts_padded_to_their_buckets_keep_the_tokens(family):
         expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=14, do_sample=False)
         tokens = optimized.generate(input_ids, attention_mask=attention_mask, max_new_tokens=14, do_sample=False)
         assert torch.equal(tokens, expected), (family, batch, length)
-        # a left-padded batch fills its bucket; an unpadded prompt is padded on the right, its steps overwrite the pad
-        prompt_slots = prompt_bucket(length) if batch > 1 else length
-        assert optimized.generate.decoder.lane.next_slot == prompt_slots + 13, (family, batch, length)
+        # the prefill runs over the bucket, the rows padded on the right; the steps overwrite the padding's slots
+        lane = optimized.generate.decoder.lane
+        assert (lane.prefilled_slots, lane.next_slot) == (prompt_bucket(length), length + 13), (family, batch, length)
     notes = [note for note in report_of(optimized).notes if "prefills of" in note]
     assert notes and all("run without CUDA graphs: no CUDA graphs on cpu" in note for note in notes), notes
 
@@ -42,7 +42,7 @@ def test_the_cache_holds_the_bucket_where_it_fits_and_the_prompt_where_it_does_n
     roomy, tight = (Decoder(causal_lm("llama"), max_length=length, prefill_graphs=True) for length in (1024, 512))
     roomy.prefill(prompt, max_new_tokens=100)
     tight.prefill(prompt, max_new_tokens=100)  # 512 + 100 tokens would not fit 512
-    # the prompt has no padding: it prefills over its bucket, padded on the right, and the steps go on after it
+    # the prompt prefills over its bucket, padded on the right, and the steps go on after it
     assert (roomy.lane.length, roomy.lane.prefilled_slots, roomy.lane.next_slot) == (768, 512, 300)
     assert (tight.lane.length, tight.lane.prefilled_slots, tight.lane.next_slot) == (512, 300, 300)
 

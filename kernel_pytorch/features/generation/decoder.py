@@ -25,6 +25,7 @@ import torch.nn as nn
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kernel_pytorch.cuda_graph_capture import ModuleState, module_state, registered_hook
+from kernel_pytorch.features.generation.empty_cache_prefill import is_left_padded
 from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls
 from kernel_pytorch.features.generation.model_calls import (cache_bytes, decoder_start_token, default_max_length,
                                                              is_encoder_decoder, why_not_generative)
@@ -88,9 +89,8 @@ class Decoder:
                 max_new_tokens: int | None = None) -> torch.Tensor:
         """Start a request: the prompt's last logits (batch x vocab). Left padding goes in ``attention_mask``;
         ``max_new_tokens`` picks the cache (None: the largest). With ``prefill_graphs`` the prompt is padded to its
-        bucket first, so the cache holds the bucket: a prompt without padding on the right, as it prefills into an
-        empty cache (:meth:`DecodeLane.prefill_unpadded`), a left-padded batch on the left."""
-        unpadded = attention_mask is None or bool(attention_mask.all())  # a host sync, once per request
+        bucket first: on the right where it prefills into an empty cache (:meth:`DecodeLane.prefill_into_empty_cache`),
+        else on the left, masked, and the cache then holds the bucket."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         self.batch = input_ids.shape[0]
@@ -103,19 +103,18 @@ class Decoder:
         slots = self._prompt_slots(input_ids.shape[1], max_new_tokens)
         total = slots + (max_new_tokens if max_new_tokens is not None else 0)
         self.lane = self._lane(self.batch, total if max_new_tokens is not None else self.max_length)
-        if unpadded and self.lane.takes_unpadded_prompts:
-            return self.lane.prefill_unpadded(_pad_rows(input_ids, self.lane.batch), slots)[:self.batch]
-        self._note_masked_prefill(unpadded)
-        input_ids, attention_mask = left_padded(input_ids, attention_mask, slots)
         padded_ids, padded_mask = (_pad_rows(t, self.lane.batch) for t in (input_ids, attention_mask))
-        return self.lane.prefill(padded_ids, padded_mask)[:self.batch]
-
-    def _note_masked_prefill(self, unpadded: bool) -> None:
-        """Once: why an unpadded prompt attends over the static cache through a mask instead of causally."""
-        note = (f"generation: prompts prefill over the static cache through a mask, not causally into an empty "
-                f"cache: {self.lane.empty_cache_refusal}") if unpadded else ""
-        if note and note not in self.notes:
+        why_masked = self.lane.empty_cache_refusal or ("" if is_left_padded(attention_mask) else
+                                                       "its attention mask is not left padding (a row with a hole, "
+                                                       "or without a token at its end)")
+        if not why_masked:
+            return self.lane.prefill_into_empty_cache(padded_ids, padded_mask, slots)[:self.batch]
+        note = f"generation: a prompt prefilled over the static cache through its mask, not into an empty cache: " \
+               f"{why_masked}"
+        if note not in self.notes:
             self.notes.append(note)
+        padded_ids, padded_mask = left_padded(padded_ids, padded_mask, slots)
+        return self.lane.prefill(padded_ids, padded_mask)[:self.batch]
 
     def _prompt_slots(self, prompt_length: int, max_new_tokens: int | None) -> int:
         """Cache slots a prompt takes: with prefill graphs its bucket, where the cache leaves room for it and one new
@@ -215,12 +214,9 @@ class Decoder:
     def warm_up(self, batch_sizes: Sequence[int] = (1, 2), cache_lengths: Sequence[int] = (_CACHE_STEP,),
                 progress: bool = True) -> float:
         """Compile and capture ahead of requests, with a progress bar: a short greedy request per (batch size, cache
-        length). Batch 1 and one larger batch compile every graph the decoder needs (its prefills and step take any
-        length and any larger batch): a batch of one unpadded prompt (the prefill into an empty cache, which serves
-        every batch) and a larger batch with a left-padded row (the masked prefill; a single left-padded prompt
-        would compile its own). Other lanes then only allocate their cache and capture. With prefill graphs, each
-        lane's buckets of unpadded prompts are captured too (a left-padded batch's, at first use). Returns
-        seconds."""
+        length). Batch 1 and one larger batch compile every graph the decoder needs (its prefill and step take any
+        length, any larger batch and any left padding); other lanes then only allocate their cache and capture. With
+        prefill graphs, each lane's prefill buckets are captured too. Returns seconds."""
         started = time.perf_counter()
         # A model whose max_length is under a length asked for warms up its longest lane instead.
         pairs = list(dict.fromkeys((b, min(n, self.max_length)) for b in batch_sizes for n in cache_lengths))
@@ -231,8 +227,7 @@ class Decoder:
                 bar.update(task, description=f"generation warm-up: {batch} sequences x {length} tokens")
                 prompt = torch.ones(batch, 8, dtype=torch.long, device=self._device())
                 new_tokens = length - self._prompt_slots(prompt.shape[1], None)  # the request fills the lane asked for
-                self._loop(self.prefill(prompt, _left_padded_last_row(prompt), max_new_tokens=new_tokens),
-                           max_new_tokens=3)
+                self._loop(self.prefill(prompt, torch.ones_like(prompt), max_new_tokens=new_tokens), max_new_tokens=3)
                 if self.prefill_graphs:
                     self._capture_prefill_buckets(batch, length)
                 bar.advance(task)
@@ -334,14 +329,6 @@ def _prefill_buckets(lane: DecodeLane) -> str:
     """``, prefills replayed at 16, 512 tokens`` for a lane whose prefill graphs were captured, else ``""``."""
     lengths = lane.prefill_graphs.captured_lengths() if lane.prefill_graphs is not None else []
     return f", prefills replayed at {', '.join(map(str, lengths))} tokens" if lengths else ""
-
-
-def _left_padded_last_row(prompt: torch.Tensor) -> torch.Tensor:
-    """An attention mask for ``prompt`` whose last row, if there are several, has one token of left padding."""
-    mask = torch.ones_like(prompt)
-    if prompt.shape[0] > 1:
-        mask[-1, 0] = 0
-    return mask
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:

@@ -1,19 +1,22 @@
-"""Prefills of unpadded prompts into an empty cache: causal attention over the prompt, not a mask over the cache.
+"""Prefills into an empty cache: causal attention over the prompt, not a mask over the static cache.
 
 A lane's prefill over its static cache attends from every prompt token to every cache slot through a mask:
 transformers drops the mask (SDPA's ``is_causal``: flash and cuDNN kernels that skip the blocks above the diagonal,
-over the prompt's keys only) only where it can read on the host that the cache is empty, which a traced call over a
-static cache, whose token counter is a tensor, cannot. So a prompt whose rows have no padding runs into a fresh
+over the prompt's keys only) only where it can read on the host that the cache is empty and nothing is padded, which
+a traced call over a static cache, whose token counter is a tensor, cannot. So the prompt runs into a fresh
 ``DynamicCache`` (:class:`EmptyCachePrefill`): its length is a Python 0 while tracing, and transformers passes
-``is_causal`` or builds a causal mask over the prompt alone, which the attention pass proves causal. Its keys and
-values are then copied into the lane's static cache (:func:`fill_static_cache`).
+``is_causal`` or builds a causal mask over the prompt alone, which the attention pass proves causal.
 
-Prompt buckets (prefill graphs) pad such a prompt on the right, where causal attention keeps the padding from every
-real token: the logits are read at the last real token, the cache's counters stop after it, and decoding overwrites
-the padding's slots (masked until then). Left-padded batches keep the masked prefill over the static cache.
+Padding would need a mask, so each row is rolled first (:func:`rolled_prompt`): a left-padded row's tokens move to
+the front, its padding (and a prompt bucket's, :mod:`~kernel_pytorch.features.generation.prefill_graphs`) after them,
+where causal attention keeps it from every real token; positions count from 0 as the left-padded row's do. The logits
+are read at each row's last real token, and the keys and values are scattered back to the left-padded layout in the
+lane's static cache (:func:`fill_static_cache`), so the decode steps see what a masked prefill would have left there.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -21,20 +24,21 @@ import torch.nn as nn
 from kernel_pytorch.compiled_call import call_module
 from kernel_pytorch.features.generation.model_calls import cache_keyword, is_encoder_decoder, takes_logits_to_keep
 
-__all__ = ["EmptyCachePrefill", "empty_cache_refusal", "static_layers_refusal", "fill_static_cache"]
+__all__ = ["EmptyCachePrefill", "RolledPrompt", "empty_cache_refusal", "static_layers_refusal", "is_left_padded",
+           "rolled_prompt", "fill_static_cache"]
 
 
 def empty_cache_refusal(model: nn.Module) -> str:
-    """Why ``model``'s unpadded prompts cannot prefill into an empty cache, or ``""``."""
+    """Why ``model``'s prompts cannot prefill into an empty cache, or ``""``."""
     if is_encoder_decoder(model):
         return "an encoder-decoder's decoder prompt is its start token"
     if not takes_logits_to_keep(model):
         return f"{type(model).__name__}.forward takes no logits_to_keep (the last real token's logits)"
     try:
-        from transformers import DynamicCache  # noqa: F401
+        import transformers
     except ImportError:
-        return "this transformers version has no DynamicCache"
-    return ""
+        return "transformers is not installed"
+    return "" if hasattr(transformers, "DynamicCache") else "this transformers version has no DynamicCache"
 
 
 def static_layers_refusal(layers: list) -> str:
@@ -47,11 +51,40 @@ def static_layers_refusal(layers: list) -> str:
     return ""
 
 
+def is_left_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether each row of ``attention_mask`` is padding then tokens, with a token last (a host sync)."""
+    steps = attention_mask[:, 1:].long() - attention_mask[:, :-1].long()
+    return bool(((steps >= 0).all() & attention_mask[:, -1].bool().all()).item())
+
+
+class RolledPrompt(NamedTuple):
+    """A left-padded prompt's rows rolled to start with their tokens (``input_ids``, ``positions``: row by row from
+    0), where each rolled column's slot in the left-padded layout is ``slot_of``, and each row's last token is
+    ``last``; ``written``: the prompt's width, the slots the cache holds afterwards (one element)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    last: torch.Tensor
+    slot_of: torch.Tensor
+    written: torch.Tensor
+
+
+def rolled_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, written: torch.Tensor) -> RolledPrompt:
+    """The rows of a left-padded prompt (``input_ids``, ``attention_mask``: batch x S, the prompt in the first
+    ``written`` columns and zeros after, as a prompt bucket pads it) rolled left by their padding; no host sync."""
+    slots = input_ids.shape[1]
+    tokens = attention_mask.sum(-1)
+    columns = torch.arange(slots, device=input_ids.device)
+    slot_of = (columns + (written - tokens).unsqueeze(1)) % slots
+    positions = columns.repeat(input_ids.shape[0], 1)  # a tensor of its own: a view's base would be guarded on
+    return RolledPrompt(input_ids.gather(1, slot_of), positions, tokens - 1, slot_of, written)
+
+
 class EmptyCachePrefill(nn.Module):
-    """``model`` run on a prompt with no padding into a fresh transformers ``DynamicCache``: returns the logits of
-    position ``last_position`` (a one-element index tensor: the last real token of a right-padded prompt) and each
-    layer's keys and values. The model is held, not registered (the report names its modules
-    ``causal_lm.model.layers.0...``): this wrapper has no parameters or state of its own."""
+    """``model`` run on prompt rows without padding (but at their end) into a fresh transformers ``DynamicCache``:
+    returns the logits of each row's position ``last_position[row]`` and each layer's keys and values. The model is
+    held, not registered (the report names its modules ``causal_lm.model.layers.0...``): this wrapper has no
+    parameters or state of its own."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -65,17 +98,20 @@ class EmptyCachePrefill(nn.Module):
         cache = DynamicCache()
         output = call_module(self.causal_lm, input_ids=input_ids, position_ids=position_ids, use_cache=True,
                              logits_to_keep=last_position, **{self.keyword: cache})
+        # logits_to_keep picks the same positions in every row: row r's own is the diagonal's r-th
+        logits = output.logits.diagonal(dim1=0, dim2=1).transpose(0, 1)
         layers = cache.layers
-        return (output.logits[:, 0], tuple(layer.keys for layer in layers), tuple(layer.values for layer in layers))
+        return logits, tuple(layer.keys for layer in layers), tuple(layer.values for layer in layers)
 
 
 def fill_static_cache(layers: list, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...],
-                      tokens: torch.Tensor) -> None:
-    """Each static layer's first slots set to the prefill's keys and values, and its token counter to ``tokens`` (a
-    one-element tensor: the real tokens, so the next token goes right after them)."""
-    count = tokens.reshape(())
+                      slot_of: torch.Tensor, written: torch.Tensor) -> None:
+    """Each static layer's first slots set to the rolled prefill's keys and values, column ``j`` of row ``r`` at slot
+    ``slot_of[r, j]`` (a permutation per row), and its token counter to ``written`` (one element)."""
+    count = written.reshape(())
     for layer, key, value in zip(layers, keys, values, strict=True):
+        index = slot_of[:, None, :, None].expand_as(key)
         length = key.shape[2]
-        layer.keys[:, :, :length].copy_(key)
-        layer.values[:, :, :length].copy_(value)
+        layer.keys[:, :, :length].scatter_(2, index, key)
+        layer.values[:, :, :length].scatter_(2, index, value)
         layer.cumulative_length.copy_(count)

@@ -22,7 +22,8 @@ from kernel_pytorch.compiled_call import RecompileLimitWatch, call_module, compi
 from kernel_pytorch.errors import first_line
 from kernel_pytorch.cuda_graph_capture import capture_after_warm_up
 from kernel_pytorch.features.generation.empty_cache_prefill import (EmptyCachePrefill, empty_cache_refusal,
-                                                                    fill_static_cache, static_layers_refusal)
+                                                                    fill_static_cache, rolled_prompt,
+                                                                    static_layers_refusal)
 from kernel_pytorch.features.generation.sampling import SamplingSettings, draw, warped_scores
 from kernel_pytorch.features.generation.model_calls import (cache_keyword, is_encoder_decoder, new_static_cache,
                                                              takes_logits_to_keep)
@@ -44,7 +45,7 @@ class ModelCalls:
     prefill: Callable[..., Any]
     step: Callable[..., Any]
     encode: Callable[..., Any]  # an encoder-decoder's encoder: ``encode(encoder, **kwargs)``
-    # an unpadded prompt into an empty cache (:class:`EmptyCachePrefill`, its keyword arguments), or None: why not
+    # a prompt into an empty cache (:class:`EmptyCachePrefill`, its keyword arguments), or None: why not
     empty_cache_prefill: Callable[..., Any] | None = None
     empty_cache_refusal: str = ""
 
@@ -87,9 +88,8 @@ class ModelCalls:
             watch = RecompileLimitWatch(f"the generation {what} of {type(model).__name__}", note)
             return _traced_with_constants(compiled_entry(module, module_backend, dynamic=True), watch, any_batch)
 
-        # The empty-cache prefill serves every batch from one graph: it has no mask, whose batch of 1 the masked
-        # prefill's SDPA call guards on (docs/usage.md, prefill_any_batch), so its warm-up traces it once.
-        empty = entry(empty_cache, once_per_request, True, "prefill into an empty cache") if empty_cache else None
+        empty = entry(empty_cache, once_per_request, prefill_any_batch, "prefill into an empty cache") \
+            if empty_cache else None
         return cls(entry(model, once_per_request, prefill_any_batch, "prefill"),
                    entry(model, per_step, False, "decode step"),
                    entry(encoder, once_per_request, prefill_any_batch, "encoder"),
@@ -270,43 +270,44 @@ class DecodeLane:
         return self._forward(self.prefill_call, input_ids, positions, prefill=True).logits[:, -1]
 
     @property
-    def takes_unpadded_prompts(self) -> bool:
-        """Whether :meth:`prefill_unpadded` serves this lane (else :attr:`empty_cache_refusal` says why not)."""
+    def takes_empty_cache_prefills(self) -> bool:
+        """Whether :meth:`prefill_into_empty_cache` serves this lane (else :attr:`empty_cache_refusal` says why)."""
         return not self.empty_cache_refusal
 
-    def prefill_unpadded(self, input_ids: torch.Tensor, slots: int) -> torch.Tensor:
-        """Start a request whose rows have no padding: the prompt (``batch`` x P) runs into an empty cache with causal
-        attention (:mod:`~kernel_pytorch.features.generation.empty_cache_prefill`), right-padded to ``slots`` tokens
-        (its bucket, or P); returns the last real token's logits, as :meth:`prefill` does. The next step is position
-        P, written at slot P over the padding's. The cache is not reset: every slot after the prompt stays masked
-        until a step writes it."""
-        prompt_length = input_ids.shape[1]
-        slots = max(slots, prompt_length, 2)  # one right pad at least: a length of 1 would be a graph of its own
+    def prefill_into_empty_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, slots: int
+                                 ) -> torch.Tensor:
+        """:meth:`prefill` for rows padded on the left only (:func:`is_left_padded`), with causal attention into an
+        empty cache (:mod:`~kernel_pytorch.features.generation.empty_cache_prefill`): the rows rolled to start with
+        their tokens and padded on the right to ``slots`` tokens (the prompt's bucket, or its width). The cache then
+        holds the prompt's width P as :meth:`prefill` leaves it, and the next step is slot P. The cache is not reset:
+        every slot after the prompt stays masked until a step writes it."""
+        width = input_ids.shape[1]
+        slots = max(slots, width, 2)  # one column of padding at least: a width of 1 would be a graph of its own
         if slots >= self.length:
             raise ValueError(f"a prompt of {slots} tokens does not fit the KV cache of {self.length} tokens")
         self.hits += 1
         self.mask.zero_()
-        self.mask[:, :prompt_length] = 1
-        padded = torch.nn.functional.pad(input_ids, (0, slots - prompt_length))
-        positions = torch.arange(slots, device=input_ids.device).repeat(input_ids.shape[0], 1)  # strides as the ids
-        last = torch.full((1,), prompt_length - 1, dtype=torch.long, device=input_ids.device)
-        inputs = (padded, positions, last)
+        self.mask[:, :width] = attention_mask
+        right = (0, slots - width)
+        inputs = (torch.nn.functional.pad(input_ids, right), torch.nn.functional.pad(attention_mask, right),
+                  torch.full((1,), width, dtype=torch.long, device=input_ids.device))
         if self.prefill_graphs is None:
             logits = self._empty_cache_prefill_forward(*inputs)
         else:
             logits = self.prefill_graphs.run(self._empty_cache_prefill_forward, inputs, lambda: None, "empty cache")
-        self.positions.fill_(prompt_length)
-        self.write_index.fill_(prompt_length)
-        self.next_slot, self.prefilled_slots = prompt_length, slots
+        self.positions.copy_(attention_mask.sum(-1, keepdim=True))
+        self.write_index.fill_(width)
+        self.next_slot, self.prefilled_slots = width, slots
         return logits
 
-    def _empty_cache_prefill_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor
-                                     ) -> torch.Tensor:
-        _own_symbol([input_ids, positions], dim=1)  # the prompt's length (see _mark_sizes)
-        _mark_static([last], dims=(0,))  # one index: not duck-sized with a batch of 1
-        logits, keys, values = self.empty_cache_prefill(input_ids=input_ids, position_ids=positions,
-                                                        last_position=last)
-        fill_static_cache(self._cache_layers(), keys, values, last + 1)
+    def _empty_cache_prefill_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                     written: torch.Tensor) -> torch.Tensor:
+        """What a prefill into an empty cache does, captured as is: roll, run the model, scatter into the cache."""
+        rolled = rolled_prompt(input_ids, attention_mask, written)
+        _own_symbol([rolled.input_ids, rolled.positions], dim=1)  # the prompt's length (see _mark_sizes)
+        logits, keys, values = self.empty_cache_prefill(input_ids=rolled.input_ids, position_ids=rolled.positions,
+                                                        last_position=rolled.last)
+        fill_static_cache(self._cache_layers(), keys, values, rolled.slot_of, written)
         return logits
 
     # -- decode steps ----------------------------------------------------------------------------------------
