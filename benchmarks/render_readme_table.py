@@ -558,6 +558,8 @@ SUITES: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "decode_quick_uncompiled_prefill.json": ("Generation with the prefill uncompiled (--quick)", render_decode),
     "decode_quick_compiled_prefill.json": ("Generation with the prefill compiled (--quick)", render_decode),
     "decode_quick_7b_h100.json": ("Generation, 7B-class (--quick)", render_decode),
+    "decode_quick_7b_symbolic_gemv_h100.json": ("Generation, 7B-class, symbolic_batch_gemv on (--quick)",
+                                                render_decode),
     "decode_quick_7b_pdl_off_h100.json": ("Generation, 7B-class, without programmatic dependent launch (--quick)",
                                           render_decode),
     "decode_quick_pdl_h100.json": ("Generation, 1B-class, programmatic dependent launch (--quick)", render_decode),
@@ -568,7 +570,8 @@ SUITES: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
 }
 OPTIONAL_SUITES = ("memory.json", "memory_quick.json", "decode_quick.json", "decode_quick_prefill_graphs_ab.json",
                    "decode_quick_uncompiled_prefill.json", "decode_quick_compiled_prefill.json",
-                   "decode_quick_7b_h100.json", "decode_quick_7b_pdl_off_h100.json", "decode_quick_pdl_h100.json",
+                   "decode_quick_7b_h100.json", "decode_quick_7b_symbolic_gemv_h100.json",
+                   "decode_quick_7b_pdl_off_h100.json", "decode_quick_pdl_h100.json",
                    "decode_quick_cold.json",
                    "decode_quick_h200.json", "decode_quick_7b_h200.json", "variable_shapes.json")
 TUNING: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
