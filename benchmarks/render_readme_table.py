@@ -563,6 +563,7 @@ SUITES: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "decode_quick_7b_pdl_off_h100.json": ("Generation, 7B-class, without programmatic dependent launch (--quick)",
                                           render_decode),
     "decode_quick_pdl_h100.json": ("Generation, 1B-class, programmatic dependent launch (--quick)", render_decode),
+    "decode_quick_symbolic_gemv_h100.json": ("Generation, 1B-class, symbolic_batch_gemv on (--quick)", render_decode),
     "decode_quick_cold.json": ("Generation warm-up with cold caches (--quick, optimize only)", render_decode),
     "decode_quick_h200.json": ("Generation on an H200 (--quick, 1B-class)", render_decode),
     "decode_quick_7b_h200.json": ("Generation on an H200 (--quick, 7B-class)", render_decode),
@@ -572,6 +573,7 @@ OPTIONAL_SUITES = ("memory.json", "memory_quick.json", "decode_quick.json", "dec
                    "decode_quick_uncompiled_prefill.json", "decode_quick_compiled_prefill.json",
                    "decode_quick_7b_h100.json", "decode_quick_7b_symbolic_gemv_h100.json",
                    "decode_quick_7b_pdl_off_h100.json", "decode_quick_pdl_h100.json",
+                   "decode_quick_symbolic_gemv_h100.json",
                    "decode_quick_cold.json",
                    "decode_quick_h200.json", "decode_quick_7b_h200.json", "variable_shapes.json")
 TUNING: dict[str, tuple[str, Callable[[dict], list[str]]]] = {

@@ -247,9 +247,9 @@ class GenerationConfig(ConfigModel):
     prefill_graphs: bool | Literal["auto"] = Field(
         "auto", description="Pad a causal LM's prompt to a power-of-two bucket of at least 16 tokens and replay its "
         "prefill from a CUDA graph captured per lane and bucket, so that the first token does not wait for the host "
-        "to issue the prefill's launches. A prompt without padding is padded on the right (its prefill into an empty "
-        "cache attends causally, so the padding reaches no real token; decoding overwrites its slots); a left-padded "
-        "batch on the left, masked, and its cache then holds the bucket rather than the prompt. "
+        "to issue the prefill's launches. The padding goes after each row's tokens (the prefill into an empty cache "
+        "attends causally, so it reaches no real token, and decoding overwrites its slots); a prompt left on the "
+        "masked prefill (a mask that is not left padding) is padded on the left, and its cache holds the bucket. "
         "'auto': on where the decode steps replay CUDA graphs on a CUDA device (elsewhere the padding would only add "
         "work). Models whose cache counts tokens on the host (static sliding-window layers) keep uncaptured "
         "prefills, with a report line."

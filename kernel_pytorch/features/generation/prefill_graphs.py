@@ -2,9 +2,11 @@
 
 The compiled prefill takes any prompt length (dynamic shapes), but Python issues each of its launches, and on a GPU
 the time to first token is mostly that host work (docs/usage.md has the host profile's figures). Here a prompt is
-left-padded up to its bucket, a power of two of at least ``MIN_BUCKET`` tokens, with the padding masked as a
-left-padded batch row's is, and the bucket's captured graph replays the whole prefill. The decoder pads
-(:func:`padded_prompt_length`, :func:`left_padded`) and sizes the lane's cache for the bucket plus the new tokens.
+padded up to its bucket, a power of two of at least ``MIN_BUCKET`` tokens, and the bucket's captured graph replays the
+whole prefill: after each row's tokens for a prefill into an empty cache
+(:meth:`~kernel_pytorch.features.generation.lane.DecodeLane.prefill_into_empty_cache`), on the left and masked for the
+masked prefill (:func:`left_padded`). The decoder picks the bucket (:func:`padded_prompt_length`) and sizes the lane's
+cache for the bucket plus the new tokens.
 
 Not captured, with the reason kept: caches whose layers count written tokens in a host integer (transformers' static
 sliding-window layers), which a replay would not advance.
