@@ -53,6 +53,7 @@ def test_the_prefill_attends_causally_without_a_mask():
         optimized.generate(input_ids, attention_mask=attention_mask, max_new_tokens=3, do_sample=False)
     # the prefill and the decode step at batch 1 and at 2+ (padded rows or not)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 4
+    assert any("prompts prefill into an empty cache with causal attention" in n for n in report_of(optimized).notes)
     attention = [r for r in report_of(optimized).rewrites if r.pass_name == "attention"]
     assert attention and all(r.location.startswith("causal_lm.") for r in attention)  # the prefill's own layers
     assert all("causal" in r.replacement and "no mask" in r.replacement for r in attention), attention

@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from kernel_pytorch.config import OptimizeConfig
 from kernel_pytorch.features.base import Feature, OptimizeRun, register_feature
+from kernel_pytorch.features.generation.empty_cache_prefill import empty_cache_refusal
 from kernel_pytorch.features.generation.fast_generate import FastGenerate
 from kernel_pytorch.features.generation.model_calls import why_not_generative
 
@@ -31,5 +32,6 @@ class GenerationFeature(Feature):
         config = run.config.generation
         graphs = "compiled" if config.cuda_graphs is False else "replayed from CUDA graphs" if \
             config.prefill_graphs is False else "and prefills (in prompt-length buckets) replayed from CUDA graphs"
+        prefill = "" if empty_cache_refusal(model) else "; prompts prefill into an empty cache with causal attention"
         run.report.notes.append(f"generation: generate() (greedy, sampling) runs a static-KV-cache loop, decode "
-                                f"steps {graphs} on CUDA (kernel_pytorch.features.generation)")
+                                f"steps {graphs} on CUDA{prefill} (kernel_pytorch.features.generation)")

@@ -124,11 +124,21 @@ def _allocated_cache(model: nn.Module, batch: int, length: int, device: torch.de
 def _kv_shape(model: nn.Module) -> tuple[int, int, int]:
     """(decoder layers, key/value heads, head dim) of the model's caches."""
     config = model.config.get_text_config(decoder=True)
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    heads = _kv_heads(config)
     head_dim = (getattr(config, "head_dim", None) or getattr(config, "d_kv", None)
                 or config.hidden_size // config.num_attention_heads)
     layers = getattr(config, "num_decoder_layers", None) or config.num_hidden_layers
     return layers, heads, head_dim
+
+
+def _kv_heads(config: Any) -> int:
+    """Key/value heads per layer. Falcon names them ``num_kv_heads``, and its attention keeps one head where
+    ``multi_query`` is set (its default) and every query head with ``new_decoder_architecture``."""
+    if getattr(config, "model_type", None) == "falcon":
+        if config.new_decoder_architecture:
+            return config.num_attention_heads
+        return 1 if config.multi_query else config.num_kv_heads
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def cache_bytes(model: nn.Module, batch: int, length: int, dtype: torch.dtype) -> int:
