@@ -26,7 +26,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernel_pytorch  # noqa: E402
 from benchmarks.decode import MODEL_SIZES  # noqa: E402
-from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls  # noqa: E402
+from kernel_pytorch.features.generation.lane import DecodeLane  # noqa: E402
+from kernel_pytorch.features.generation.model_entries import ModelCalls  # noqa: E402
 
 
 def llama(size: str, layers: int | None) -> torch.nn.Module:

@@ -231,8 +231,8 @@ def test_a_generation_call_reaching_the_recompile_limit_warns_and_reports(monkey
     model = causal_lm("llama")
     reference = copy.deepcopy(model)
     model = kernel_pytorch.optimize(model, generation=True)
-    with torch._dynamo.config.patch(recompile_limit=1), \
-            pytest.warns(RecompileLimitWarning, match="inside the generation (prefill into an empty cache|decode step) of Llama") as caught:
+    warned = "inside the generation (prefill into an empty cache|decode step) of Llama"
+    with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(RecompileLimitWarning, match=warned) as caught:
         for batch in (1, 3):  # batch 1's graphs, then batch 2+'s: a second variant of each entry
             input_ids, attention_mask = left_padded_prompts(batch, 6)
             tokens = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False)

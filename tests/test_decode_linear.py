@@ -18,7 +18,8 @@ import transformers
 from torch import nn
 
 from kernel_pytorch.config import OptimizeConfig
-from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls
+from kernel_pytorch.features.generation.lane import DecodeLane
+from kernel_pytorch.features.generation.model_entries import ModelCalls
 from kernel_pytorch.hardware import detect_hardware
 from kernel_pytorch.passes import PassContext, PassManager, get_pass
 from kernel_pytorch.passes.graph_utils import clone_graph_module

@@ -26,7 +26,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kernel_pytorch.cuda_graph_capture import ModuleState, module_state, registered_hook
 from kernel_pytorch.features.generation.empty_cache_prefill import is_left_padded
-from kernel_pytorch.features.generation.lane import DecodeLane, ModelCalls
+from kernel_pytorch.features.generation.lane import DecodeLane
+from kernel_pytorch.features.generation.model_entries import ModelCalls
 from kernel_pytorch.features.generation.model_calls import (cache_bytes, decoder_start_token, default_max_length,
                                                              is_encoder_decoder, why_not_generative)
 from kernel_pytorch.features.generation.prefill_graphs import buckets_below, left_padded, padded_prompt_length
