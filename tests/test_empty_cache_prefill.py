@@ -15,8 +15,8 @@ import kernel_pytorch
 from kernel_pytorch import Decoder, report_of
 from kernel_pytorch.features.generation import empty_cache_prefill
 from kernel_pytorch.features.generation.empty_cache_prefill import (EmptyCachePrefill, empty_cache_refusal,
-                                                                    fill_static_cache, is_left_padded, rolled_prompt,
-                                                                    static_layers_refusal)
+                                                                    is_left_padded, rolled_prompt, scatter_into,
+                                                                    set_token_counters, static_layers_refusal)
 from kernel_pytorch.features.generation.model_calls import new_static_cache
 from kernel_pytorch.features.generation.prefill_graphs import prompt_bucket
 
@@ -110,7 +110,9 @@ def test_rows_are_rolled_to_start_with_their_tokens_and_go_back_to_their_slots()
     layers = list(new_static_cache(causal_lm("llama"), 2, 32, torch.device("cpu"), torch.float32).layers)
     keys = tuple(torch.randn(2, 2, 6, 16) for _ in layers)
     values = tuple(torch.randn(2, 2, 6, 16) for _ in layers)
-    fill_static_cache(layers, keys, values, rolled.slot_of, rolled.written)
+    for layer, key, value in zip(layers, keys, values):
+        scatter_into(layer, key, value, rolled.slot_of)
+    set_token_counters(layers, rolled.written)
     for layer, key, value in zip(layers, keys, values):
         assert torch.equal(layer.keys[0, :, :4], key[0, :, :4]) and torch.equal(layer.values[0, :, :4], value[0, :, :4])
         # row 1's two tokens back at slots 2 and 3, as in the left-padded layout the decode steps read

@@ -10,13 +10,15 @@ a traced call over a static cache, whose token counter is a tensor, cannot. So t
 Padding would need a mask, so each row is rolled first (:func:`rolled_prompt`): a left-padded row's tokens move to
 the front, its padding (and a prompt bucket's, :mod:`~kernel_pytorch.features.generation.prefill_graphs`) after them,
 where causal attention keeps it from every real token; positions count from 0 as the left-padded row's do. The logits
-are read at each row's last real token, and the keys and values are scattered back to the left-padded layout in the
-lane's static cache (:func:`fill_static_cache`), so the decode steps see what a masked prefill would have left there.
+are read at each row's last real token. The fresh cache's layers keep nothing: each layer's keys and values go
+straight to the lane's static cache, scattered back to the left-padded layout (:func:`scatter_into`), so the decode
+steps see what a masked prefill would have left there, and no layer's prompt keys outlive its attention.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -25,7 +27,7 @@ from kernel_pytorch.compiled_call import call_module
 from kernel_pytorch.features.generation.model_calls import cache_keyword, is_encoder_decoder, takes_logits_to_keep
 
 __all__ = ["EmptyCachePrefill", "RolledPrompt", "empty_cache_refusal", "static_layers_refusal", "is_left_padded",
-           "rolled_prompt", "fill_static_cache"]
+           "rolled_prompt", "scatter_into", "set_token_counters"]
 
 
 def empty_cache_refusal(model: nn.Module) -> str:
@@ -81,37 +83,59 @@ def rolled_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, written
 
 
 class EmptyCachePrefill(nn.Module):
-    """``model`` run on prompt rows without padding (but at their end) into a fresh transformers ``DynamicCache``:
-    returns the logits of each row's position ``last_position[row]`` and each layer's keys and values. The model is
-    held, not registered (the report names its modules ``causal_lm.model.layers.0...``): this wrapper has no
-    parameters or state of its own."""
+    """``model`` run on prompt rows without padding (but at their end) with a fresh transformers ``DynamicCache``
+    whose layers write through to ``static_layers`` (column ``j`` of row ``r`` at slot ``slot_of[r, j]``): returns
+    the logits of each row's position ``last_position[row]``. The model is held, not registered (the report names its
+    modules ``causal_lm.model.layers.0...``): this wrapper has no parameters or state of its own."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.__dict__["causal_lm"] = model  # not a submodule: this wrapper's state_dict and parameters() stay empty
         self.keyword = cache_keyword(model)
+        self.write_through_layer = _write_through_layer_class()  # defined here: TorchDynamo cannot trace a class body
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, last_position: torch.Tensor
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, last_position: torch.Tensor,
+                slot_of: torch.Tensor, static_layers: list) -> torch.Tensor:
         from transformers import DynamicCache
 
         cache = DynamicCache()
+        cache.layers = [self.write_through_layer(layer, slot_of) for layer in static_layers]
         output = call_module(self.causal_lm, input_ids=input_ids, position_ids=position_ids, use_cache=True,
                              logits_to_keep=last_position, **{self.keyword: cache})
         # logits_to_keep picks the same positions in every row: row r's own is the diagonal's r-th
-        logits = output.logits.diagonal(dim1=0, dim2=1).transpose(0, 1)
-        layers = cache.layers
-        return logits, tuple(layer.keys for layer in layers), tuple(layer.values for layer in layers)
+        return output.logits.diagonal(dim1=0, dim2=1).transpose(0, 1)
 
 
-def fill_static_cache(layers: list, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...],
-                      slot_of: torch.Tensor, written: torch.Tensor) -> None:
-    """Each static layer's first slots set to the rolled prefill's keys and values, column ``j`` of row ``r`` at slot
-    ``slot_of[r, j]`` (a permutation per row), and its token counter to ``written`` (one element)."""
+@functools.cache
+def _write_through_layer_class() -> type:
+    """A ``DynamicLayer`` that keeps nothing: an update goes to a static layer's slots, and the attention reads the
+    prompt's own keys and values. Empty to transformers (a Python 0 while tracing), so it attends causally."""
+    from transformers.cache_utils import DynamicLayer
+
+    class WriteThroughLayer(DynamicLayer):
+        def __init__(self, static_layer: Any, slot_of: torch.Tensor):
+            super().__init__()
+            self.static_layer, self.slot_of = static_layer, slot_of
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+            scatter_into(self.static_layer, key_states, value_states, self.slot_of)
+            return key_states, value_states
+
+    return WriteThroughLayer
+
+
+def scatter_into(layer: Any, key: torch.Tensor, value: torch.Tensor, slot_of: torch.Tensor) -> None:
+    """A static layer's first slots set to a rolled prefill's keys and values, column ``j`` of row ``r`` at slot
+    ``slot_of[r, j]`` (a permutation per row)."""
+    index = slot_of[:, None, :, None].expand_as(key)
+    length = key.shape[2]
+    layer.keys[:, :, :length].scatter_(2, index, key)
+    layer.values[:, :, :length].scatter_(2, index, value)
+
+
+def set_token_counters(layers: list, written: torch.Tensor) -> None:
+    """Each static layer's token counter set to ``written`` (one element): the next token goes after the prompt."""
     count = written.reshape(())
-    for layer, key, value in zip(layers, keys, values, strict=True):
-        index = slot_of[:, None, :, None].expand_as(key)
-        length = key.shape[2]
-        layer.keys[:, :, :length].scatter_(2, index, key)
-        layer.values[:, :, :length].scatter_(2, index, value)
+    for layer in layers:
         layer.cumulative_length.copy_(count)

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from kernel_pytorch.errors import first_line
 from kernel_pytorch.cuda_graph_capture import capture_after_warm_up
-from kernel_pytorch.features.generation.empty_cache_prefill import (fill_static_cache, rolled_prompt,
+from kernel_pytorch.features.generation.empty_cache_prefill import (rolled_prompt, set_token_counters,
                                                                     static_layers_refusal)
 from kernel_pytorch.features.generation.model_entries import ModelCalls
 from kernel_pytorch.features.generation.sampling import SamplingSettings, draw, warped_scores
@@ -215,12 +215,14 @@ class DecodeLane:
 
     def _empty_cache_prefill_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                      written: torch.Tensor) -> torch.Tensor:
-        """What a prefill into an empty cache does, captured as is: roll, run the model, scatter into the cache."""
+        """What a prefill into an empty cache does, captured as is: roll, run the model (its layers write the static
+        cache), set the cache's counters."""
         rolled = rolled_prompt(input_ids, attention_mask, written)
         _own_symbol([rolled.input_ids, rolled.positions], dim=1)  # the prompt's length (see _mark_sizes)
-        logits, keys, values = self.empty_cache_prefill(input_ids=rolled.input_ids, position_ids=rolled.positions,
-                                                        last_position=rolled.last)
-        fill_static_cache(self._cache_layers(), keys, values, rolled.slot_of, written)
+        layers = self._cache_layers()
+        logits = self.empty_cache_prefill(input_ids=rolled.input_ids, position_ids=rolled.positions,
+                                          last_position=rolled.last, slot_of=rolled.slot_of, static_layers=layers)
+        set_token_counters(layers, written)
         return logits
 
     # -- decode steps ----------------------------------------------------------------------------------------
