@@ -190,9 +190,9 @@ def captured_calls(candidates: Mapping[str, Callable[[], object]], warmup: int,
 def weight_copies(make: Callable[[], _Copy], bytes_per_copy: int, device: torch.device) -> list[_Copy]:
     """Copies of a candidate's weights (``make()`` each, ``bytes_per_copy`` bytes), enough that reading them in turn
     reads over twice the device's L2 cache. Timed on the next copy each call (:func:`rotating`), a call reads its
-    weights from memory, as a decode step reads
-    each weight once per token; weights reused call after call stay in the H100's 50 MB L2, and a decision timed
-    that way picked the kernel that was slower in the step (docs/kernels.md, "Decode GEMV")."""
+    weights from memory, as a decode step reads each weight once per token; weights reused call after call stay in
+    the H100's 50 MB L2, and a decision timed that way picked the kernel that was slower in the step
+    (docs/kernels.md, "Decode GEMV")."""
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
     return [make() for _ in range(max(1, -(-2 * l2_bytes // max(bytes_per_copy, 1))))]  # one of twice the L2 or more
 

@@ -16,7 +16,7 @@ from kernel_pytorch import Decoder, report_of
 from kernel_pytorch.features.generation import empty_cache_prefill
 from kernel_pytorch.features.generation.empty_cache_prefill import (EmptyCachePrefill, empty_cache_refusal,
                                                                     is_left_padded, rolled_prompt, scatter_into,
-                                                                    set_token_counters, static_layers_refusal)
+                                                                    static_layers_refusal)
 from kernel_pytorch.features.generation.model_calls import new_static_cache
 from kernel_pytorch.features.generation.prefill_graphs import prompt_bucket
 
@@ -34,6 +34,8 @@ def _check_tokens(optimized, reference, buckets: bool) -> None:
         lane = optimized.generate.decoder.lane
         slots = prompt_bucket(length) if buckets else max(length, 2)  # right padding: a bucket, or one token at least
         assert (lane.prefilled_slots, lane.next_slot) == (slots, length + 11), (batch, length)
+        # the prefill set every layer's counter after the prompt; each step advanced it
+        assert [int(counter) for counter in lane._cache_counters()] == [length + 11] * len(lane._cache_layers())
 
 
 @pytest.mark.parametrize("family, buckets", [(family, False) for family in
@@ -112,13 +114,13 @@ def test_rows_are_rolled_to_start_with_their_tokens_and_go_back_to_their_slots()
     values = tuple(torch.randn(2, 2, 6, 16) for _ in layers)
     for layer, key, value in zip(layers, keys, values):
         scatter_into(layer, key, value, rolled.slot_of)
-    set_token_counters(layers, rolled.written)
+    assert int(rolled.written) == 4  # the prompt's width: the slots the cache holds after the prefill
     for layer, key, value in zip(layers, keys, values):
         assert torch.equal(layer.keys[0, :, :4], key[0, :, :4]) and torch.equal(layer.values[0, :, :4], value[0, :, :4])
         # row 1's two tokens back at slots 2 and 3, as in the left-padded layout the decode steps read
         assert torch.equal(layer.keys[1, :, 2:4], key[1, :, :2])
         assert torch.equal(layer.values[1, :, 2:4], value[1, :, :2])
-        assert not layer.keys[:, :, 6:].any() and int(layer.cumulative_length) == 4
+        assert not layer.keys[:, :, 6:].any()
 
 
 def test_the_wrapper_holds_the_model_without_state_of_its_own():

@@ -92,6 +92,7 @@ class Decoder:
         ``max_new_tokens`` picks the cache (None: the largest). With ``prefill_graphs`` the prompt is padded to its
         bucket first: on the right where it prefills into an empty cache (:meth:`DecodeLane.prefill_into_empty_cache`),
         else on the left, masked, and the cache then holds the bucket."""
+        mask_given = attention_mask is not None  # without one nothing is padded: no host check of it below
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         self.batch = input_ids.shape[0]
@@ -105,7 +106,7 @@ class Decoder:
         total = slots + (max_new_tokens if max_new_tokens is not None else 0)
         self.lane = self._lane(self.batch, total if max_new_tokens is not None else self.max_length)
         padded_ids, padded_mask = (_pad_rows(t, self.lane.batch) for t in (input_ids, attention_mask))
-        why_masked = self.lane.empty_cache_refusal or ("" if is_left_padded(attention_mask) else
+        why_masked = self.lane.empty_cache_refusal or ("" if not mask_given or is_left_padded(attention_mask) else
                                                        "its attention mask is not left padding (a row with a hole, "
                                                        "or without a token at its end)")
         if not why_masked:

@@ -27,7 +27,7 @@ from kernel_pytorch.compiled_call import call_module
 from kernel_pytorch.features.generation.model_calls import cache_keyword, is_encoder_decoder, takes_logits_to_keep
 
 __all__ = ["EmptyCachePrefill", "RolledPrompt", "empty_cache_refusal", "static_layers_refusal", "is_left_padded",
-           "rolled_prompt", "scatter_into", "set_token_counters"]
+           "rolled_prompt", "scatter_into"]
 
 
 def empty_cache_refusal(model: nn.Module) -> str:
@@ -36,11 +36,7 @@ def empty_cache_refusal(model: nn.Module) -> str:
         return "an encoder-decoder's decoder prompt is its start token"
     if not takes_logits_to_keep(model):
         return f"{type(model).__name__}.forward takes no logits_to_keep (the last real token's logits)"
-    try:
-        import transformers
-    except ImportError:
-        return "transformers is not installed"
-    return "" if hasattr(transformers, "DynamicCache") else "this transformers version has no DynamicCache"
+    return ""
 
 
 def static_layers_refusal(layers: list) -> str:
@@ -132,10 +128,3 @@ def scatter_into(layer: Any, key: torch.Tensor, value: torch.Tensor, slot_of: to
     length = key.shape[2]
     layer.keys[:, :, :length].scatter_(2, index, key)
     layer.values[:, :, :length].scatter_(2, index, value)
-
-
-def set_token_counters(layers: list, written: torch.Tensor) -> None:
-    """Each static layer's token counter set to ``written`` (one element): the next token goes after the prompt."""
-    count = written.reshape(())
-    for layer in layers:
-        layer.cumulative_length.copy_(count)

@@ -17,8 +17,7 @@ import torch.nn as nn
 
 from kernel_pytorch.errors import first_line
 from kernel_pytorch.cuda_graph_capture import capture_after_warm_up
-from kernel_pytorch.features.generation.empty_cache_prefill import (rolled_prompt, set_token_counters,
-                                                                    static_layers_refusal)
+from kernel_pytorch.features.generation.empty_cache_prefill import rolled_prompt, static_layers_refusal
 from kernel_pytorch.features.generation.model_entries import ModelCalls
 from kernel_pytorch.features.generation.sampling import SamplingSettings, draw, warped_scores
 from kernel_pytorch.features.generation.model_calls import cache_keyword, new_static_cache, takes_logits_to_keep
@@ -161,18 +160,27 @@ class DecodeLane:
             input_ids = torch.cat([torch.zeros_like(input_ids), input_ids], dim=1)
             attention_mask = torch.cat([torch.zeros_like(attention_mask), attention_mask], dim=1)
         prompt_length = input_ids.shape[1]
-        if prompt_length >= self.length:
-            raise ValueError(f"a prompt of {prompt_length} tokens does not fit the KV cache of {self.length} tokens")
-        self.hits += 1
+        self._start_request(prompt_length, attention_mask, prompt_length)
         self.cache.reset()
-        self.mask.zero_()
-        self.mask[:, :prompt_length] = attention_mask
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         logits = self._prefill_logits(input_ids, positions)
-        self.positions.copy_(positions[:, -1:] + 1)
-        self.write_index.fill_(prompt_length)
-        self.next_slot = self.prefilled_slots = prompt_length
+        self._end_prefill(positions[:, -1:] + 1, prompt_length, prompt_length)
         return logits
+
+    def _start_request(self, width: int, attention_mask: torch.Tensor, slots: int) -> None:
+        """A request of ``width`` prompt columns whose prefill runs over ``slots`` cache slots: the mask holds the
+        prompt's columns, nothing after them."""
+        if slots >= self.length:
+            raise ValueError(f"a prompt of {slots} tokens does not fit the KV cache of {self.length} tokens")
+        self.hits += 1
+        self.mask.zero_()
+        self.mask[:, :width] = attention_mask
+
+    def _end_prefill(self, next_positions: torch.Tensor, width: int, slots: int) -> None:
+        """The first step's position per row, and its slot: right after the prompt's ``width`` columns."""
+        self.positions.copy_(next_positions)
+        self.write_index.fill_(width)
+        self.next_slot, self.prefilled_slots = width, slots
 
     def _prefill_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.prefill_graphs is None:
@@ -196,11 +204,7 @@ class DecodeLane:
         every slot after the prompt stays masked until a step writes it."""
         width = input_ids.shape[1]
         slots = max(slots, width, 2)  # one column of padding at least: a width of 1 would be a graph of its own
-        if slots >= self.length:
-            raise ValueError(f"a prompt of {slots} tokens does not fit the KV cache of {self.length} tokens")
-        self.hits += 1
-        self.mask.zero_()
-        self.mask[:, :width] = attention_mask
+        self._start_request(width, attention_mask, slots)
         right = (0, slots - width)
         inputs = (torch.nn.functional.pad(input_ids, right), torch.nn.functional.pad(attention_mask, right),
                   torch.full((1,), width, dtype=torch.long, device=input_ids.device))
@@ -208,9 +212,7 @@ class DecodeLane:
             logits = self._empty_cache_prefill_forward(*inputs)
         else:
             logits = self.prefill_graphs.run(self._empty_cache_prefill_forward, inputs, lambda: None, "empty cache")
-        self.positions.copy_(attention_mask.sum(-1, keepdim=True))
-        self.write_index.fill_(width)
-        self.next_slot, self.prefilled_slots = width, slots
+        self._end_prefill(attention_mask.sum(-1, keepdim=True), width, slots)
         return logits
 
     def _empty_cache_prefill_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -219,10 +221,11 @@ class DecodeLane:
         cache), set the cache's counters."""
         rolled = rolled_prompt(input_ids, attention_mask, written)
         _own_symbol([rolled.input_ids, rolled.positions], dim=1)  # the prompt's length (see _mark_sizes)
-        layers = self._cache_layers()
         logits = self.empty_cache_prefill(input_ids=rolled.input_ids, position_ids=rolled.positions,
-                                          last_position=rolled.last, slot_of=rolled.slot_of, static_layers=layers)
-        set_token_counters(layers, written)
+                                          last_position=rolled.last, slot_of=rolled.slot_of,
+                                          static_layers=self._cache_layers())
+        for counter in self._cache_counters():  # the next token goes after the prompt
+            counter.copy_(written.reshape(()))
         return logits
 
     # -- decode steps ----------------------------------------------------------------------------------------
