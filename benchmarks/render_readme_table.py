@@ -569,6 +569,7 @@ SUITES: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "decode_quick_h200.json": ("Generation on an H200 (--quick, 1B-class)", render_decode),
     "decode_quick_7b_h200.json": ("Generation on an H200 (--quick, 7B-class)", render_decode),
     "variable_shapes.json": ("Variable-shape serving (issue 27)", render_variable_shapes),
+    "variable_shapes_recheck_h100.json": ("Variable-shape serving, re-checked against eager", render_variable_shapes),
 }
 OPTIONAL_SUITES = ("memory.json", "memory_quick.json", "decode_quick.json", "decode_quick_prefill_graphs_ab.json",
                    "decode_quick_uncompiled_prefill.json", "decode_quick_compiled_prefill.json",
@@ -577,7 +578,8 @@ OPTIONAL_SUITES = ("memory.json", "memory_quick.json", "decode_quick.json", "dec
                    "decode_quick_7b_pdl_off_h100.json", "decode_quick_pdl_h100.json",
                    "decode_quick_symbolic_gemv_h100.json",
                    "decode_quick_cold.json",
-                   "decode_quick_h200.json", "decode_quick_7b_h200.json", "variable_shapes.json")
+                   "decode_quick_h200.json", "decode_quick_7b_h200.json", "variable_shapes.json",
+                   "variable_shapes_recheck_h100.json")
 TUNING: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "tune_row_kernels.json": ("Row kernels (norms, activations, RoPE)", render_tune_row_kernels),
     "tune_float8_amax.json": ("FP8 amax kernel", render_tune_float8_amax),
@@ -835,8 +837,8 @@ def _decode_row(results: Path) -> tuple[list[str], str]:
     entry = data["models"]["1b"]
     ours = entry["providers"]["optimize"]["batches"]["1"]
     loop = entry["providers"]["static loop (reduce-overhead)"]["batches"]["1"]
-    tokens = "" if name == "decode.json" else f", {data['new_tokens']} new tokens"
-    return [f"generate(), 1B-class Llama (16 layers, d 2048), batch 1{tokens}, bf16",
+    return [f"generate(), 1B-class Llama (16 layers, d 2048), batch 1, prompt {data['prompt']}, "
+            f"{data['new_tokens']} new tokens, bf16",
             f"{ours['decode_tokens_per_s_per_seq']:.0f} tokens/s ({ours['hbm_share']:.0%} of the HBM limit)",
             "a hand-written static-cache loop under torch.compile(mode='reduce-overhead')",
             f"{ours['decode_tokens_per_s_per_seq'] / loop['decode_tokens_per_s_per_seq']:.2f}x",
