@@ -19,6 +19,9 @@ FAMILIES = {
     "mistral_sliding": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(_SMALL, sliding_window=8)),
     "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
              dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, pad_token_id=0, eos_token_id=5, bos_token_id=1)),
+    # a mixture of experts: routing that depends on the token's values in every decode step
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(_SMALL, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
     # multi-query attention by default: one key/value head, which its config names in its own way
     "falcon": (transformers.FalconConfig, transformers.FalconForCausalLM,
                dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, pad_token_id=0,
