@@ -24,7 +24,10 @@ from .generation_models import FAMILIES, causal_lm, left_padded_prompts, t5_mode
 
 def _pair(family: str):
     """The model optimized, and an untouched twin to compare with."""
-    model = causal_lm(family)
+    return _pair_of(causal_lm(family))
+
+
+def _pair_of(model):
     reference = copy.deepcopy(model)
     return kernel_pytorch.optimize(model), reference
 
@@ -262,6 +265,31 @@ def test_sampling_requests_take_the_loop():
                             temperature=1.5, top_p=0.9)
     assert first.shape == second.shape == greedy.shape and not torch.equal(first, second)  # draws differ
     assert not any("transformers' own loop" in note for note in _generation_notes(model))
+
+
+@pytest.mark.parametrize("make", [lambda: causal_lm("qwen2"), lambda: t5_model(vocab_size=128)], ids=["qwen2", "t5"])
+def test_several_sampled_sequences_per_prompt_take_the_loop(make):
+    model, reference = _pair_of(make())
+    input_ids, attention_mask = left_padded_prompts(2, 7)
+    torch.manual_seed(0)
+    expected = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=True,
+                                  top_k=1, num_return_sequences=3)
+    top1 = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=True, top_k=1,
+                          num_return_sequences=3)
+    assert torch.equal(top1, expected)  # each prompt's rows in place, as transformers repeats them
+    torch.manual_seed(0)
+    drawn = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=True,
+                           temperature=2.0, num_return_sequences=3)
+    assert drawn.shape == expected.shape
+    assert not torch.equal(drawn[0], drawn[1]) or not torch.equal(drawn[1], drawn[2])  # independent draws
+    assert not any("transformers' own loop" in note for note in _generation_notes(model))
+
+
+def test_several_greedy_sequences_per_prompt_get_transformers_error():
+    model, _ = _pair("llama")
+    input_ids, attention_mask = left_padded_prompts(2, 5)
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, num_return_sequences=2)
 
 
 def test_a_cache_that_does_not_fit_is_an_error_naming_its_size(monkeypatch):

@@ -18,7 +18,7 @@ __all__ = ["LoopRequest", "loop_request"]
 # GenerationConfig fields the loop honours; any other field away from its default sends the call to transformers.
 _HONOURED_FIELDS = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "eos_token_id", "pad_token_id",
                     "bos_token_id", "decoder_start_token_id", "use_cache", "transformers_version", "_from_model_config",
-                    "cache_implementation", "do_sample", "num_beams"}  # the last two: checked by name
+                    "cache_implementation", "do_sample", "num_beams", "num_return_sequences"}  # the last 3: by name
 # Sampling settings that greedy decoding ignores (transformers warns about them and does the same); of them, the
 # sampling loop honours the first three.
 _SAMPLING_HONOURED = ("temperature", "top_k", "top_p")
@@ -67,6 +67,9 @@ def loop_request(model: nn.Module, inputs: Any, generation_config: Any, kwargs: 
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     if attention_mask is None:
         attention_mask = _inferred_attention_mask(input_ids, config.pad_token_id, eos)
+    copies = config.num_return_sequences or 1
+    if copies > 1:  # sampled sequences per prompt: rows repeated in place, as transformers expands them
+        input_ids, attention_mask = input_ids.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0)
     min_new = config.min_new_tokens or max(0, (config.min_length or 0) - prompt)
     return LoopRequest(input_ids, attention_mask, max_new, min_new, eos, pad,
                        _sampling_settings(config) if config.do_sample else None)
@@ -80,6 +83,9 @@ def _unhonoured_setting(config: Any) -> str | None:
                         "top_p)")
     if config.num_beams not in (None, 1):  # None: unset (transformers >= 5.2x), which means 1
         return f"beam search (num_beams={config.num_beams})"
+    # transformers' error, where its config.update did not raise it already (it validates since 5.2x)
+    if (config.num_return_sequences or 1) > 1 and not config.do_sample:
+        return f"num_return_sequences={config.num_return_sequences} without sampling"
     if config.use_cache is False:
         return "use_cache=False"
     if config.cache_implementation not in (None, "static"):
