@@ -292,6 +292,42 @@ def test_several_greedy_sequences_per_prompt_get_transformers_error():
         model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, num_return_sequences=2)
 
 
+class _RecordingStreamer(transformers.generation.streamers.BaseStreamer):
+    """Every call a streamer gets, with its tokens."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def put(self, value):
+        self.calls.append(("put", value.clone()))
+
+    def end(self):
+        self.calls.append(("end",))
+
+
+def _same_calls(ours: list[tuple], theirs: list[tuple]) -> bool:
+    return len(ours) == len(theirs) and all(
+        a[0] == b[0] and (len(a) == 1 or (a[1].shape == b[1].shape and torch.equal(a[1], b[1])))
+        for a, b in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("make", [lambda: causal_lm("llama"), lambda: t5_model(vocab_size=128)], ids=["llama", "t5"])
+def test_a_streamer_gets_the_calls_transformers_makes(make):
+    model, reference = _pair_of(make())
+    for batch, length, new_tokens, end_early in [(1, 5, 20, False), (3, 9, 40, True), (1, 7, 1, False)]:
+        input_ids, attention_mask = left_padded_prompts(batch, length)
+        settings = dict(attention_mask=attention_mask, max_new_tokens=new_tokens, do_sample=False)
+        if end_early:  # row 0's first token is an EOS: that row ends at once, the others later
+            first = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=1, do_sample=False)
+            settings.update(eos_token_id=[int(first[0, -1])], pad_token_id=0)
+        ours, theirs = _RecordingStreamer(), _RecordingStreamer()
+        expected = reference.generate(input_ids, streamer=theirs, **settings)
+        assert torch.equal(model.generate(input_ids, streamer=ours, **settings), expected)
+        # the prompt, one put per step (one token a row) up to the step that ended the last row, then end()
+        assert _same_calls(ours.calls, theirs.calls), (batch, length, len(ours.calls), len(theirs.calls))
+    assert not any("transformers' own loop" in note for note in _generation_notes(model))
+
+
 def test_a_cache_that_does_not_fit_is_an_error_naming_its_size(monkeypatch):
     from transformers import StaticCache
 

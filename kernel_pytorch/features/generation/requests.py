@@ -27,7 +27,7 @@ _SAMPLING_ONLY = {*_SAMPLING_HONOURED, "min_p", "typical_p", "epsilon_cutoff", "
 _SAMPLING_DEFAULTS = SamplingSettings()
 # generate() arguments that are not GenerationConfig fields and change the loop.
 _LOOP_ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
-                   "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
+                   "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
                    "custom_generate", "assistant_tokenizer", "tokenizer")
 
 
@@ -40,11 +40,13 @@ class LoopRequest:
     eos: list[int]
     pad: int
     sampling: SamplingSettings | None  # None: greedy
+    streamer: Any = None  # a transformers streamer: the prompt, then each step's tokens
 
 
 def loop_request(model: nn.Module, inputs: Any, generation_config: Any, kwargs: dict[str, Any]) -> LoopRequest | str:
     """The request of ``model.generate(inputs, generation_config, **kwargs)``, or why the loop cannot serve it."""
     kwargs = dict(kwargs)
+    streamer = kwargs.pop("streamer", None)
     for name in _LOOP_ARGUMENTS:
         if kwargs.pop(name, None) is not None:
             return f"generate({name}=...)"
@@ -72,7 +74,7 @@ def loop_request(model: nn.Module, inputs: Any, generation_config: Any, kwargs: 
         input_ids, attention_mask = input_ids.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0)
     min_new = config.min_new_tokens or max(0, (config.min_length or 0) - prompt)
     return LoopRequest(input_ids, attention_mask, max_new, min_new, eos, pad,
-                       _sampling_settings(config) if config.do_sample else None)
+                       _sampling_settings(config) if config.do_sample else None, streamer)
 
 
 def _unhonoured_setting(config: Any) -> str | None:
