@@ -85,7 +85,7 @@ def _unhonoured_setting(config: Any) -> str | None:
                         "top_p)")
     if config.num_beams not in (None, 1):  # None: unset (transformers >= 5.2x), which means 1
         return f"beam search (num_beams={config.num_beams})"
-    # transformers' error, where its config.update did not raise it already (it validates since 5.2x)
+    # transformers raises for it: in config.update above, or in its own generate where update does not validate
     if (config.num_return_sequences or 1) > 1 and not config.do_sample:
         return f"num_return_sequences={config.num_return_sequences} without sampling"
     if config.use_cache is False:
