@@ -328,6 +328,44 @@ def test_a_streamer_gets_the_calls_transformers_makes(make):
     assert not any("transformers' own loop" in note for note in _generation_notes(model))
 
 
+class _StopAfterToken(transformers.StoppingCriteria):
+    """Stops each row whose last token is ``token``."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+class _StopAtLength(transformers.StoppingCriteria):
+    """Stops every row once the sequences are ``length`` tokens long."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, device=input_ids.device)
+
+
+@pytest.mark.parametrize("make", [lambda: causal_lm("llama"), lambda: t5_model(vocab_size=128)], ids=["llama", "t5"])
+@pytest.mark.parametrize("eos", [True, False], ids=["eos", "no eos"])
+def test_stopping_criteria_and_max_time_end_rows_as_transformers_does(make, eos):
+    model, reference = _pair_of(make())
+    input_ids, attention_mask = left_padded_prompts(3, 9)
+    settings = dict(attention_mask=attention_mask, max_new_tokens=30, do_sample=False)
+    if not eos:  # transformers then keeps a stopped row's tokens instead of padding them
+        model.generation_config.eos_token_id = reference.generation_config.eos_token_id = None
+    greedy = reference.generate(input_ids, **settings)
+    row_one_token = int(greedy[1, -20])  # made by row 1 mid-way: that row stops there, the others later
+    head = greedy.shape[1] - 30
+    for extra in [dict(stopping_criteria=transformers.StoppingCriteriaList([_StopAfterToken(row_one_token)])),
+                  dict(stopping_criteria=[_StopAtLength(head + 7)]), dict(max_time=0.0), dict(max_time=60.0)]:
+        expected = reference.generate(input_ids, **settings, **extra)
+        assert torch.equal(model.generate(input_ids, **settings, **extra), expected), extra
+    assert not any("transformers' own loop" in note for note in _generation_notes(model))
+
+
 def test_a_cache_that_does_not_fit_is_an_error_naming_its_size(monkeypatch):
     from transformers import StaticCache
 

@@ -26,6 +26,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kernel_pytorch.cuda_graph_capture import ModuleState, module_state, registered_hook
 from kernel_pytorch.features.generation.empty_cache_prefill import is_left_padded
+from kernel_pytorch.features.generation.host_steps import HostSteps
 from kernel_pytorch.features.generation.lane import DecodeLane
 from kernel_pytorch.features.generation.model_entries import ModelCalls
 from kernel_pytorch.features.generation.model_calls import (cache_bytes, decoder_start_token, default_max_length,
@@ -174,47 +175,47 @@ class Decoder:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                  min_new_tokens: int = 0, eos: Sequence[int] = (), pad: int = 0,
-                 sampling: SamplingSettings | None = None, streamer: Any = None) -> torch.Tensor:
+                 sampling: SamplingSettings | None = None, streamer: Any = None,
+                 criteria: Sequence[Any] = ()) -> torch.Tensor:
         """Tokens as transformers' ``generate()`` gives them: the prompt followed by up to ``max_new_tokens`` tokens,
         greedy (``sampling`` None) or sampled, ``pad`` after a row's EOS, stopping once every row ended.
-        ``streamer``: a transformers streamer, given the prompt, then each step's tokens (``put``, as transformers
-        calls it, a batch of one token per row at a time, in bursts at the loop's host checks), then ``end()``."""
+        ``streamer``: a transformers streamer, given the prompt, then each step's tokens (one per row, as transformers
+        calls ``put``, in bursts at the loop's host checks), then ``end()``; ``criteria``: transformers stopping
+        criteria, asked after each step as transformers asks them (:class:`HostSteps`)."""
         # an encoder-decoder's output is its decoder's tokens: the start token, then the new ones
         head = self.start_tokens(input_ids.shape[0], input_ids.device) if self.encoder_decoder else input_ids
         if streamer is not None:
             streamer.put(head.cpu())
         logits = self.prefill(input_ids, attention_mask, max_new_tokens)
-        produced = self._loop(logits, max_new_tokens, min_new_tokens, eos, pad, sampling, streamer)
+        host = HostSteps(self.lane.loop, self.batch, head, streamer, list(criteria), list(eos), pad) \
+            if streamer is not None or criteria else None
+        produced = self._loop(logits, max_new_tokens, min_new_tokens, eos, pad, sampling, host)
         if streamer is not None:
             streamer.end()
         return torch.cat([head, self.lane.loop.generated[:self.batch, :produced]], dim=1)
 
     def _loop(self, logits: torch.Tensor, max_new_tokens: int, min_new_tokens: int = 0, eos: Sequence[int] = (),
-              pad: int = 0, sampling: SamplingSettings | None = None, streamer: Any = None) -> int:
+              pad: int = 0, sampling: SamplingSettings | None = None, host: HostSteps | None = None) -> int:
         """The tokens after the prefill that gave ``logits`` (in ``self.lane.loop``); returns how many."""
         lane = self.lane
         loop = lane.loop
         first = loop.start(_pad_rows(logits, lane.batch), min_new_tokens, list(eos), pad, sampling)
         lane.tokens.copy_(first.unsqueeze(1))
-        done = streamed = 1 if streamer is None else self._stream(streamer, 0, 1)
-        while done < max_new_tokens:
+        done = 1
+        end = host.review(done) if host is not None else None
+        while end is None and done < max_new_tokens:
             count = min(_STEPS_BETWEEN_STOP_CHECKS, max_new_tokens - done)
             lane.loop_steps(count)
             done += count
             ended = bool(eos) and loop.alive[done - 1].item() == 0
-            if streamer is not None:  # up to the step that ended the last row, as transformers stops there
-                streamed = self._stream(streamer, streamed, loop.steps_taken(done) if ended else done)
+            if host is not None:  # up to the step that ended the last row, as transformers stops there
+                end = host.review(loop.steps_taken(done) if ended else done)
             if ended:
                 break
         self._note_graph_failure(lane)
+        if end is not None:
+            return end
         return loop.steps_taken(done) if eos else done
-
-    def _stream(self, streamer: Any, start: int, stop: int) -> int:
-        """The request's tokens of steps ``start`` to ``stop`` put to ``streamer`` one step at a time; returns
-        ``stop``."""
-        for tokens in self.lane.loop.generated[:self.batch, start:stop].cpu().unbind(1):
-            streamer.put(tokens)
-        return stop
 
     def _note_graph_failure(self, lane: DecodeLane) -> None:
         name = f"the {lane.batch} x {lane.length} lane"

@@ -41,7 +41,8 @@ class FastGenerate:
         decoder = self._decoder()
         notes = len(decoder.notes)
         tokens = decoder.generate(request.input_ids, request.attention_mask, request.max_new_tokens,
-                                  request.min_new_tokens, request.eos, request.pad, request.sampling, request.streamer)
+                                  request.min_new_tokens, request.eos, request.pad, request.sampling, request.streamer,
+                                  request.criteria)
         for note in decoder.notes[notes:]:
             self._note(note)
         self._set_lanes_line(decoder.summary())

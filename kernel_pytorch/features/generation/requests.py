@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from kernel_pytorch.features.generation.host_steps import stopping_criteria
 from kernel_pytorch.features.generation.model_calls import is_encoder_decoder
 from kernel_pytorch.features.generation.sampling import SamplingSettings
 
@@ -18,7 +19,8 @@ __all__ = ["LoopRequest", "loop_request"]
 # GenerationConfig fields the loop honours; any other field away from its default sends the call to transformers.
 _HONOURED_FIELDS = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "eos_token_id", "pad_token_id",
                     "bos_token_id", "decoder_start_token_id", "use_cache", "transformers_version", "_from_model_config",
-                    "cache_implementation", "do_sample", "num_beams", "num_return_sequences"}  # the last 3: by name
+                    "cache_implementation", "max_time", "do_sample", "num_beams",
+                    "num_return_sequences"}  # the last 3: checked by name
 # Sampling settings that greedy decoding ignores (transformers warns about them and does the same); of them, the
 # sampling loop honours the first three.
 _SAMPLING_HONOURED = ("temperature", "top_k", "top_p")
@@ -26,7 +28,7 @@ _SAMPLING_ONLY = {*_SAMPLING_HONOURED, "min_p", "typical_p", "epsilon_cutoff", "
 # transformers' values for unset sampling settings (GenerationConfig's defaults before 5.x, its global defaults after)
 _SAMPLING_DEFAULTS = SamplingSettings()
 # generate() arguments that are not GenerationConfig fields and change the loop.
-_LOOP_ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
+_LOOP_ARGUMENTS = ("logits_processor", "prefix_allowed_tokens_fn", "synced_gpus",
                    "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
                    "custom_generate", "assistant_tokenizer", "tokenizer")
 
@@ -41,12 +43,13 @@ class LoopRequest:
     pad: int
     sampling: SamplingSettings | None  # None: greedy
     streamer: Any = None  # a transformers streamer: the prompt, then each step's tokens
+    criteria: list = field(default_factory=list)  # stopping criteria the host asks after each step (HostSteps)
 
 
 def loop_request(model: nn.Module, inputs: Any, generation_config: Any, kwargs: dict[str, Any]) -> LoopRequest | str:
     """The request of ``model.generate(inputs, generation_config, **kwargs)``, or why the loop cannot serve it."""
     kwargs = dict(kwargs)
-    streamer = kwargs.pop("streamer", None)
+    streamer, user_criteria = kwargs.pop("streamer", None), kwargs.pop("stopping_criteria", None)
     for name in _LOOP_ARGUMENTS:
         if kwargs.pop(name, None) is not None:
             return f"generate({name}=...)"
@@ -74,7 +77,8 @@ def loop_request(model: nn.Module, inputs: Any, generation_config: Any, kwargs: 
         input_ids, attention_mask = input_ids.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0)
     min_new = config.min_new_tokens or max(0, (config.min_length or 0) - prompt)
     return LoopRequest(input_ids, attention_mask, max_new, min_new, eos, pad,
-                       _sampling_settings(config) if config.do_sample else None, streamer)
+                       _sampling_settings(config) if config.do_sample else None, streamer,
+                       stopping_criteria(user_criteria, config.max_time))
 
 
 def _unhonoured_setting(config: Any) -> str | None:
