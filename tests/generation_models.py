@@ -29,11 +29,13 @@ FAMILIES = {
 }
 
 
-def causal_lm(family: str, seed: int = 0, layers: int | None = None) -> torch.nn.Module:
-    """``layers``: that many decoder layers instead of the config's 2."""
+def causal_lm(family: str, seed: int = 0, layers: int | None = None, vocab_size: int | None = None) -> torch.nn.Module:
+    """``layers``: that many decoder layers instead of the config's 2; ``vocab_size`` instead of 128."""
     config_class, model_class, fields = FAMILIES[family]
     if layers is not None:
         fields = {**fields, "n_layer" if "n_layer" in fields else "num_hidden_layers": layers}
+    if vocab_size is not None:
+        fields = {**fields, "vocab_size": vocab_size}
     torch.manual_seed(seed)
     return model_class(config_class(**fields)).eval()
 
@@ -57,3 +59,17 @@ def left_padded_prompts(batch: int, length: int, seed: int = 1) -> tuple[torch.T
         attention_mask[row, :padding] = 0
     return input_ids, attention_mask
 
+
+
+def byte_level_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of 294 tokens trained here on a few words (no downloads): what transformers'
+    ``stop_strings`` need to read tokens as text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["hello world, the user said stop here. Assistant: ok"] * 50, trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")

@@ -19,7 +19,7 @@ from kernel_pytorch.compiled_call import RecompileLimitWarning
 from kernel_pytorch.features.generation import FastGenerate
 from kernel_pytorch.features.generation.sampling import draw, warped_scores
 
-from .generation_models import FAMILIES, causal_lm, left_padded_prompts, t5_model
+from .generation_models import FAMILIES, byte_level_tokenizer, causal_lm, left_padded_prompts, t5_model
 
 
 def _pair(family: str):
@@ -364,6 +364,21 @@ def test_stopping_criteria_and_max_time_end_rows_as_transformers_does(make, eos)
         expected = reference.generate(input_ids, **settings, **extra)
         assert torch.equal(model.generate(input_ids, **settings, **extra), expected), extra
     assert not any("transformers' own loop" in note for note in _generation_notes(model))
+
+
+def test_stop_strings_end_rows_as_transformers_does():
+    tokenizer = byte_level_tokenizer()
+    model, reference = _pair_of(causal_lm("llama", vocab_size=len(tokenizer)))
+    input_ids, attention_mask = left_padded_prompts(3, 9)
+    settings = dict(attention_mask=attention_mask, max_new_tokens=30, do_sample=False)
+    greedy = reference.generate(input_ids, **settings)
+    stop = tokenizer.decode([int(greedy[1, -20])])  # the text of a token row 1 makes mid-way
+    expected = reference.generate(input_ids, stop_strings=[stop], tokenizer=tokenizer, **settings)
+    assert not torch.equal(expected, greedy)  # the stop string cut something
+    assert torch.equal(model.generate(input_ids, stop_strings=[stop], tokenizer=tokenizer, **settings), expected)
+    assert not any("transformers' own loop" in note for note in _generation_notes(model))
+    with pytest.raises(ValueError, match="tokenizer"):  # transformers' error, through its own loop
+        model.generate(input_ids, stop_strings=[stop], **settings)
 
 
 def test_a_cache_that_does_not_fit_is_an_error_naming_its_size(monkeypatch):

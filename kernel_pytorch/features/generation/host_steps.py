@@ -12,14 +12,16 @@ import torch
 __all__ = ["HostSteps", "stopping_criteria"]
 
 
-def stopping_criteria(criteria: Any, max_time: float | None) -> list:
-    """The user's criteria (a list or ``StoppingCriteriaList``), with transformers' ``MaxTimeCriteria`` for
-    ``max_time``, its clock started now as transformers starts it at the call."""
+def stopping_criteria(criteria: Any, max_time: float | None, stop_strings: Any = None, tokenizer: Any = None) -> list:
+    """The user's criteria (a list or ``StoppingCriteriaList``), with transformers' own for ``max_time`` (its clock
+    started now, as transformers starts it at the call) and for ``stop_strings`` (read with ``tokenizer``)."""
+    from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
+
     criteria = list(criteria or ())
     if max_time is not None:
-        from transformers.generation.stopping_criteria import MaxTimeCriteria
-
         criteria.append(MaxTimeCriteria(max_time=max_time, initial_timestamp=time.time()))
+    if stop_strings:
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
     return criteria
 
 

@@ -19,7 +19,7 @@ __all__ = ["LoopRequest", "loop_request"]
 # GenerationConfig fields the loop honours; any other field away from its default sends the call to transformers.
 _HONOURED_FIELDS = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "eos_token_id", "pad_token_id",
                     "bos_token_id", "decoder_start_token_id", "use_cache", "transformers_version", "_from_model_config",
-                    "cache_implementation", "max_time", "do_sample", "num_beams",
+                    "cache_implementation", "max_time", "stop_strings", "do_sample", "num_beams",
                     "num_return_sequences"}  # the last 3: checked by name
 # Sampling settings that greedy decoding ignores (transformers warns about them and does the same); of them, the
 # sampling loop honours the first three.
@@ -30,7 +30,7 @@ _SAMPLING_DEFAULTS = SamplingSettings()
 # generate() arguments that are not GenerationConfig fields and change the loop.
 _LOOP_ARGUMENTS = ("logits_processor", "prefix_allowed_tokens_fn", "synced_gpus",
                    "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
-                   "custom_generate", "assistant_tokenizer", "tokenizer")
+                   "custom_generate", "assistant_tokenizer")
 
 
 @dataclass
@@ -50,6 +50,7 @@ def loop_request(model: nn.Module, inputs: Any, generation_config: Any, kwargs: 
     """The request of ``model.generate(inputs, generation_config, **kwargs)``, or why the loop cannot serve it."""
     kwargs = dict(kwargs)
     streamer, user_criteria = kwargs.pop("streamer", None), kwargs.pop("stopping_criteria", None)
+    tokenizer = kwargs.pop("tokenizer", None)  # transformers reads stop_strings with it
     for name in _LOOP_ARGUMENTS:
         if kwargs.pop(name, None) is not None:
             return f"generate({name}=...)"
@@ -64,6 +65,8 @@ def loop_request(model: nn.Module, inputs: Any, generation_config: Any, kwargs: 
     reason = _unhonoured_setting(config)
     if reason:
         return reason
+    if config.stop_strings and tokenizer is None:  # transformers' own error then
+        return "stop_strings without a tokenizer"
     prompt = 1 if is_encoder_decoder(model) else input_ids.shape[1]  # the decoder's length: its start token
     max_new = config.max_new_tokens if config.max_new_tokens is not None else (config.max_length or 20) - prompt
     if max_new <= 0:
@@ -78,7 +81,7 @@ def loop_request(model: nn.Module, inputs: Any, generation_config: Any, kwargs: 
     min_new = config.min_new_tokens or max(0, (config.min_length or 0) - prompt)
     return LoopRequest(input_ids, attention_mask, max_new, min_new, eos, pad,
                        _sampling_settings(config) if config.do_sample else None, streamer,
-                       stopping_criteria(user_criteria, config.max_time))
+                       stopping_criteria(user_criteria, config.max_time, config.stop_strings, tokenizer))
 
 
 def _unhonoured_setting(config: Any) -> str | None:
