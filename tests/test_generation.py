@@ -381,6 +381,21 @@ def test_stop_strings_end_rows_as_transformers_does():
         model.generate(input_ids, stop_strings=[stop], **settings)
 
 
+def test_a_text_generation_pipeline_takes_the_loop_with_transformers_text():
+    tokenizer = byte_level_tokenizer()
+    model = causal_lm("llama", vocab_size=len(tokenizer))
+    for config in (model.config, model.generation_config):
+        config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    model, reference = _pair_of(model)
+    prompts = ["hello world, the user", "said stop"]  # one request each (the pipeline's default batch of 1)
+    texts = [[generated[0]["generated_text"] for generated in transformers.pipeline(
+        "text-generation", model=each, tokenizer=tokenizer, device="cpu")(prompts, max_new_tokens=12, do_sample=False)]
+        for each in (model, reference)]
+    assert texts[0] == texts[1] and all(len(text) > len(prompt) for text, prompt in zip(texts[0], prompts))
+    assert any("lane of" in note for note in _generation_notes(model))
+    assert not any("transformers' own loop" in note for note in _generation_notes(model))
+
+
 def test_a_cache_that_does_not_fit_is_an_error_naming_its_size(monkeypatch):
     from transformers import StaticCache
 
