@@ -59,8 +59,8 @@ class HostSteps:
         sequences = torch.cat([self.head, self.loop.generated[:self.rows, :step + 1]], dim=1)
         stopped = self.criteria(sequences, None) & ~self.ended
         if self.pads and bool(stopped.any()):  # the device loop pads these rows from its next step on
-            rows = stopped.nonzero().squeeze(1)
-            self.loop.generated[rows, step + 1:] = self.pad
-            self.loop.unfinished[rows] = False
+            stopped_rows = stopped.nonzero().squeeze(1)
+            self.loop.generated[stopped_rows, step + 1:] = self.pad
+            self.loop.unfinished[stopped_rows] = False
         self.ended |= stopped
         return bool(self.ended.all())
