@@ -2,7 +2,8 @@
 
 Checks that greedy generation gives the unoptimized model's tokens on a left-padded batch (float32; in bf16 on a
 GPU the first tokens, since rounding may tip a near tie later), then times transformers' own ``generate()``
-against the optimized one: a static-KV-cache loop whose decode steps replay from CUDA graphs on a GPU.
+against the optimized one: a static-KV-cache loop whose decode steps replay from CUDA graphs on a GPU. A streamer
+given to the optimized generate() gets the tokens it returns.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 import torch
 from _common import DemoResult, default_device, demo_main
 from rich.console import Console
+from transformers.generation.streamers import BaseStreamer
 
 from kernel_pytorch import optimize, report_of
 
@@ -53,6 +55,22 @@ def _tokens_per_s(model: torch.nn.Module, inputs: tuple[torch.Tensor, torch.Tens
     return new * input_ids.shape[0] / (time.perf_counter() - started)
 
 
+class _CollectingStreamer(BaseStreamer):
+    """The prompt and each step's tokens, as generate() puts them (the fast loop puts them as transformers does)."""
+
+    def __init__(self):
+        self.puts: list[torch.Tensor] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(value if value.dim() == 2 else value.unsqueeze(1))
+
+    def end(self) -> None:
+        pass
+
+    def tokens(self) -> torch.Tensor:
+        return torch.cat(self.puts, dim=1)
+
+
 def run(args) -> DemoResult:
     device = default_device(args)
     eager, dtype = _model(args.quick, device)
@@ -65,6 +83,11 @@ def run(args) -> DemoResult:
     prompt = inputs[0].shape[1]
     if not torch.equal(tokens[:, :prompt + compared], expected[:, :prompt + compared]):
         return DemoResult("failed", notes=[f"the first {compared} generated tokens differ from the unoptimized model"])
+    streamer = _CollectingStreamer()
+    streamed = model.generate(inputs[0], attention_mask=inputs[1], max_new_tokens=new, do_sample=False,
+                              streamer=streamer)
+    if not torch.equal(streamer.tokens(), streamed.cpu()):
+        return DemoResult("failed", notes=["a streamer's tokens differ from the tokens generate() returned"])
     transformers_rate = _tokens_per_s(eager, inputs, new, device)
     optimized_rate = _tokens_per_s(model, inputs, new, device)
     speedup = optimized_rate / transformers_rate
@@ -76,7 +99,8 @@ def run(args) -> DemoResult:
                   f"{device}: transformers {transformers_rate:.0f} tokens/s, optimized {optimized_rate:.0f} tokens/s "
                   f"({speedup:.2f}x)")
     return DemoResult("ok", speedup=round(speedup, 3),
-                      notes=[f"the first {compared} tokens equal the unoptimized model's"],
+                      notes=[f"the first {compared} tokens equal the unoptimized model's; a streamer got the "
+                             "returned tokens"],
                       slowdown_expected=_CPU_SLOWER if device == "cpu" else None)
 
 
