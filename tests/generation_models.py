@@ -60,7 +60,6 @@ def left_padded_prompts(batch: int, length: int, seed: int = 1) -> tuple[torch.T
     return input_ids, attention_mask
 
 
-
 def byte_level_tokenizer() -> transformers.PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer of 294 tokens trained here on a few words (no downloads): what transformers'
     ``stop_strings`` need to read tokens as text."""
