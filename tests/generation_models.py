@@ -72,3 +72,26 @@ def byte_level_tokenizer() -> transformers.PreTrainedTokenizerFast:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(["hello world, the user said stop here. Assistant: ok"] * 50, trainer)
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
+
+
+class RecordingStreamer(transformers.generation.streamers.BaseStreamer):
+    """Every call a streamer gets, with its tokens: ("put", tokens) and ("end",)."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def put(self, value):
+        self.calls.append(("put", value.clone()))
+
+    def end(self):
+        self.calls.append(("end",))
+
+
+class StopAfterToken(transformers.StoppingCriteria):
+    """Stops each row whose last token is ``token``."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token

@@ -19,7 +19,8 @@ from kernel_pytorch.compiled_call import RecompileLimitWarning
 from kernel_pytorch.features.generation import FastGenerate
 from kernel_pytorch.features.generation.sampling import draw, warped_scores
 
-from .generation_models import FAMILIES, byte_level_tokenizer, causal_lm, left_padded_prompts, t5_model
+from .generation_models import (FAMILIES, RecordingStreamer, StopAfterToken, byte_level_tokenizer, causal_lm,
+                                left_padded_prompts, t5_model)
 
 
 def _pair(family: str):
@@ -292,19 +293,6 @@ def test_several_greedy_sequences_per_prompt_get_transformers_error():
         model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, num_return_sequences=2)
 
 
-class _RecordingStreamer(transformers.generation.streamers.BaseStreamer):
-    """Every call a streamer gets, with its tokens."""
-
-    def __init__(self):
-        self.calls: list[tuple] = []
-
-    def put(self, value):
-        self.calls.append(("put", value.clone()))
-
-    def end(self):
-        self.calls.append(("end",))
-
-
 def _same_calls(ours: list[tuple], theirs: list[tuple]) -> bool:
     return len(ours) == len(theirs) and all(
         a[0] == b[0] and (len(a) == 1 or (a[1].shape == b[1].shape and torch.equal(a[1], b[1])))
@@ -320,22 +308,12 @@ def test_a_streamer_gets_the_calls_transformers_makes(make):
         if end_early:  # row 0's first token is an EOS: that row ends at once, the others later
             first = reference.generate(input_ids, attention_mask=attention_mask, max_new_tokens=1, do_sample=False)
             settings.update(eos_token_id=[int(first[0, -1])], pad_token_id=0)
-        ours, theirs = _RecordingStreamer(), _RecordingStreamer()
+        ours, theirs = RecordingStreamer(), RecordingStreamer()
         expected = reference.generate(input_ids, streamer=theirs, **settings)
         assert torch.equal(model.generate(input_ids, streamer=ours, **settings), expected)
         # the prompt, one put per step (one token a row) up to the step that ended the last row, then end()
         assert _same_calls(ours.calls, theirs.calls), (batch, length, len(ours.calls), len(theirs.calls))
     assert not any("transformers' own loop" in note for note in _generation_notes(model))
-
-
-class _StopAfterToken(transformers.StoppingCriteria):
-    """Stops each row whose last token is ``token``."""
-
-    def __init__(self, token: int):
-        self.token = token
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return input_ids[:, -1] == self.token
 
 
 class _StopAtLength(transformers.StoppingCriteria):
@@ -359,7 +337,7 @@ def test_stopping_criteria_and_max_time_end_rows_as_transformers_does(make, eos)
     greedy = reference.generate(input_ids, **settings)
     row_one_token = int(greedy[1, -20])  # made by row 1 mid-way: that row stops there, the others later
     head = greedy.shape[1] - 30
-    for extra in [dict(stopping_criteria=transformers.StoppingCriteriaList([_StopAfterToken(row_one_token)])),
+    for extra in [dict(stopping_criteria=transformers.StoppingCriteriaList([StopAfterToken(row_one_token)])),
                   dict(stopping_criteria=[_StopAtLength(head + 7)]), dict(max_time=0.0), dict(max_time=60.0)]:
         expected = reference.generate(input_ids, **settings, **extra)
         assert torch.equal(model.generate(input_ids, **settings, **extra), expected), extra

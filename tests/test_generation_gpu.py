@@ -8,13 +8,12 @@ import copy
 
 import pytest
 import torch
-import transformers
 
 import kernel_pytorch
 from kernel_pytorch import Decoder, report_of
 
 from .conftest import rel_err
-from .generation_models import causal_lm, left_padded_prompts, t5_model
+from .generation_models import RecordingStreamer, StopAfterToken, causal_lm, left_padded_prompts, t5_model
 
 pytestmark = pytest.mark.gpu
 
@@ -80,14 +79,6 @@ def test_greedy_generate_float32_tokens_equal_the_unoptimized_model():
     assert any("lane of" in note for note in report_of(optimized).notes)
 
 
-class _StopAfterToken(transformers.StoppingCriteria):
-    def __init__(self, token: int):
-        self.token = token
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return input_ids[:, -1] == self.token
-
-
 def test_a_streamer_and_a_stopping_criterion_around_cuda_graph_replays_keep_the_tokens():
     # the host reviews each step at the loop's checks between replays; a stopped row is padded in the buffers the
     # captured steps read (float32: the tokens are the unoptimized model's)
@@ -98,12 +89,13 @@ def test_a_streamer_and_a_stopping_criterion_around_cuda_graph_replays_keep_the_
     input_ids, attention_mask = (t.cuda() for t in left_padded_prompts(3, 12))
     settings = dict(attention_mask=attention_mask, max_new_tokens=40, do_sample=False)
     greedy = reference.generate(input_ids, **settings)
-    stop = _StopAfterToken(int(greedy[1, -30]))  # row 1 stops mid-way, in its first chunk of replayed steps
-    puts: list[torch.Tensor] = []
-    streamer = type("Streamer", (), {"put": lambda self, value: puts.append(value), "end": lambda self: None})()
+    stop = StopAfterToken(int(greedy[1, -30]))  # row 1 stops mid-way, in its first chunk of replayed steps
+    streamer = RecordingStreamer()
     expected = reference.generate(input_ids, stopping_criteria=[stop], **settings)
     tokens = optimized.generate(input_ids, stopping_criteria=[stop], streamer=streamer, **settings)
     assert torch.equal(tokens, expected)
+    puts = [call[1] for call in streamer.calls if call[0] == "put"]
+    assert streamer.calls[-1] == ("end",)
     assert torch.equal(torch.cat([puts[0], *(put.unsqueeze(1) for put in puts[1:])], dim=1), tokens.cpu())
     assert all("greedy" in lane.graphs for lane in optimized.generate.decoder.lanes.values())
 

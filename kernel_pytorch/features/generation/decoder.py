@@ -208,14 +208,14 @@ class Decoder:
             lane.loop_steps(count)
             done += count
             ended = bool(eos) and loop.alive[done - 1].item() == 0
-            if host is not None:  # up to the step that ended the last row, as transformers stops there
-                end = host.review(loop.steps_taken(done) if ended else done)
+            if ended:  # up to the step that ended the last row, as transformers stops there
+                done = loop.steps_taken(done)
+            if host is not None:
+                end = host.review(done)
             if ended:
                 break
         self._note_graph_failure(lane)
-        if end is not None:
-            return end
-        return loop.steps_taken(done) if eos else done
+        return end if end is not None else done  # alive counts only fall: none hit 0 before
 
     def _note_graph_failure(self, lane: DecodeLane) -> None:
         name = f"the {lane.batch} x {lane.length} lane"

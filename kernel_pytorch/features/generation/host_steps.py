@@ -45,12 +45,17 @@ class HostSteps:
     def review(self, stop: int) -> int | None:
         """Steps up to ``stop`` reviewed; returns the step count at which every row had ended, if one did."""
         generated = self.loop.generated
+        if self.criteria is None:  # tokens only: one copy to the host for the steps since the last check
+            for tokens in generated[:self.rows, self.reviewed:stop].cpu().unbind(1):
+                self.streamer.put(tokens)
+            self.reviewed = stop
+            return None
         for step in range(self.reviewed, stop):
             self.reviewed = step + 1
             tokens = generated[:self.rows, step]
             if self.streamer is not None:
                 self.streamer.put(tokens.cpu())
-            if self.criteria is not None and self._ends_every_row(tokens, step):
+            if self._ends_every_row(tokens, step):
                 return step + 1
         return None
 
